@@ -1,0 +1,69 @@
+"""Bad input through the real command line: one `error:` line, exit code 2, no traceback."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_jsonl
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parent.parent
+    full_env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "train", *args], capture_output=True, text=True, env=full_env,
+                          cwd=cwd or root, timeout=120)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in proc.stderr, proc.stderr
+
+
+def test_missing_wordnet(tmp_path: Path) -> None:
+    proc = run_cli("train", f"data.wordnet_dir={tmp_path / 'none'}", f"train.output_dir={tmp_path}")
+    assert_clean_error(proc, "apt-get install wordnet-base", "WNHOME")
+
+
+def test_unknown_config_key(tmp_path: Path) -> None:
+    assert_clean_error(run_cli("train", "model.hiden_size=3"), "Did you mean 'model.hidden_size'")
+
+
+def test_malformed_jsonl(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a", "label": 0}, "{oops"])
+    proc = run_cli("train", f"data.source={path}", f"train.output_dir={tmp_path / 'runs'}")
+    assert_clean_error(proc, f"{path}:2: malformed JSON")
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("report.json"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_run_dir(tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    assert_clean_error(run_cli("train", f"train.output_dir={ro}"), "cannot write the run directory")
+
+
+def test_unwritable_run_dir_as_file(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    assert_clean_error(run_cli("train", f"train.output_dir={tmp_path / 'afile'}"), "cannot write the run directory")
+
+
+def test_buckets_command_writes_plan_and_training_checks_it(wndb: Path, tmp_path: Path) -> None:
+    common = [f"data.wordnet_dir={wndb}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=200",
+              "batching.num_buckets=4"]
+    out = tmp_path / "b.json"
+    proc = run_cli("buckets", *common, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(out.read_text())
+    assert plan["method"] == "optimal" and len(plan["bounds"]) <= 4
+    # the same plan against other data (another vocab → another tokenizer fingerprint) is refused
+    proc = run_cli("train", *common[:-2], "data.vocab_size=150", f"batching.boundaries_file={out}",
+                   f"train.output_dir={tmp_path / 'runs'}", "train.max_steps=1")
+    assert_clean_error(proc, "fitted for another tokenizer", "--buckets-force")

@@ -1,0 +1,335 @@
+"""Run configuration: nested dataclasses composed into one :class:`RunConfig`.
+
+A run's config comes from (lowest to highest priority) the dataclass defaults, a YAML file
+(``--config configs/cpu-tiny.yaml``) and ``section.key=value`` overrides on the command line
+(values parsed as YAML, so ``train.max_steps=200`` is an int and ``data.max_samples=null`` is None).
+Unknown keys and wrongly typed values raise :class:`~train.errors.UserError` naming the key and,
+for typos, the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from train.errors import UserError
+
+
+@dataclass
+class DataConfig:
+    """Where the examples come from and how they are tokenized."""
+
+    source: str = "wordnet"
+    """``wordnet`` (built-in), a path to a ``.jsonl``/``.csv``/``.parquet`` file, or ``hf:NAME[:CONFIG]``."""
+    wordnet_dir: Optional[str] = None
+    """WNDB directory; default: search ``$WNHOME``, ``$WNHOME/dict``, /usr/share/wordnet, nltk_data."""
+    text_field: str = "text"
+    """Column/key holding the input text (file and HF sources)."""
+    label_field: str = "label"
+    """Column/key holding the label: a string, or an int in ``[0, num_classes)``."""
+    num_classes: Optional[int] = None
+    """For int labels: the number of classes (labels outside ``[0, num_classes)`` are an error). Default: max label + 1."""
+    val_fraction: float = 0.05
+    """Fraction of examples in the validation split (by stable hash)."""
+    test_fraction: float = 0.05
+    """Fraction of examples in the test split (by stable hash)."""
+    max_samples: Optional[int] = None
+    """Cap the training split at this many examples (validation/test at a tenth each); None = all."""
+    max_len: int = 128
+    """Maximum sequence length in tokens, ``[CLS]`` and ``[SEP]`` included; longer inputs are truncated and counted."""
+    vocab_size: int = 8192
+    """WordPiece vocabulary size when the tokenizer is trained on the training split."""
+    tokenizer_path: Optional[str] = None
+    """A user-supplied ``tokenizer.json`` (Hugging Face tokenizers format); None = train WordPiece and cache it."""
+    cache_dir: str = ".cache/deep-model-perf"
+    """Where trained tokenizers (and later other derived artefacts) are cached, keyed by fingerprint."""
+    num_workers: int = 0
+    """DataLoader worker processes (0 = load in the training process)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.val_fraction < 1 or not 0 <= self.test_fraction < 1:
+            raise UserError("data.val_fraction and data.test_fraction must be in [0, 1)")
+        if self.val_fraction + self.test_fraction >= 1:
+            raise UserError("data.val_fraction + data.test_fraction must be < 1 so the training split is not empty")
+        if self.max_len < 3:
+            raise UserError(f"data.max_len={self.max_len} is too small: it must hold [CLS], one token and [SEP] (≥ 3)")
+        if self.vocab_size < 10:
+            raise UserError(f"data.vocab_size={self.vocab_size} is too small (≥ 10)")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise UserError("data.max_samples must be ≥ 1 or null")
+        if self.num_classes is not None and self.num_classes < 2:
+            raise UserError("data.num_classes must be ≥ 2 or null")
+        if self.num_workers < 0:
+            raise UserError("data.num_workers must be ≥ 0")
+
+
+@dataclass
+class BatchingConfig:
+    """How examples are grouped into batches and padded."""
+
+    method: str = "optimal"
+    """Bucket boundaries: ``optimal`` (minimum-padding DP), ``quantile``, ``kmeans``; or no buckets:
+    ``pad-to-max`` (every batch padded to ``data.max_len``), ``random`` (random batches padded to the batch max)."""
+    num_buckets: int = 8
+    """K, the number of buckets (= distinct sequence lengths) for the bucketed methods."""
+    batch_size: int = 64
+    """Samples per batch when ``max_tokens`` is not set."""
+    max_tokens: Optional[int] = None
+    """Token budget per batch (fairseq-style): a bucket of bound L gets ⌊max_tokens / L⌋ samples."""
+    round_to: int = 1
+    """Round bucket bounds up to a multiple of this (8 suits tensor cores); 1 = exact."""
+    drop_last: bool = False
+    """Drop each bucket's last incomplete batch (counted in the report) instead of keeping it."""
+    boundaries_file: Optional[str] = None
+    """A bucket-boundaries JSON from ``python -m train buckets``; None = fit on the fly and save into the run."""
+
+    def __post_init__(self) -> None:
+        allowed = ("optimal", "quantile", "kmeans", "pad-to-max", "random")
+        if self.method not in allowed:
+            raise UserError(f"batching.method={self.method!r} is not one of {', '.join(allowed)}")
+        if self.num_buckets < 1:
+            raise UserError("batching.num_buckets must be ≥ 1")
+        if self.batch_size < 1:
+            raise UserError("batching.batch_size must be ≥ 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError("batching.max_tokens must be ≥ 1 or null")
+        if self.round_to < 1:
+            raise UserError("batching.round_to must be ≥ 1")
+
+
+@dataclass
+class ModelConfig:
+    """The encoder classifier. ``preset`` fills the sizes; explicit sizes override the preset."""
+
+    preset: str = "tiny"
+    """``tiny`` (4 layers, 256 hidden, 4 heads, FFN 1024), ``small`` (6/512/8/2048), ``bert-base`` (12/768/12/3072)."""
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_heads: Optional[int] = None
+    ffn_size: Optional[int] = None
+    dropout: float = 0.1
+    """Dropout probability on embeddings, attention output and FFN output."""
+    pooling: str = "mean"
+    """``mean`` (average of real tokens) or ``cls`` (the first token)."""
+
+    def __post_init__(self) -> None:
+        from train.model import PRESETS  # local import: model imports nothing from config
+
+        if self.preset not in PRESETS:
+            raise UserError(f"model.preset={self.preset!r} is not one of {', '.join(PRESETS)}")
+        if self.pooling not in ("mean", "cls"):
+            raise UserError(f"model.pooling={self.pooling!r} must be 'mean' or 'cls'")
+        if not 0 <= self.dropout < 1:
+            raise UserError("model.dropout must be in [0, 1)")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then linear decay to zero."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases, LayerNorm and embeddings)."""
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_fraction: float = 0.06
+    """Fraction of the total steps spent warming the learning rate up linearly from 0."""
+    clip_norm: Optional[float] = 1.0
+    """Global-norm gradient clipping threshold (true, unscaled units); null disables clipping."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise UserError("optim.lr must be > 0")
+        if not 0 <= self.warmup_fraction < 1:
+            raise UserError("optim.warmup_fraction must be in [0, 1)")
+        self.betas = tuple(self.betas)
+        if len(self.betas) != 2:
+            raise UserError("optim.betas must be two numbers, e.g. [0.9, 0.999]")
+
+
+@dataclass
+class TrainConfig:
+    """The loop: how long, how often to evaluate/log, where to write."""
+
+    max_steps: Optional[int] = None
+    """Optimizer steps to run; None = ``epochs`` full passes over the training split."""
+    epochs: float = 1.0
+    """Passes over the training split when ``max_steps`` is null."""
+    eval_every: int = 500
+    """Evaluate on the validation split every N steps (and always at the end)."""
+    log_every: int = 10
+    """Write a metrics.jsonl record every N steps (values aggregated over those steps)."""
+    seed: int = 0
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N``."""
+    precision: str = "auto"
+    """``auto``, ``fp32``, ``bf16``, ``fp16`` (see train/precision.py for what ``auto`` picks and why)."""
+    num_threads: Optional[int] = None
+    """torch intra-op threads on CPU; None = torch's default."""
+    output_dir: str = "runs"
+    run_id: Optional[str] = None
+    """Run directory name under ``output_dir``; None = a timestamp."""
+    progress: bool = True
+    """Show a tqdm progress bar (loss, samples/s, padding %)."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UserError("train.max_steps must be ≥ 1 or null")
+        if self.epochs <= 0:
+            raise UserError("train.epochs must be > 0")
+        if self.eval_every < 1 or self.log_every < 1:
+            raise UserError("train.eval_every and train.log_every must be ≥ 1")
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise UserError(f"train.precision={self.precision!r} is not one of auto, fp32, bf16, fp16")
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs; saved fully resolved as ``runs/<id>/config.yaml``."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["optim"]["betas"] = list(self.optim.betas)
+        return d
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check_type(value: Any, hint: Any, key: str) -> Any:
+    """Return ``value`` converted to ``hint`` where lossless (int → float), else raise UserError."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(value, arg, key)
+            except UserError:
+                pass
+        raise UserError(f"config key {key!r}: {value!r} is not a valid {_hint_name(hint)}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "5e-3" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if hint is tuple and isinstance(value, (list, tuple)):
+        return tuple(value)
+    if hint in (int, float, str, bool) and (type(value) is hint):
+        return value
+    if hint is Any:
+        return value
+    raise UserError(f"config key {key!r}: {value!r} is not a valid {_hint_name(hint)}")
+
+
+def _hint_name(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if args:
+        return " or ".join("null" if a is type(None) else a.__name__ for a in args)
+    return getattr(hint, "__name__", str(hint))
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(candidates)}."
+
+
+def build_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
+    """Build a :class:`RunConfig` from a nested dict, validating every key and value type.
+
+    Raises:
+        UserError: unknown section or key (with the nearest valid name), wrong type, or a value
+            a section's ``__post_init__`` rejects.
+    """
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: expected a mapping of sections (data, batching, model, optim, train)")
+    sections: dict[str, Any] = {}
+    hints = typing.get_type_hints(RunConfig)
+    for name, values in raw.items():
+        if name not in hints:
+            raise UserError(f"{where}: unknown section {name!r}.{_suggest(name, list(hints))}")
+        cls = hints[name]
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise UserError(f"{where}: section {name!r} must be a mapping of keys")
+        field_hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in field_hints:
+                full = [f"{name}.{k}" for k in _field_names(cls)]
+                raise UserError(f"{where}: unknown key '{name}.{key}'.{_suggest(f'{name}.{key}', full)}")
+            kwargs[key] = _check_type(value, field_hints[key], f"{name}.{key}")
+        sections[name] = cls(**kwargs)
+    return RunConfig(**sections)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``section.key=value`` (value as YAML). Raises UserError for a malformed override."""
+    if "=" not in text:
+        raise UserError(f"override {text!r} must look like section.key=value, e.g. train.max_steps=200")
+    key, value = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise UserError(f"override {text!r}: the key must be section.key, e.g. train.max_steps")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as exc:
+        raise UserError(f"override {text!r}: the value is not valid YAML ({exc.__class__.__name__})") from None
+    return parts, parsed
+
+
+def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load ``path`` (YAML, may be None for defaults) and apply ``section.key=value`` overrides.
+
+    Raises:
+        UserError: missing/unparsable file, unknown key, wrong type, invalid value.
+    """
+    raw: dict[str, Any] = {}
+    where = "config"
+    if path is not None:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise UserError(f"config file {p} does not exist (configs/ holds cpu-tiny.yaml, smoke.yaml, gpu-bert-base.yaml)")
+        try:
+            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            raise UserError(f"{p}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{p}: expected a mapping of sections (data, batching, model, optim, train)")
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        sec = raw.setdefault(section, {})
+        if not isinstance(sec, dict):
+            raise UserError(f"{where}: section {section!r} must be a mapping of keys")
+        sec[key] = value
+        where = f"{where} + overrides" if "overrides" not in where else where
+    return build_config(raw, where)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The fully resolved config as YAML text (what ``runs/<id>/config.yaml`` holds)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

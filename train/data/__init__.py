@@ -1,0 +1,100 @@
+"""From a data source to DataLoaders: read → split → tokenize → bucket plan → sampler + collate."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from train.config import RunConfig
+from train.data.buckets import BucketPlan
+from train.data.collate import PadCollate, TokenDataset
+from train.data.sampler import BucketBatchSampler
+from train.data.sources import Corpus, load_corpus
+from train.data.tokenizer import TokenizedSplit, encode, load_or_train, pad_id, texts_fingerprint
+
+BUCKETED = ("optimal", "quantile", "kmeans")
+
+
+@dataclass
+class DataBundle:
+    """Everything the trainer needs from the data side."""
+
+    corpus: Corpus
+    splits: dict[str, TokenizedSplit]
+    tokenizer_info: dict
+    vocab_size: int
+    pad_id: int
+    bounds: list[int]
+    pad_to: str
+    plan: Optional[BucketPlan]
+    plan_source: str
+    data_fingerprint: str
+
+    @property
+    def num_classes(self) -> int:
+        return self.corpus.num_classes
+
+
+def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, run_dir: Optional[Path],
+                force: bool, notice: Callable[[str], None]) -> tuple[list[int], str, Optional[BucketPlan], str]:
+    """(bounds, pad_to, plan, source) for the configured batching method.
+
+    ``pad-to-max`` → one bucket at ``max_len``; ``random`` → one bucket, padded to the batch max;
+    bucketed methods → the plan from ``batching.boundaries_file`` (fingerprints checked unless
+    ``force``), or fitted now and saved as ``<run_dir>/buckets.json``.
+    """
+    b = cfg.batching
+    if b.method == "pad-to-max":
+        return [cfg.data.max_len], "bound", None, "none (pad to data.max_len)"
+    if b.method == "random":
+        return [cfg.data.max_len], "batch-max", None, "none (random batches, pad to batch max)"
+    if b.boundaries_file:
+        plan = BucketPlan.load(b.boundaries_file, data_fp, tok_fp, force=force)
+        return plan.bounds, "bound", plan, str(b.boundaries_file)
+    plan = BucketPlan.fit(lengths, b.num_buckets, b.method, b.round_to, cfg.data.max_len, data_fp, tok_fp)
+    source = "fitted on the fly"
+    if run_dir is not None:
+        plan.save(run_dir / "buckets.json")
+        source = str(run_dir / "buckets.json")
+    notice(f"no batching.boundaries_file: fitted {b.method} buckets {plan.bounds} on the fly "
+           f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); saved to {source}")
+    return plan.bounds, "bound", plan, source
+
+
+def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: bool = False,
+                 notice: Callable[[str], None] = print) -> DataBundle:
+    """Load, split, tokenize and plan the buckets. Raises UserError for any bad input."""
+    corpus = load_corpus(cfg.data)
+    tok, tok_info = load_or_train(corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
+    splits = {name: encode(tok, corpus.split(name).texts, corpus.split(name).labels, cfg.data.max_len)
+              for name in ("train", "validation", "test")}
+    data_fp = texts_fingerprint(corpus.train.texts)
+    bounds, pad_to, plan, source = bucket_plan(cfg, splits["train"].lengths, data_fp, tok_info["fingerprint"],
+                                               run_dir, buckets_force, notice)
+    return DataBundle(corpus=corpus, splits=splits, tokenizer_info=tok_info, vocab_size=tok.get_vocab_size(),
+                      pad_id=pad_id(tok), bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source,
+                      data_fingerprint=data_fp)
+
+
+def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, device: torch.device,
+                world_size: int = 1, rank: int = 0) -> DataLoader:
+    """A DataLoader over ``split`` with a :class:`BucketBatchSampler` and :class:`PadCollate`.
+
+    Training: seeded shuffle, the configured token budget and ``drop_last``. Evaluation: no
+    shuffle, nothing dropped, the same buckets (so eval shapes are the training shapes).
+    """
+    b = cfg.batching
+    sampler = BucketBatchSampler(
+        bundle.splits[split].lengths, bundle.bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
+        round_batch_to=8 if b.round_to % 8 == 0 else 1, shuffle=train, seed=cfg.train.seed,
+        drop_last=b.drop_last if train else False, world_size=world_size, rank=rank)
+    return DataLoader(TokenDataset(bundle.splits[split]), batch_sampler=sampler,
+                      collate_fn=PadCollate(bundle.pad_id, bundle.bounds, bundle.pad_to),
+                      num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
+                      persistent_workers=cfg.data.num_workers > 0)

@@ -1,0 +1,255 @@
+"""Data sources behind one interface: built-in WordNet, JSONL/CSV/Parquet files, Hugging Face datasets.
+
+Every source yields ``(key, text, raw_label, location)`` rows; :func:`load_corpus` validates them,
+maps labels to ``int64`` class ids and splits train/validation/test by a stable hash of ``key``
+(BLAKE2b, so the split is identical on every machine and Python version, unlike ``hash()``).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from train.config import DataConfig
+from train.data import wordnet
+from train.errors import UserError
+
+SPLITS = ("train", "validation", "test")
+
+
+@dataclass
+class TextSplit:
+    """One split: ``texts[i]`` (str) with class id ``labels[i]`` (int64, shape [N])."""
+
+    texts: list[str]
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+@dataclass
+class Corpus:
+    """A labelled text-classification corpus, already split."""
+
+    name: str
+    label_names: list[str]
+    train: TextSplit
+    validation: TextSplit
+    test: TextSplit
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.label_names)
+
+    def split(self, name: str) -> TextSplit:
+        return getattr(self, name)
+
+
+def stable_fraction(key: str) -> float:
+    """Map ``key`` to [0, 1) with BLAKE2b (stable across processes, machines and Python versions)."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def split_of(key: str, val_fraction: float, test_fraction: float) -> str:
+    """``train``/``validation``/``test`` for ``key``: test below ``test_fraction``, then validation, then train."""
+    u = stable_fraction(key)
+    if u < test_fraction:
+        return "test"
+    if u < test_fraction + val_fraction:
+        return "validation"
+    return "train"
+
+
+Row = tuple[str, str, Any, str]  # (split key, text, raw label, location for messages)
+
+
+def _wordnet_rows(cfg: DataConfig) -> Iterator[Row]:
+    root = wordnet.find_wordnet_dir(cfg.wordnet_dir)
+    for s in wordnet.iter_synsets(root):
+        yield f"{s.pos}:{s.offset}", s.text, s.lex_filenum, f"{root} synset {s.pos}:{s.offset:08d}"
+
+
+def _field(record: dict, name: str, what: str, loc: str) -> Any:
+    if name not in record:
+        have = ", ".join(map(str, record)) or "none"
+        raise UserError(f"{loc}: no {what} field {name!r} (fields: {have}); set data.{what}_field to the right name")
+    return record[name]
+
+
+def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            loc = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{loc}: not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{loc}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{loc}: expected a JSON object with {cfg.text_field!r} and {cfg.label_field!r}")
+            text = _field(record, cfg.text_field, "text", loc)
+            label = _field(record, cfg.label_field, "label", loc)
+            yield str(text) if text is not None else "", text, label, loc
+
+
+def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
+                if name not in header:
+                    raise UserError(f"{path}:1: no {what} column {name!r} (columns: {', '.join(header) or 'none'}); "
+                                    f"set data.{what}_field to the right name")
+            for record in reader:
+                loc = f"{path}:{reader.line_num}"
+                if None in record or any(v is None for v in record.values()):
+                    raise UserError(f"{loc}: expected {len(header)} columns as in the header, got a different count")
+                label: Any = record[cfg.label_field].strip()
+                if label.lstrip("-").isdigit():
+                    label = int(label)
+                yield record[cfg.text_field], record[cfg.text_field], label, loc
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not valid UTF-8 (byte offset {exc.start} of a read block); re-encode the file as UTF-8") from None
+    except csv.Error as exc:
+        raise UserError(f"{path}: malformed CSV ({exc})") from None
+
+
+def _parquet_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+
+    try:
+        schema_names = pq.read_schema(path).names
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise UserError(f"{path}: not a readable Parquet file ({exc.__class__.__name__}: {exc})") from None
+    for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
+        if name not in schema_names:
+            raise UserError(f"{path}: no {what} column {name!r} (columns: {', '.join(schema_names)}); set data.{what}_field")
+    table = pq.read_table(path, columns=[cfg.text_field, cfg.label_field])
+    texts = table.column(cfg.text_field).to_pylist()
+    labels = table.column(cfg.label_field).to_pylist()
+    for i, (text, label) in enumerate(zip(texts, labels)):
+        yield str(text) if text is not None else "", text, label, f"{path}: row {i}"
+
+
+def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[Row]:
+    name, _, config_name = spec[3:].partition(":")
+    try:
+        import datasets  # lazy: optional dependency
+    except ImportError:
+        raise UserError(f"data.source={spec!r} needs the Hugging Face `datasets` package: pip install datasets") from None
+    try:
+        dsd = datasets.load_dataset(name, config_name or None)
+    except Exception as exc:  # network, missing dataset, bad config: all user-fixable
+        raise UserError(f"data.source={spec!r}: could not load the dataset ({exc.__class__.__name__}: {exc})") from None
+    for split_name, ds in dsd.items():
+        for i, record in enumerate(ds):
+            loc = f"{spec}[{split_name}] row {i}"
+            text = _field(record, cfg.text_field, "text", loc)
+            label = _field(record, cfg.label_field, "label", loc)
+            yield f"{split_name}:{i}:{text}", text, label, loc
+
+
+def _rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
+    src = cfg.source
+    if src == "wordnet":
+        return "wordnet", _wordnet_rows(cfg)
+    if src.startswith("hf:"):
+        return src, _hf_rows(src, cfg)
+    path = Path(src)
+    if not path.is_file():
+        raise UserError(f"data.source={src!r}: no such file; give a .jsonl/.csv/.parquet path, 'wordnet' or 'hf:NAME[:CONFIG]'")
+    readers = {".jsonl": _jsonl_rows, ".json": _jsonl_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
+    reader = readers.get(path.suffix.lower())
+    if reader is None:
+        raise UserError(f"data.source={src!r}: unsupported file type {path.suffix!r}; use .jsonl, .csv or .parquet")
+    return path.name, reader(path, cfg)
+
+
+def _map_labels(raw: list[Any], locs: list[str], cfg: DataConfig, names: Optional[list[str]]) -> tuple[np.ndarray, list[str]]:
+    """Class ids (int64 [N]) and label names. Ints must be in [0, num_classes); strings are sorted into ids."""
+    is_int = [isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in raw]
+    if all(is_int):
+        ids = np.asarray(raw, dtype=np.int64)
+        n = cfg.num_classes or (len(names) if names else int(ids.max()) + 1)
+        bad = np.flatnonzero((ids < 0) | (ids >= n))
+        if bad.size:
+            i = int(bad[0])
+            raise UserError(f"{locs[i]}: label {raw[i]} is out of range [0, {n}); "
+                            "fix the label or set data.num_classes")
+        return ids, names[:n] if names else [str(k) for k in range(n)]
+    for i, (x, ok) in enumerate(zip(raw, is_int)):
+        if not ok and not isinstance(x, str):
+            raise UserError(f"{locs[i]}: label {x!r} must be a string or an integer")
+        if not ok and not x.strip():
+            raise UserError(f"{locs[i]}: empty label")
+    if any(is_int):
+        i = is_int.index(True) if not is_int[0] else is_int.index(False)
+        raise UserError(f"{locs[i]}: labels mix strings and integers; use one kind for every row")
+    label_names = sorted(set(raw))
+    index = {name: k for k, name in enumerate(label_names)}
+    if cfg.num_classes is not None and len(label_names) > cfg.num_classes:
+        raise UserError(f"data has {len(label_names)} distinct labels but data.num_classes={cfg.num_classes}")
+    return np.asarray([index[x] for x in raw], dtype=np.int64), label_names
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Read, validate, split and (with ``cfg.max_samples``) subsample the configured source.
+
+    Within each split, examples are ordered by their stable hash, so a ``max_samples`` cap takes a
+    deterministic pseudo-random subset (not, say, only the nouns that come first in WordNet).
+
+    Raises:
+        UserError: missing source, malformed row (file:line), missing field, empty text, bad label,
+            or an empty training split.
+    """
+    name, rows = _rows_for(cfg)
+    keys: list[str] = []
+    texts: list[str] = []
+    raw_labels: list[Any] = []
+    locs: list[str] = []
+    for key, text, label, loc in rows:
+        if not isinstance(text, str):
+            raise UserError(f"{loc}: text must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise UserError(f"{loc}: empty text; remove the row or fill in {cfg.text_field!r}")
+        if label is None:
+            raise UserError(f"{loc}: missing label")
+        keys.append(key)
+        texts.append(text)
+        raw_labels.append(label)
+        locs.append(loc)
+    if not texts:
+        raise UserError(f"data.source={cfg.source!r}: no examples found")
+    names = list(wordnet.LEXNAMES) if name == "wordnet" else None
+    labels, label_names = _map_labels(raw_labels, locs, cfg, names)
+
+    order = sorted(range(len(keys)), key=lambda i: stable_fraction(keys[i]))
+    buckets: dict[str, list[int]] = {s: [] for s in SPLITS}
+    for i in order:
+        buckets[split_of(keys[i], cfg.val_fraction, cfg.test_fraction)].append(i)
+    if cfg.max_samples is not None:
+        caps = {"train": cfg.max_samples, "validation": max(1, cfg.max_samples // 10), "test": max(1, cfg.max_samples // 10)}
+        buckets = {s: idx[: caps[s]] for s, idx in buckets.items()}
+    if not buckets["train"]:
+        raise UserError(f"data.source={cfg.source!r}: the training split is empty ({len(texts)} examples in all)")
+
+    def make(idx: list[int]) -> TextSplit:
+        return TextSplit([texts[i] for i in idx], labels[np.asarray(idx, dtype=np.int64)] if idx else np.zeros(0, np.int64))
+
+    return Corpus(name=name, label_names=label_names, train=make(buckets["train"]),
+                  validation=make(buckets["validation"]), test=make(buckets["test"]))

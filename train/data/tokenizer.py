@@ -1,0 +1,144 @@
+"""Tokenization with Hugging Face ``tokenizers``: a WordPiece model trained on the training split.
+
+BERT's recipe (Devlin et al. 2019): BertNormalizer (lower-case, strip accents), BertPreTokenizer,
+WordPiece with ``##`` continuation prefix, special tokens ``[PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3``,
+and a ``[CLS] text [SEP]`` template. The trained tokenizer is cached under
+``<cache_dir>/tokenizers/<fingerprint>.json``, keyed by a SHA-256 of the training texts and the
+settings, so a second run with the same data loads it instead of training again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from train.errors import UserError, atomic_path
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+FORMAT_VERSION = 1  # bump when the training recipe changes, so old cache entries are not reused
+
+
+@dataclass
+class TokenizedSplit:
+    """Token ids per example.
+
+    Attributes:
+        ids: list of int32 arrays, each ``[L_i]`` with ``L_i ≤ max_len``, special tokens included.
+        labels: int64 ``[N]`` class ids.
+        lengths: int32 ``[N]``, ``lengths[i] == len(ids[i])`` (after truncation).
+        truncated: how many examples were longer than ``max_len`` and were cut.
+    """
+
+    ids: list[np.ndarray]
+    labels: np.ndarray
+    lengths: np.ndarray
+    truncated: int
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def texts_fingerprint(texts: list[str]) -> str:
+    """SHA-256 (hex, first 16 chars) of the texts in order; identifies a data split."""
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8"))
+        h.update(b"\x00")
+    return h.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tok: Tokenizer) -> str:
+    """SHA-256 (hex, first 16 chars) of the tokenizer's JSON serialisation."""
+    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()[:16]
+
+
+def train_wordpiece(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Train a BERT-style WordPiece tokenizer on ``texts`` (deterministic for equal input)."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True, clean_text=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                        min_frequency=2, show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    tok.decoder = decoders.WordPiece()
+    return tok
+
+
+def load_or_train(train_texts: list[str], vocab_size: int, cache_dir: str,
+                  tokenizer_path: Optional[str] = None) -> tuple[Tokenizer, dict]:
+    """Return the tokenizer and facts about where it came from.
+
+    The facts dict has ``source`` (``user``, ``cache-hit``, ``trained``), ``path``, ``vocab_size``
+    and ``fingerprint``.
+
+    Raises:
+        UserError: a user-supplied ``tokenizer_path`` is missing or not a tokenizers JSON file.
+    """
+    if tokenizer_path is not None:
+        p = Path(tokenizer_path)
+        if not p.is_file():
+            raise UserError(f"data.tokenizer_path={tokenizer_path!r}: no such file (expected a Hugging Face tokenizer.json)")
+        try:
+            tok = Tokenizer.from_file(str(p))
+        except Exception as exc:  # tokenizers raises a generic Exception for bad JSON
+            raise UserError(f"{p}: not a Hugging Face tokenizers JSON file ({exc})") from None
+        return tok, {"source": "user", "path": str(p), "vocab_size": tok.get_vocab_size(),
+                     "fingerprint": tokenizer_fingerprint(tok)}
+    key = hashlib.sha256(f"v{FORMAT_VERSION}:{vocab_size}:{texts_fingerprint(train_texts)}".encode()).hexdigest()[:16]
+    path = Path(cache_dir) / "tokenizers" / f"wordpiece-{vocab_size}-{key}.json"
+    if path.is_file():
+        try:
+            tok = Tokenizer.from_file(str(path))
+            source = "cache-hit"
+        except Exception:  # a corrupt cache entry is retrained, never fatal
+            tok, source = None, "trained"
+    else:
+        tok, source = None, "trained"
+    if tok is None:
+        tok = train_wordpiece(train_texts, vocab_size)
+        try:
+            with atomic_path(path) as tmp:
+                tok.save(str(tmp))
+        except OSError:
+            pass  # an unwritable cache costs a retrain next time, nothing more
+    return tok, {"source": source, "path": str(path), "vocab_size": tok.get_vocab_size(),
+                 "fingerprint": tokenizer_fingerprint(tok)}
+
+
+def pad_id(tok: Tokenizer) -> int:
+    """The id used for padding: ``[PAD]`` (or ``<pad>``) if the vocabulary has it, else 0."""
+    for name in ("[PAD]", "<pad>"):
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    return 0
+
+
+def encode(tok: Tokenizer, texts: list[str], labels: np.ndarray, max_len: int) -> TokenizedSplit:
+    """Tokenize ``texts`` and truncate each to ``max_len`` tokens, keeping the final special token.
+
+    Truncation is done here rather than by the tokenizer so the number of truncated examples
+    can be reported exactly.
+    """
+    tok.no_truncation()
+    tok.no_padding()
+    encodings = tok.encode_batch(texts)
+    ids: list[np.ndarray] = []
+    truncated = 0
+    for enc in encodings:
+        seq = enc.ids
+        if len(seq) > max_len:
+            truncated += 1
+            seq = seq[: max_len - 1] + seq[-1:]
+        ids.append(np.asarray(seq, dtype=np.int32))
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
+    return TokenizedSplit(ids=ids, labels=np.asarray(labels, dtype=np.int64), lengths=lengths, truncated=truncated)

@@ -1,0 +1,161 @@
+"""BERT-style encoder classifier (Devlin et al. 2019), in plain torch.nn. No training logic here.
+
+Token + learned position embeddings → LayerNorm → N pre-LN encoder layers (multi-head
+self-attention through ``F.scaled_dot_product_attention`` with a bool key-padding mask, then a
+GELU FFN) → final LayerNorm → pooling over real tokens → linear head.
+
+Padding never changes a sample's logits: padded keys are masked out of attention, positions
+are absolute (padding is appended at the end), and pooling ignores padded positions.
+
+The forward pass is split so a precision policy can run the embeddings and the loss in fp32
+and only the encoder blocks under autocast: ``blocks_context`` is entered around the blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(num_layers=4, hidden_size=256, num_heads=4, ffn_size=1024),
+    "small": dict(num_layers=6, hidden_size=512, num_heads=8, ffn_size=2048),
+    "bert-base": dict(num_layers=12, hidden_size=768, num_heads=12, ffn_size=3072),
+}
+
+
+@dataclass
+class EncoderSpec:
+    """Resolved model sizes."""
+
+    vocab_size: int
+    num_classes: int
+    max_len: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    ffn_size: int
+    dropout: float = 0.1
+    pooling: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+
+
+def resolve_spec(preset: str, vocab_size: int, num_classes: int, max_len: int, dropout: float = 0.1,
+                 pooling: str = "mean", **overrides: Optional[int]) -> EncoderSpec:
+    """Sizes from ``PRESETS[preset]`` with non-None ``overrides`` (num_layers, hidden_size, num_heads, ffn_size)."""
+    sizes = dict(PRESETS[preset])
+    sizes.update({k: v for k, v in overrides.items() if v is not None})
+    return EncoderSpec(vocab_size=vocab_size, num_classes=num_classes, max_len=max_len, dropout=dropout,
+                       pooling=pooling, **sizes)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, H]; attn_mask: bool [B, 1, 1, S], True = attend. Returns [B, S, H]."""
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)  # 3×[B, nh, S, hs]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(b, s, h))
+
+
+class EncoderLayer(nn.Module):
+    """Pre-LN transformer encoder layer: x + Attn(LN(x)), then x + FFN(LN(x))."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = SelfAttention(hidden, heads, dropout)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.ffn = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), attn_mask))
+        return x + self.drop(self.ffn(self.ln2(x)))
+
+
+class EncoderClassifier(nn.Module):
+    """Sequence classifier.
+
+    forward(input_ids: LongTensor[B, S], attention_mask: BoolTensor[B, S] (True = real token))
+    → logits FloatTensor[B, num_classes] (fp32 whatever the blocks ran in).
+    """
+
+    def __init__(self, spec: EncoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tok_emb = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.pos_emb = nn.Embedding(spec.max_len, spec.hidden_size)
+        self.emb_norm = nn.LayerNorm(spec.hidden_size)
+        self.emb_drop = nn.Dropout(spec.dropout)
+        self.layers = nn.ModuleList(
+            EncoderLayer(spec.hidden_size, spec.num_heads, spec.ffn_size, spec.dropout) for _ in range(spec.num_layers))
+        self.final_norm = nn.LayerNorm(spec.hidden_size)
+        self.head = nn.Linear(spec.hidden_size, spec.num_classes)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        # BERT's initialisation: N(0, 0.02) weights, zero biases.
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] ids → [B, S, H] fp32 embeddings (token + position, LayerNorm, dropout)."""
+        s = input_ids.shape[1]
+        if s > self.spec.max_len:
+            raise ValueError(f"sequence length {s} exceeds the position table ({self.spec.max_len})")
+        pos = torch.arange(s, device=input_ids.device)
+        return self.emb_drop(self.emb_norm(self.tok_emb(input_ids) + self.pos_emb(pos)))
+
+    def encode(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, S, H] → [B, S, H] through the encoder layers (the part that runs under autocast)."""
+        attn_mask = attention_mask[:, None, None, :]  # [B, 1, 1, S], broadcast over heads and queries
+        for layer in self.layers:
+            x = layer(x, attn_mask)
+        return x
+
+    def pool_and_classify(self, h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B, S, H] → fp32 logits [B, C]; pooling and the head run in fp32."""
+        h = self.final_norm(h.float())
+        if self.spec.pooling == "cls":
+            pooled = h[:, 0]
+        else:
+            m = attention_mask.unsqueeze(-1).to(h.dtype)  # [B, S, 1]
+            pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return self.head(pooled).float()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                blocks_context: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        with blocks_context():
+            h = self.encode(x, attention_mask)
+        return self.pool_and_classify(h, attention_mask)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices of Linear layers; none on biases, LayerNorm and embeddings."""
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

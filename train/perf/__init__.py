@@ -1,0 +1,1 @@
+"""Measurement primitives: device-synchronised timing, peak memory, FLOPs."""

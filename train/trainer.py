@@ -1,0 +1,199 @@
+"""The training loop, and only the loop: forward, loss, backward, clip, step, log, evaluate.
+
+Measurement sits outside the loop body: a :class:`StepTimer` brackets each step and a
+:class:`MetricLogger` receives one record every ``log_every`` steps. Per-step values are
+accumulated on the device and read (a host-device sync on CUDA) only when a record is logged.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from tqdm import tqdm
+
+from train.config import RunConfig
+from train.model import EncoderClassifier, param_groups
+from train.perf.timer import StepTimer
+from train.precision import PrecisionPolicy
+from train.tracking import MetricLogger
+
+
+def linear_warmup_decay(total_steps: int, warmup_steps: int):
+    """LambdaLR factor: 0→1 linearly over ``warmup_steps``, then 1→0 linearly at ``total_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return factor
+
+
+@dataclass
+class TrainStats:
+    """What the loop measured; the report is built from it."""
+
+    steps: int = 0
+    samples: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    steady_samples: int = 0
+    steady_real_tokens: int = 0
+    truncated_in_collate: int = 0
+    seq_lens: set = field(default_factory=set)
+    batch_shapes: set = field(default_factory=set)
+    final_train_loss: Optional[float] = None
+    first_step_end: Optional[float] = None  # time.perf_counter() at the end of step 1
+    evals: list = field(default_factory=list)
+
+
+def move(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    nb = device.type == "cuda"  # async copy from pinned memory
+    return (batch["input_ids"].to(device, non_blocking=nb), batch["attention_mask"].to(device, non_blocking=nb),
+            batch["labels"].to(device, non_blocking=nb))
+
+
+@torch.no_grad()
+def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPolicy, num_classes: int,
+             device: torch.device) -> dict[str, float]:
+    """Accuracy (micro), macro-F1 (torchmetrics) and mean cross-entropy over ``loader``."""
+    was_training = model.training
+    model.eval()
+    acc = MulticlassAccuracy(num_classes=num_classes, average="micro").to(device)
+    f1 = MulticlassF1Score(num_classes=num_classes, average="macro").to(device)
+    loss_sum = torch.zeros((), device=device)
+    n = 0
+    for batch in loader:
+        ids, mask, labels = move(batch, device)
+        logits = model(ids, mask, policy.blocks_autocast)
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+        acc.update(logits, labels)
+        f1.update(logits, labels)
+        n += labels.numel()
+    model.train(was_training)
+    if n == 0:
+        return {"accuracy": None, "macro_f1": None, "loss": None, "samples": 0}
+    return {"accuracy": float(acc.compute()), "macro_f1": float(f1.compute()),
+            "loss": float(loss_sum) / n, "samples": n}  # float(): sync point, once per evaluation
+
+
+class Trainer:
+    """Runs ``total_steps`` optimizer steps over ``train_loader``, cycling epochs as needed."""
+
+    def __init__(self, cfg: RunConfig, model: EncoderClassifier, policy: PrecisionPolicy, device: torch.device,
+                 train_loader: DataLoader, eval_loader: Optional[DataLoader], logger: MetricLogger,
+                 num_classes: int) -> None:
+        self.cfg, self.model, self.policy, self.device = cfg, model, policy, device
+        self.train_loader, self.eval_loader, self.logger = train_loader, eval_loader, logger
+        self.num_classes = num_classes
+        batches_per_epoch = len(train_loader)
+        if batches_per_epoch == 0:
+            raise RuntimeError("the training loader yields no batches")
+        t = cfg.train
+        self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * batches_per_epoch))
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+        warmup = int(o.warmup_fraction * self.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_warmup_decay(self.total_steps, warmup))
+        self.timer = StepTimer(device)
+        self.stats = TrainStats()
+        self.epoch = 0
+
+    def _batches(self) -> Iterator[dict]:
+        sampler = self.train_loader.batch_sampler
+        while True:
+            sampler.set_epoch(self.epoch)
+            yield from self.train_loader
+            self.epoch += 1
+
+    def train_step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One optimizer step. Returns (loss, pre-clip global grad norm in true units) as device tensors."""
+        logits = self.model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
+        loss = F.cross_entropy(logits, labels)  # fp32, outside autocast
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy.backward(loss)
+        self.policy.unscale_(self.optimizer)  # clip in true units
+        grad_norm = None
+        if self.cfg.optim.clip_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
+        self.policy.step(self.optimizer)
+        self.scheduler.step()
+        return loss.detach(), grad_norm
+
+    def fit(self) -> TrainStats:
+        t, s = self.cfg.train, self.stats
+        self.model.train()
+        show = t.progress and sys.stderr.isatty()
+        bar = tqdm(total=self.total_steps, disable=not show, dynamic_ncols=True, mininterval=0.5, unit="step")
+        window_loss = torch.zeros((), device=self.device)
+        window_norm = torch.zeros((), device=self.device)
+        window = {"steps": 0, "ms": 0.0, "samples": 0, "real": 0, "padded": 0}
+        batches = self._batches()
+        for step in range(1, self.total_steps + 1):
+            self.timer.start()
+            batch = next(batches)  # data wait is part of the step time
+            ids, mask, labels = move(batch, self.device)
+            loss, grad_norm = self.train_step(ids, mask, labels)
+            ms = self.timer.stop()
+            if step == 1:
+                s.first_step_end = time.perf_counter()
+            b, seq = ids.shape
+            s.steps, s.samples = step, s.samples + b
+            s.real_tokens += batch["real_tokens"]
+            s.padded_tokens += b * seq
+            s.truncated_in_collate += batch["truncated"]
+            s.seq_lens.add(seq)
+            s.batch_shapes.add((b, seq))
+            if step > 1:
+                s.steady_samples += b
+                s.steady_real_tokens += batch["real_tokens"]
+            window_loss += loss
+            if grad_norm is not None:
+                window_norm += grad_norm
+            window["steps"] += 1
+            window["ms"] += ms
+            window["samples"] += b
+            window["real"] += batch["real_tokens"]
+            window["padded"] += b * seq
+            if step % t.log_every == 0 or step == self.total_steps:
+                record = self._log_record(step, window, window_loss, window_norm)
+                self.logger.log(record)
+                s.final_train_loss = record["loss"]
+                bar.set_postfix(loss=f"{record['loss']:.3f}", samples_s=f"{record['samples_per_s']:.0f}",
+                                pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
+                window_loss.zero_()
+                window_norm.zero_()
+                window = {"steps": 0, "ms": 0.0, "samples": 0, "real": 0, "padded": 0}
+            if self.eval_loader is not None and (step % t.eval_every == 0 or step == self.total_steps):
+                result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device)
+                s.evals.append({"step": step, **result})
+                self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
+                msg = f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f}"
+                if show:
+                    bar.write(msg)
+                else:
+                    print(msg, flush=True)
+            bar.update(1)
+        bar.close()
+        return s
+
+    def _log_record(self, step: int, window: dict, window_loss: torch.Tensor, window_norm: torch.Tensor) -> dict[str, Any]:
+        n = window["steps"]
+        loss = float(window_loss) / n  # sync point: once per log_every steps
+        secs = window["ms"] / 1e3
+        record = {"step": step, "epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                  "step_time_ms": window["ms"] / n, "samples_per_s": window["samples"] / secs if secs else None,
+                  "real_tokens": window["real"], "padded_tokens": window["padded"],
+                  "token_efficiency": window["real"] / window["padded"], "steps_in_window": n}
+        if self.cfg.optim.clip_norm is not None:
+            record["grad_norm"] = float(window_norm) / n
+        return record
