@@ -46,7 +46,7 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
     """(bounds, pad_to, plan, source) for the configured batching method.
 
     ``pad-to-max`` → one bucket at ``max_len``; ``random`` → one bucket, padded to the batch max;
-    bucketed methods → the plan from ``batching.boundaries_file`` (fingerprints checked unless
+    bucketed methods (padded to ``batching.pad_to``) → the plan from ``batching.boundaries_file`` (fingerprints checked unless
     ``force``), or fitted now and saved as ``<run_dir>/buckets.json``.
     """
     b = cfg.batching
@@ -56,7 +56,7 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         return [cfg.data.max_len], "batch-max", None, "none (random batches, pad to batch max)"
     if b.boundaries_file:
         plan = BucketPlan.load(b.boundaries_file, data_fp, tok_fp, force=force)
-        return plan.bounds, "bound", plan, str(b.boundaries_file)
+        return plan.bounds, b.pad_to, plan, str(b.boundaries_file)
     plan = BucketPlan.fit(lengths, b.num_buckets, b.method, b.round_to, cfg.data.max_len, data_fp, tok_fp)
     source = "fitted on the fly"
     if run_dir is not None:
@@ -64,7 +64,7 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         source = str(run_dir / "buckets.json")
     notice(f"no batching.boundaries_file: fitted {b.method} buckets {plan.bounds} on the fly "
            f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); saved to {source}")
-    return plan.bounds, "bound", plan, source
+    return plan.bounds, b.pad_to, plan, source
 
 
 def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: bool = False,
