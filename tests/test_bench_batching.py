@@ -48,9 +48,10 @@ def test_methods_are_the_issue_rows_and_cover_every_sample_once() -> None:
     lengths = lognormal_lengths()
     bc = BenchBatchingConfig(num_buckets=6, batch_size=32, max_tokens=1024)
     methods = build_methods(lengths, 128, bc, seed=0)
-    assert [m.name for m in methods][:6] == NAMES
+    assert [m.name for m in methods] == NAMES + ["optimal-6-batch-max", "packed-128"]
     for m in methods:
-        assert Counter(i for b in m.batches for i in b) == Counter(range(len(lengths))), m.name
+        flat = [i for b in m.batches for r in b for i in r] if m.packed else [i for b in m.batches for i in b]
+        assert Counter(flat) == Counter(range(len(lengths))), m.name
     stats = {m.name: epoch_stats(m, lengths) for m in methods}
     assert stats["pad-to-max"]["token_efficiency"] == pytest.approx(lengths.mean() / 128)
     assert stats["pad-to-max"]["distinct_shapes"] == 1
@@ -62,6 +63,9 @@ def test_methods_are_the_issue_rows_and_cover_every_sample_once() -> None:
     assert stats["optimal-6-batch-max"]["token_efficiency"] >= stats["optimal-6"]["token_efficiency"]
     assert stats["random-pad-to-batch-max"]["token_efficiency"] > stats["pad-to-max"]["token_efficiency"]
     assert stats["hf-group-by-length"]["token_efficiency"] > stats["random-pad-to-batch-max"]["token_efficiency"]
+    packed = stats["packed-128"]
+    assert packed["distinct_shapes"] == 1 and packed["token_efficiency"] > stats["optimal-6"]["token_efficiency"]
+    assert packed["padded_tokens_per_epoch"] == packed["batches_per_epoch"] * 8 * 128  # 1024 // 128 rows per batch
     budget = [len(b) * min(x for x in opt if x >= lengths[b].max()) for b in methods[5].batches]
     assert max(budget) <= 1024
 
@@ -97,6 +101,7 @@ def test_bench_runs_small_and_writes_json_md_png(tiny_cfg, tmp_path: Path) -> No
         assert r["samples_per_s"] > 0 and r["tokens_per_s"] > 0 and len(r["samples_per_s_windows"]) == 2
         assert 0 < r["token_efficiency"] <= 1 and r["distinct_shapes"] >= 1
     assert saved["targets"]["optimal_distinct_shapes"]["value"] <= 3
+    assert names[-1] == "packed-32" and saved["targets"]["packed_token_efficiency"]["distinct_shapes"] == 1
     assert [t["k"] for t in saved["dp_optimum_by_k"]] == [1, 2, 3, 4]
     assert result["results"][0]["samples_per_s_vs_pad_to_max"] == 1.0
     assert "| `optimal-3` |" in (run_dir / "bench-batching.md").read_text()
