@@ -7,7 +7,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke buckets bench test test-slow lint clean distclean
+
+.PHONY: help setup data train smoke buckets bench bench-batching test test-slow lint clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,6 +37,8 @@ buckets: setup data ## fit bucket boundaries offline and save them as JSON
 BENCH_CONFIG ?= configs/bench-cpu.yaml
 bench: setup data ## training + inference benchmark, naive vs optimized, in one run → runs/bench/bench/
 	$(PY) -m train bench --config $(BENCH_CONFIG) $(ARGS)
+bench-batching: setup data ## batching methods side by side (a few minutes on 2 cores) -> runs/<id>/bench-batching.{json,md,png}
+	$(PY) -m train bench-batching --config $(CONFIG) $(ARGS)
 
 test: setup ## unit + short end-to-end tests on CPU (excludes tests marked slow)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

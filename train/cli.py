@@ -2,6 +2,7 @@
 
     python -m train train   [--config FILE] [--run-id ID] [--buckets-force] [section.key=value ...]
     python -m train buckets [--config FILE] [--out FILE] [section.key=value ...]
+    python -m train bench-batching [--config FILE] [--run-id ID] [--num-buckets K] [...] [section.key=value ...]
 
 Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
 """
@@ -44,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=200, help="inference requests (single and batched)")
     p.add_argument("--inference-batch-size", type=int, default=32)
     p.add_argument("--skip-inference", action="store_true")
+    p = sub.add_parser("bench-batching", help="batching methods side by side; writes runs/<id>/bench-batching.{json,md,png}")
+    _common(p)
+    p.add_argument("--run-id", default=None, help="run directory name (default: bench-batching-<timestamp>)")
+    for flag, what in (("num-buckets", "K of the optimal-<K> rows (default 16)"),
+                       ("batch-size", "samples per batch, all rows but -max-tokens (default 64)"),
+                       ("max-tokens", "token budget per batch of the optimal-<K>-max-tokens row (default 2048)"),
+                       ("window-samples", "samples per timed window (default 256)"),
+                       ("windows", "timed windows per method; throughput is their median (default 3)"),
+                       ("warmup-windows", "untimed rounds first (default 1)")):
+        p.add_argument(f"--{flag}", type=int, default=None, help=what)
     return parser
 
 
@@ -105,6 +116,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_batching(args: argparse.Namespace) -> int:
+    from train.bench_batching import BenchBatchingConfig, run_bench
+    from train.config import load_config
+    from train.run import make_run_dir
+
+    names = ("num_buckets", "batch_size", "max_tokens", "window_samples", "windows", "warmup_windows")
+    bc = BenchBatchingConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
+    cfg = load_config(args.config, overrides)
+    cfg.train.run_id = cfg.train.run_id or time.strftime("bench-batching-%Y%m%d-%H%M%S", time.gmtime())
+    run_dir = make_run_dir(cfg)
+    run_bench(cfg, bc, run_dir)
+    print((run_dir / "bench-batching.md").read_text(encoding="utf-8"))
+    print(f"wrote {run_dir}/bench-batching.json, .md, .png")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) -> int:
     t_start = time.perf_counter() if t_start is None else t_start
     args = build_parser().parse_args(argv)
@@ -115,6 +143,8 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
             return cmd_buckets(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "bench-batching":
+            return cmd_bench_batching(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

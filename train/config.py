@@ -90,6 +90,10 @@ class BatchingConfig:
     """Drop each bucket's last incomplete batch (counted in the report) instead of keeping it."""
     boundaries_file: Optional[str] = None
     """A bucket-boundaries JSON from ``python -m train buckets``; None = fit on the fly and save into the run."""
+    pad_to: str = "bound"
+    """Bucketed methods: ``bound`` pads every batch to its bucket bound (static shapes, at most K lengths);
+    ``batch-max`` pads to the longest sample in the batch (less padding, more distinct shapes: see
+    ``batching.distinct_shapes`` in report.json)."""
 
     def __post_init__(self) -> None:
         allowed = ("optimal", "quantile", "kmeans", "pad-to-max", "random", "hf-group-by-length")
@@ -103,6 +107,8 @@ class BatchingConfig:
             raise UserError("batching.max_tokens must be ≥ 1 or null")
         if self.round_to < 1:
             raise UserError("batching.round_to must be ≥ 1")
+        if self.pad_to not in ("bound", "batch-max"):
+            raise UserError(f"batching.pad_to={self.pad_to!r} must be 'bound' or 'batch-max'")
 
 
 @dataclass

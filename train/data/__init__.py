@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from train.config import RunConfig
 from train.data.buckets import BucketPlan
 from train.data.collate import PadCollate, TokenDataset
-from train.data.length_grouped import LengthGroupedBatchSampler
+from train.data.grouping import LengthGroupedBatchSampler
 from train.data.sampler import BucketBatchSampler
 from train.data.sources import Corpus, load_corpus
 from train.data.tokenizer import TokenizedSplit, encode, load_or_train, pad_id, texts_fingerprint
@@ -48,7 +48,7 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
     """(bounds, pad_to, plan, source) for the configured batching method.
 
     ``pad-to-max`` → one bucket at ``max_len``; ``random`` → one bucket, padded to the batch max;
-    bucketed methods → the plan from ``batching.boundaries_file`` (fingerprints checked unless
+    bucketed methods (padded to ``batching.pad_to``) → the plan from ``batching.boundaries_file`` (fingerprints checked unless
     ``force``), or fitted now and saved as ``<run_dir>/buckets.json``.
     """
     b = cfg.batching
@@ -60,7 +60,7 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         return [cfg.data.max_len], "batch-max", None, "none (megabatch length grouping, pad to batch max)"
     if b.boundaries_file:
         plan = BucketPlan.load(b.boundaries_file, data_fp, tok_fp, force=force)
-        return plan.bounds, "bound", plan, str(b.boundaries_file)
+        return plan.bounds, b.pad_to, plan, str(b.boundaries_file)
     plan = BucketPlan.fit(lengths, b.num_buckets, b.method, b.round_to, cfg.data.max_len, data_fp, tok_fp)
     source = "fitted on the fly"
     if run_dir is not None:
@@ -68,7 +68,7 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         source = str(run_dir / "buckets.json")
     notice(f"no batching.boundaries_file: fitted {b.method} buckets {plan.bounds} on the fly "
            f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); saved to {source}")
-    return plan.bounds, "bound", plan, source
+    return plan.bounds, b.pad_to, plan, source
 
 
 def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: bool = False,
