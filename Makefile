@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke buckets test test-slow lint clean distclean
+.PHONY: help setup data train smoke buckets test test-slow lint clean distclean profile profile-pyspy profile-nsys
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -32,6 +32,15 @@ smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.jso
 
 buckets: setup data ## fit bucket boundaries offline and save them as JSON
 	$(PY) -m train buckets --config $(CONFIG) $(ARGS)
+
+profile: setup data ## profile real training steps: torch.profiler table + py-spy + nsys + GPU sampling (what is available) → runs/profile/profile/
+	$(PY) -m train profile --config $(CONFIG) $(ARGS)
+
+profile-pyspy: setup data ## py-spy flame graph + speedscope of the running job, with its measured overhead
+	$(PY) -m train profile --tools pyspy --config $(CONFIG) $(ARGS)
+
+profile-nsys: setup data ## Nsight Systems capture of a few steps (needs nsys on PATH and CUDA; else says why it skipped)
+	$(PY) -m train profile --tools nsys --config $(CONFIG) $(ARGS)
 
 test: setup ## unit + short end-to-end tests on CPU (excludes tests marked slow)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

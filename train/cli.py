@@ -2,6 +2,7 @@
 
     python -m train train   [--config FILE] [--run-id ID] [--buckets-force] [section.key=value ...]
     python -m train buckets [--config FILE] [--out FILE] [section.key=value ...]
+    python -m train profile [--config FILE] [--run-id ID] [--tools torch,pyspy,gpu,nsys] [section.key=value ...]
 
 Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
 """
@@ -33,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("buckets", help="fit bucket boundaries on the training split and save them as JSON")
     _common(p)
     p.add_argument("--out", default=None, help="output JSON (default: runs/buckets/<method>-<K>.json)")
+    p = sub.add_parser("profile", help="profile real training steps: torch.profiler attribution table, py-spy, nsys, GPU sampling")
+    _common(p)
+    p.add_argument("--run-id", default=None, help="run directory name (default: profile)")
+    p.add_argument("--tools", default="torch,pyspy,gpu,nsys",
+                   help="comma-separated: torch, pyspy, gpu, nsys (each skipped with a message where unavailable)")
     return parser
 
 
@@ -76,6 +82,20 @@ def cmd_buckets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
+    from train.config import load_config
+    from train.profiling.session import parse_tools, run_profile
+
+    tools = parse_tools(args.tools)
+    overrides = list(args.overrides)
+    if args.run_id:
+        overrides.append(f"train.run_id={args.run_id}")
+    cfg = load_config(args.config, overrides)
+    child_args = (["--config", args.config] if args.config else []) + list(args.overrides)
+    run_profile(cfg, tools, t_start, child_args)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) -> int:
     t_start = time.perf_counter() if t_start is None else t_start
     args = build_parser().parse_args(argv)
@@ -84,6 +104,8 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
             return cmd_train(args, t_start)
         if args.command == "buckets":
             return cmd_buckets(args)
+        if args.command == "profile":
+            return cmd_profile(args, t_start)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
