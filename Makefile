@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup data train smoke buckets bench bench-batching test test-slow lint clean distclean
+.PHONY: help setup data train smoke buckets bench bench-batching profile profile-pyspy profile-nsys test test-slow lint clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -39,6 +39,14 @@ bench: setup data ## training + inference benchmark, naive vs optimized, in one 
 	$(PY) -m train bench --config $(BENCH_CONFIG) $(ARGS)
 bench-batching: setup data ## batching methods side by side (a few minutes on 2 cores) -> runs/<id>/bench-batching.{json,md,png}
 	$(PY) -m train bench-batching --config $(CONFIG) $(ARGS)
+profile: setup data ## profile real training steps: torch.profiler table + py-spy + nsys + GPU sampling (what is available) → runs/profile/profile/
+	$(PY) -m train profile --config $(CONFIG) $(ARGS)
+
+profile-pyspy: setup data ## py-spy flame graph + speedscope of the running job, with its measured overhead
+	$(PY) -m train profile --tools pyspy --config $(CONFIG) $(ARGS)
+
+profile-nsys: setup data ## Nsight Systems capture of a few steps (needs nsys on PATH and CUDA; else says why it skipped)
+	$(PY) -m train profile --tools nsys --config $(CONFIG) $(ARGS)
 
 test: setup ## unit + short end-to-end tests on CPU (excludes tests marked slow)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -3,6 +3,7 @@
     python -m train train   [--config FILE] [--run-id ID] [--buckets-force] [section.key=value ...]
     python -m train buckets [--config FILE] [--out FILE] [section.key=value ...]
     python -m train bench-batching [--config FILE] [--run-id ID] [--num-buckets K] [...] [section.key=value ...]
+    python -m train profile [--config FILE] [--run-id ID] [--tools torch,pyspy,gpu,nsys] [section.key=value ...]
 
 Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
 """
@@ -55,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                        ("windows", "timed windows per method; throughput is their median (default 3)"),
                        ("warmup-windows", "untimed rounds first (default 1)")):
         p.add_argument(f"--{flag}", type=int, default=None, help=what)
+    p = sub.add_parser("profile", help="profile real training steps: torch.profiler attribution table, py-spy, nsys, GPU sampling")
+    _common(p)
+    p.add_argument("--run-id", default=None, help="run directory name (default: profile)")
+    p.add_argument("--tools", default="torch,pyspy,gpu,nsys",
+                   help="comma-separated: torch, pyspy, gpu, nsys (each skipped with a message where unavailable)")
     return parser
 
 
@@ -133,6 +139,20 @@ def cmd_bench_batching(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
+    from train.config import load_config
+    from train.profiling.session import parse_tools, run_profile
+
+    tools = parse_tools(args.tools)
+    overrides = list(args.overrides)
+    if args.run_id:
+        overrides.append(f"train.run_id={args.run_id}")
+    cfg = load_config(args.config, overrides)
+    child_args = (["--config", args.config] if args.config else []) + list(args.overrides)
+    run_profile(cfg, tools, t_start, child_args)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) -> int:
     t_start = time.perf_counter() if t_start is None else t_start
     args = build_parser().parse_args(argv)
@@ -145,6 +165,8 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
             return cmd_bench(args)
         if args.command == "bench-batching":
             return cmd_bench_batching(args)
+        if args.command == "profile":
+            return cmd_profile(args, t_start)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

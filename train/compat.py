@@ -26,3 +26,19 @@ def make_grad_scaler(device_type: str, enabled: bool = True) -> Any:
 def load_state(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load`` restricted to tensors and plain containers (``weights_only=True``, available since 1.13)."""
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def event_self_device_us(event: Any) -> float:
+    """A profiler FunctionEvent's self device time in µs: ``self_device_time_total`` (torch ≥ 2.4) or ``self_cuda_time_total`` (2.1)."""
+    value = getattr(event, "self_device_time_total", None)
+    if value is None:
+        value = getattr(event, "self_cuda_time_total", 0)
+    return float(value or 0)
+
+
+def event_device_total_us(event: Any) -> float:
+    """A profiler FunctionEvent's device time including children, µs (``device_time_total`` or 2.1's ``cuda_time_total``)."""
+    value = getattr(event, "device_time_total", None)
+    if value is None:
+        value = getattr(event, "cuda_time_total", 0)
+    return float(value or 0)

@@ -145,10 +145,12 @@ def build_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, stats: Train
     }
 
 
-def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) -> dict[str, Any]:
+def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, hooks: tuple = ()) -> dict[str, Any]:
     """Train, evaluate and write the run directory. Returns the report dict.
 
     ``t_start`` is ``time.perf_counter()`` at command start, for ``perf.time_to_first_step_s``.
+    ``hooks``: objects with ``attach(trainer, run_dir)`` (called before the loop) and
+    ``finish(report)`` (called before report.json is written; may add keys), e.g. a profile session.
 
     Raises:
         UserError: any bad input (config, data, buckets, run directory).
@@ -179,6 +181,8 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
     trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes)
     print(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch)", flush=True)
+    for hook in hooks:
+        hook.attach(trainer, run_dir)
     reset_peak(device)
     energy_meter = EnergyMeter(device)
     energy_meter.start()
@@ -203,6 +207,8 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
                           time.perf_counter() - t_start)
     report["perf"]["data_prep_s"] = data_s
     report["perf"].update(efficiency_fields(model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, policy.mode))
+    for hook in hooks:
+        hook.finish(report)
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
 

@@ -25,6 +25,7 @@ from train.config import RunConfig
 from train.model import EncoderClassifier, param_groups
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
+from train.profiling.ranges import null_ranges
 from train.tracking import MetricLogger
 
 
@@ -109,6 +110,10 @@ class Trainer:
         self.timer = StepTimer(device)
         self.stats = TrainStats()
         self.epoch = 0
+        # Profiling (train/profiling) swaps in record_function/NVTX ranges and adds per-step hooks;
+        # by default a range is a shared no-op context and there are no hooks.
+        self.ranges = null_ranges
+        self.step_hooks: list = []  # callables hook(step: int, step_ms: float), called at the end of each step
 
     def _batches(self) -> Iterator[dict]:
         sampler = self.train_loader.batch_sampler
@@ -119,16 +124,20 @@ class Trainer:
 
     def train_step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One optimizer step. Returns (loss, pre-clip global grad norm in true units) as device tensors."""
-        logits = self.model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
-        loss = F.cross_entropy(logits, labels)  # fp32, outside autocast
-        self.optimizer.zero_grad(set_to_none=True)
-        self.policy.backward(loss)
-        self.policy.unscale_(self.optimizer)  # clip in true units
-        grad_norm = None
-        if self.cfg.optim.clip_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
-        self.policy.step(self.optimizer)
-        self.scheduler.step()
+        with self.ranges("forward"):
+            logits = self.model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
+            loss = F.cross_entropy(logits, labels)  # fp32, outside autocast
+        with self.ranges("optimizer"):
+            self.optimizer.zero_grad(set_to_none=True)
+        with self.ranges("backward"):
+            self.policy.backward(loss)
+        with self.ranges("optimizer"):
+            self.policy.unscale_(self.optimizer)  # clip in true units
+            grad_norm = None
+            if self.cfg.optim.clip_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
+            self.policy.step(self.optimizer)
+            self.scheduler.step()
         return loss.detach(), grad_norm
 
     def fit(self) -> TrainStats:
@@ -142,8 +151,9 @@ class Trainer:
         batches = self._batches()
         for step in range(1, self.total_steps + 1):
             self.timer.start()
-            batch = next(batches)  # data wait is part of the step time
-            ids, mask, labels = move(batch, self.device)
+            with self.ranges("data_wait"):
+                batch = next(batches)  # data wait is part of the step time
+                ids, mask, labels = move(batch, self.device)
             loss, grad_norm = self.train_step(ids, mask, labels)
             ms = self.timer.stop()
             if step == 1:
@@ -186,6 +196,8 @@ class Trainer:
                 else:
                     print(msg, flush=True)
             bar.update(1)
+            for hook in tuple(self.step_hooks):  # a hook may remove itself
+                hook(step, ms)
         bar.close()
         return s
 

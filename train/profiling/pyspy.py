@@ -1,0 +1,217 @@
+"""py-spy: sample the running training process (native frames too) into an SVG flame graph and
+speedscope JSON, and measure what sampling costs in the same run.
+
+The process attaches py-spy to itself (``py-spy record --pid <own pid>``) for two windows of steps,
+one per output format, interleaved with windows without it: off / on (flamegraph) / off / on
+(speedscope) / off. Overhead = median step time with py-spy ÷ median without − 1, the first step of
+each window left out (attach/detach transitions). Step times come from the trainer's own
+synchronised StepTimer; the hooks run between steps, so attaching and detaching are not timed.
+
+Preflight (:func:`ptrace_preflight`) says exactly what blocks ptrace before trying; a failure at
+attach time is reported too, and training always goes on.
+Source: py-spy README (https://github.com/benfred/py-spy), Linux Yama docs (ptrace_scope).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from train.config import ProfileConfig
+
+CAP_SYS_PTRACE = 19
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+@dataclass
+class PtraceCheck:
+    """Result of :func:`ptrace_preflight`: ``ok`` and, when not, each missing piece with its fix."""
+
+    ok: bool
+    pyspy: Optional[str]
+    missing: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def message(self) -> str:
+        if self.ok:
+            return "py-spy can attach" + (f" ({'; '.join(self.notes)})" if self.notes else "")
+        return "py-spy cannot attach: " + "; ".join(self.missing)
+
+
+def find_pyspy() -> Optional[str]:
+    """The py-spy binary: next to this interpreter (a venv) or on PATH."""
+    local = Path(sys.executable).with_name("py-spy")
+    return str(local) if local.is_file() else shutil.which("py-spy")
+
+
+def _cap_eff(status: str) -> Optional[int]:
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return None
+
+
+def _in_container(proc: Path, root: Path) -> bool:
+    try:
+        cgroup = (proc / "1" / "cgroup").read_text()
+    except OSError:
+        cgroup = ""
+    return (root / ".dockerenv").exists() or any(k in cgroup for k in ("docker", "kubepods", "containerd", "lxc"))
+
+
+def ptrace_preflight(pyspy: Optional[str] = None, proc: Path = Path("/proc"), root: Optional[Path] = None) -> PtraceCheck:
+    """Can a child py-spy ptrace this process? Reads ``proc/self/status`` (CapEff, TracerPid),
+    ``proc/sys/kernel/yama/ptrace_scope`` and, for the container check, ``proc/1/cgroup`` and
+    ``root/.dockerenv`` (``root`` defaults to ``proc/..``); parameters so tests can simulate a denial.
+
+    Yama scopes: 0 classic (same uid); 1 restricted: only ancestors may trace, so this process
+    declares py-spy with ``prctl(PR_SET_PTRACER)`` (done in :func:`allow_tracer`) unless it has
+    CAP_SYS_PTRACE; 2 admin-only: CAP_SYS_PTRACE required; 3: no ptrace at all.
+    """
+    pyspy = pyspy if pyspy is not None else find_pyspy()
+    check = PtraceCheck(ok=True, pyspy=pyspy)
+    if not pyspy:
+        check.missing.append("py-spy is not installed: pip install -r requirements-dev.txt (pins py-spy)")
+    try:
+        status = (proc / "self" / "status").read_text()
+    except OSError:
+        status = ""
+    caps = _cap_eff(status)
+    has_cap = caps is not None and bool(caps >> CAP_SYS_PTRACE & 1)
+    for line in status.splitlines():
+        if line.startswith("TracerPid:") and line.split()[1] != "0":
+            check.missing.append(f"this process is already traced by pid {line.split()[1]} (a debugger or another "
+                                 "profiler); only one tracer can attach")
+    try:
+        scope: Optional[int] = int((proc / "sys" / "kernel" / "yama" / "ptrace_scope").read_text().strip())
+    except (OSError, ValueError):
+        scope = None
+    if scope == 3:
+        check.missing.append("kernel.yama.ptrace_scope=3 disables ptrace until reboot (set it to 1 or 0 at boot)")
+    elif scope == 2 and not has_cap:
+        check.missing.append("kernel.yama.ptrace_scope=2 allows only CAP_SYS_PTRACE holders: add the capability "
+                             "(docker run --cap-add SYS_PTRACE) or run sysctl kernel.yama.ptrace_scope=1 on the host")
+    elif scope == 1 and not has_cap:
+        check.notes.append("kernel.yama.ptrace_scope=1: this process allows py-spy via prctl(PR_SET_PTRACER)")
+    if not has_cap and _in_container(proc, root if root is not None else proc.parent) and scope != 3:
+        check.missing.append("running in a container without CAP_SYS_PTRACE: start it with --cap-add SYS_PTRACE "
+                             "(docker run / compose cap_add: [SYS_PTRACE])")
+    check.ok = not check.missing
+    return check
+
+
+def allow_tracer() -> bool:
+    """``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` so a child py-spy may trace us under Yama scope 1 (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class PySpyPhase:
+    """Windows of ``cfg.pyspy_steps`` steps from training step ``first_step``: off, on, off, on, off."""
+
+    WINDOWS = ("off", "flamegraph", "off", "speedscope", "off")
+
+    def __init__(self, cfg: ProfileConfig, out_dir: Path, first_step: int, check: PtraceCheck, attach_wait_s: float = 1.0) -> None:
+        self.cfg, self.out_dir, self.first_step, self.check = cfg, out_dir, first_step, check
+        self.attach_wait_s = attach_wait_s
+        self.n = cfg.pyspy_steps
+        self.last_step = first_step + len(self.WINDOWS) * self.n - 1
+        self.times: dict[str, list[float]] = {"off": [], "on": []}
+        self.outputs: dict[str, Any] = {}
+        self.errors: list[str] = []
+        self._proc: Optional[subprocess.Popen] = None
+        self._kind: Optional[str] = None
+        self._trainer = None
+
+    def window_of(self, step: int) -> Optional[tuple[int, str]]:
+        """(index, kind) of the window holding training ``step``, or None outside the phase."""
+        if not self.first_step <= step <= self.last_step:
+            return None
+        i = (step - self.first_step) // self.n
+        return i, self.WINDOWS[i]
+
+    def attach(self, trainer) -> None:
+        self._trainer = trainer
+        trainer.step_hooks.append(self.hook)
+        allow_tracer()
+
+    def hook(self, step: int, step_ms: float) -> None:
+        w = self.window_of(step)
+        if w is not None:
+            i, kind = w
+            if (step - self.first_step) % self.n != 0:  # the first step of a window is a transition
+                self.times["off" if kind == "off" else "on"].append(step_ms)
+        nxt = self.window_of(step + 1)
+        if self._proc is not None and (nxt is None or nxt[1] != self._kind):
+            self._stop()
+        if nxt is not None and nxt[1] != "off" and self._proc is None and not self.errors:
+            self._start(nxt[1])
+        if step >= self.last_step:
+            self._stop()
+            self._trainer.step_hooks.remove(self.hook)
+
+    def _start(self, kind: str) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        out = self.out_dir / ("pyspy.svg" if kind == "flamegraph" else "pyspy.speedscope.json")
+        out.unlink(missing_ok=True)  # never report an old capture
+        cmd = [self.check.pyspy, "record", "--pid", str(os.getpid()), "--rate", str(self.cfg.pyspy_rate),
+               "--format", kind, "--output", str(out)] + (["--native"] if self.cfg.pyspy_native else [])
+        self._log = open(self.out_dir / f"pyspy-{kind}.log", "w")
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._kind, self._out, self._cmd = kind, out, cmd
+        time.sleep(self.attach_wait_s)  # between steps: not timed
+        if self._proc.poll() is not None:
+            self._finish_proc()
+
+    def _stop(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
+            try:
+                self._proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._finish_proc()
+
+    def _finish_proc(self) -> None:
+        rc = self._proc.returncode
+        self._log.close()
+        log = Path(self._log.name).read_text(errors="replace").strip()
+        if self._out.is_file() and self._out.stat().st_size > 0:
+            self.outputs[self._kind] = {"path": str(self._out), "bytes": self._out.stat().st_size}
+        else:
+            self.errors.append(f"py-spy {self._kind} exited {rc} without output: {log[-500:]} "
+                               f"(command: {' '.join(self._cmd)}); {self.check.message()}")
+        self._proc = None
+
+    def result(self) -> dict[str, Any]:
+        """What summary.json's ``pyspy`` section holds."""
+        on, off = self.times["on"], self.times["off"]
+        res: dict[str, Any] = {"outputs": self.outputs, "preflight": self.check.message(),
+                               "rate_hz": self.cfg.pyspy_rate, "native": self.cfg.pyspy_native,
+                               "steps_with": len(on), "steps_without": len(off)}
+        if self.errors:
+            res["errors"] = self.errors
+        if on and off and not self.errors:
+            m_on, m_off = float(np.median(on)), float(np.median(off))
+            res.update(step_time_ms_with=m_on, step_time_ms_without=m_off, overhead_ratio=m_on / m_off - 1)
+        else:
+            res["overhead_ratio"] = None
+            res["overhead_unavailable_reason"] = "py-spy did not sample (see errors)" if self.errors else "no steps in the windows"
+        return res
