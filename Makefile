@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke buckets bench test test-slow lint clean distclean
+.PHONY: help setup data train smoke buckets bench bench-precision test test-slow lint clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ buckets: setup data ## fit bucket boundaries offline and save them as JSON
 BENCH_CONFIG ?= configs/bench-cpu.yaml
 bench: setup data ## training + inference benchmark, naive vs optimized, in one run → runs/bench/bench/
 	$(PY) -m train bench --config $(BENCH_CONFIG) $(ARGS)
+
+bench-precision: setup data ## fp32 vs the auto precision (+ bf16/fp16 on CUDA) on the same batches; JSON + markdown in the run dir
+	$(PY) -m train bench-precision --config $(CONFIG) $(ARGS)
 
 test: setup ## unit + short end-to-end tests on CPU (excludes tests marked slow)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

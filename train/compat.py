@@ -26,3 +26,16 @@ def make_grad_scaler(device_type: str, enabled: bool = True) -> Any:
 def load_state(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load`` restricted to tensors and plain containers (``weights_only=True``, available since 1.13)."""
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def fused_adamw_supported(device: Any) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` accepts parameters on ``device``.
+
+    torch 2.0–2.3: CUDA only; torch ≥ 2.4: CUDA and CPU (and others). Probed by constructing one,
+    since the check lives in the constructor in every version.
+    """
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
