@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
 
-.PHONY: help setup data train smoke buckets bench bench-batching profile profile-pyspy profile-nsys test test-slow lint clean distclean
+.PHONY: help setup data train smoke buckets bench bench-batching bench-precision profile profile-pyspy profile-nsys test test-slow lint clean distclean
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -47,6 +47,9 @@ profile-pyspy: setup data ## py-spy flame graph + speedscope of the running job,
 
 profile-nsys: setup data ## Nsight Systems capture of a few steps (needs nsys on PATH and CUDA; else says why it skipped)
 	$(PY) -m train profile --tools nsys --config $(CONFIG) $(ARGS)
+
+bench-precision: setup data ## fp32 vs the auto precision (+ bf16/fp16 on CUDA) on the same batches; JSON + markdown in the run dir
+	$(PY) -m train bench-precision --config $(CONFIG) $(ARGS)
 
 test: setup ## unit + short end-to-end tests on CPU (excludes tests marked slow)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

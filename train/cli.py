@@ -4,6 +4,7 @@
     python -m train buckets [--config FILE] [--out FILE] [section.key=value ...]
     python -m train bench-batching [--config FILE] [--run-id ID] [--num-buckets K] [...] [section.key=value ...]
     python -m train profile [--config FILE] [--run-id ID] [--tools torch,pyspy,gpu,nsys] [section.key=value ...]
+    python -m train bench-precision [--config FILE] [--steps N] [--bf16-cpu-steps M] [section.key=value ...]
 
 Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
 """
@@ -16,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
-from train.errors import UserError
+from train.errors import RunAborted, UserError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -61,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", default=None, help="run directory name (default: profile)")
     p.add_argument("--tools", default="torch,pyspy,gpu,nsys",
                    help="comma-separated: torch, pyspy, gpu, nsys (each skipped with a message where unavailable)")
+    p = sub.add_parser("bench-precision", help="fp32 vs the auto precision (and bf16/fp16 on CUDA) on the same batches")
+    _common(p)
+    p.add_argument("--steps", type=int, default=150, help="training steps per row (default 150)")
+    p.add_argument("--bf16-cpu-steps", type=int, default=4, help="steps of the timing-only bf16 row on CPU (0: none)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the step-time median")
+    p.add_argument("--run-id", default=None, help="run directory name (default: bench-precision-<timestamp>)")
     return parser
 
 
@@ -122,6 +129,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_precision(args: argparse.Namespace) -> int:
+    from train.bench_precision import main_bench
+    from train.config import load_config
+
+    if args.steps < 2 or args.warmup < 0 or args.warmup >= args.steps or args.bf16_cpu_steps < 0:
+        raise UserError("bench-precision: need --steps ≥ 2, 0 ≤ --warmup < --steps and --bf16-cpu-steps ≥ 0")
+    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
+    return main_bench(load_config(args.config, overrides), args.steps, args.bf16_cpu_steps, args.warmup)
+
+
 def cmd_bench_batching(args: argparse.Namespace) -> int:
     from train.bench_batching import BenchBatchingConfig, run_bench
     from train.config import load_config
@@ -167,7 +184,12 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
             return cmd_bench_batching(args)
         if args.command == "profile":
             return cmd_profile(args, t_start)
+        if args.command == "bench-precision":
+            return cmd_bench_precision(args)
     except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except RunAborted as exc:  # e.g. the numerics guard; the diagnostic report is already in the run directory
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -42,3 +42,14 @@ def event_device_total_us(event: Any) -> float:
     if value is None:
         value = getattr(event, "cuda_time_total", 0)
     return float(value or 0)
+def fused_adamw_supported(device: Any) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` accepts parameters on ``device``.
+
+    torch 2.0–2.3: CUDA only; torch ≥ 2.4: CUDA and CPU (and others). Probed by constructing one,
+    since the check lives in the constructor in every version.
+    """
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True

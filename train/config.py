@@ -149,8 +149,13 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_fraction: float = 0.06
     """Fraction of the total steps spent warming the learning rate up linearly from 0."""
-    clip_norm: Optional[float] = 1.0
-    """Global-norm gradient clipping threshold (true, unscaled units); null disables clipping."""
+    clip_norm: Optional[float] = None
+    """Deprecated alias of ``clip.max_norm``, kept so older configs work: a number sets ``clip.max_norm``.
+    After loading it mirrors the effective global-norm threshold (null unless ``clip.method=global-norm``);
+    disable clipping with ``clip.method=none``."""
+    fused: Optional[bool] = None
+    """AdamW's fused kernel; null = use it where torch supports it on the device (CUDA; CPU from torch 2.4),
+    which also lets the numerics guard skip a bad step on the device without a host sync."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -160,6 +165,46 @@ class OptimConfig:
         self.betas = tuple(self.betas)
         if len(self.betas) != 2:
             raise UserError("optim.betas must be two numbers, e.g. [0.9, 0.999]")
+
+
+@dataclass
+class ClipConfig:
+    """Gradient clipping (train/clipping.py), on gradients in true units (after GradScaler.unscale_)."""
+
+    method: str = "global-norm"
+    """``global-norm`` (scale all gradients to L2 norm ≤ max_norm), ``per-layer-std`` (clamp each parameter's
+    gradient to ±std_k·σ of that gradient), ``agc`` (adaptive gradient clipping, Brock et al. 2021), ``none``."""
+    max_norm: float = 1.0
+    """``global-norm`` threshold on the L2 norm of all gradients."""
+    std_k: float = 2.5
+    """``per-layer-std``: clamp at ±std_k standard deviations of each gradient."""
+    agc_lambda: float = 0.01
+    """``agc``: the clipping factor λ, the largest allowed ‖G_i‖ / max(‖W_i‖, agc_eps) per unit (row)."""
+    agc_eps: float = 1e-3
+    """``agc``: floor on the weight norm ε, so zero-initialised units can still move."""
+
+    def __post_init__(self) -> None:
+        from train.clipping import METHODS
+
+        if self.method not in METHODS:
+            raise UserError(f"clip.method={self.method!r} is not one of {', '.join(METHODS)}")
+        if self.max_norm <= 0 or self.std_k <= 0 or self.agc_lambda <= 0 or self.agc_eps <= 0:
+            raise UserError("clip.max_norm, clip.std_k, clip.agc_lambda and clip.agc_eps must be > 0")
+
+
+@dataclass
+class NumericsConfig:
+    """The numerics guard (train/numerics.py): skip non-finite steps, name the culprit, abort."""
+
+    max_bad_steps: int = 10
+    """Stop the run (exit code 3) after this many consecutive steps with non-finite loss or gradients."""
+    diagnose: bool = True
+    """After a bad step, attach forward hooks for the next logging window to name the first module whose
+    output is non-finite (hooks are never attached while the run is healthy)."""
+
+    def __post_init__(self) -> None:
+        if self.max_bad_steps < 1:
+            raise UserError("numerics.max_bad_steps must be ≥ 1")
 
 
 @dataclass
@@ -257,6 +302,20 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+
+    def __post_init__(self) -> None:
+        # optim.clip_norm is the old name of clip.max_norm: accept it, and keep it mirroring clip.max_norm.
+        legacy, default = self.optim.clip_norm, ClipConfig.max_norm
+        if legacy is not None and legacy != self.clip.max_norm:
+            if self.clip.max_norm != default:
+                raise UserError(f"optim.clip_norm={legacy} and clip.max_norm={self.clip.max_norm} disagree; "
+                                "set only clip.max_norm (optim.clip_norm is its old name)")
+            if legacy <= 0:
+                raise UserError("optim.clip_norm must be > 0 (disable clipping with clip.method=none)")
+            self.clip.max_norm = float(legacy)
+        self.optim.clip_norm = self.clip.max_norm if self.clip.method == "global-norm" else None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -20,6 +20,12 @@ class UserError(Exception):
     exit_code = 2
 
 
+class RunAborted(Exception):
+    """A run stopped on purpose after writing a diagnostic report (e.g. the numerics guard); the CLI exits 3."""
+
+    exit_code = 3
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds.

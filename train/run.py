@@ -22,6 +22,7 @@ from train.data import DataBundle, make_loader, prepare_data
 from train.env import collect_env, resolve_device
 from train.errors import UserError, atomic_write_text
 from train.model import EncoderClassifier, resolve_spec
+from train.numerics import NumericsAbort
 from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.flops import StepFlops
@@ -188,6 +189,10 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, ho
     energy_meter.start()
     try:
         stats = trainer.fit()
+    except NumericsAbort as abort:
+        energy_meter.stop()
+        write_aborted_report(cfg, run_dir, bundle, trainer, abort, device, policy, t_start)
+        raise
     finally:
         logger.close()
     energy = energy_meter.stop()  # the training loop, periodic evaluations included
@@ -209,6 +214,9 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, ho
     report["perf"].update(efficiency_fields(model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, policy.mode))
     for hook in hooks:
         hook.finish(report)
+    report["numerics"] = trainer.guard.report()
+    report["perf"]["throughput_valid"] = True
+    report["clip"] = clip_report(cfg)
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
 
@@ -224,6 +232,37 @@ def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: flo
            **mfu_fields(achieved, device, name, precision)}
     out.update(per_unit(energy, stats.steps, stats.samples, stats.real_tokens))
     return out
+
+
+def clip_report(cfg: RunConfig) -> dict[str, Any]:
+    """report.json ``clip``: the method and its parameters."""
+    c = cfg.clip
+    params = {"global-norm": {"max_norm": c.max_norm}, "per-layer-std": {"std_k": c.std_k},
+              "agc": {"agc_lambda": c.agc_lambda, "agc_eps": c.agc_eps}, "none": {}}[c.method]
+    return {"method": c.method, **params}
+
+
+def write_aborted_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, trainer: Trainer, abort: NumericsAbort,
+                         device: torch.device, policy: PrecisionPolicy, t_start: float) -> None:
+    """report.json for a run the numerics guard stopped: status ``aborted-numerics``, the diagnosis under
+    ``numerics``, no evaluation, and throughput figures null (``perf.throughput_valid`` false)."""
+    sampler = trainer.train_loader.batch_sampler
+    env = {**collect_env(device), "precision": policy.mode, "precision_reason": policy.reason,
+           "num_threads": torch.get_num_threads()}
+    report = build_report(cfg, run_dir, bundle, trainer.stats, trainer.timer.summary(), trainer.timer.first_ms,
+                          sum(trainer.timer.steady_ms), {}, {}, env, peak_memory(device),
+                          {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}, t_start,
+                          time.perf_counter() - t_start)
+    report["status"] = "aborted-numerics"
+    report["error"] = str(abort)
+    report["numerics"] = {**abort.diagnosis, "aborted": True}
+    report["clip"] = clip_report(cfg)
+    perf = report["perf"]
+    perf["throughput_valid"] = False
+    for key in ("throughput_samples_per_s", "throughput_tokens_per_s"):
+        perf[key] = None
+    perf["throughput_unavailable_reason"] = "run aborted by the numerics guard: steps were skipped, not trained"
+    atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

@@ -7,6 +7,7 @@ accumulated on the device and read (a host-device sync on CUDA) only when a reco
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -21,8 +22,12 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from tqdm import tqdm
 
+from train.clipping import clip_gradients
+from train.compat import fused_adamw_supported
 from train.config import RunConfig
+from train.errors import UserError
 from train.model import EncoderClassifier, param_groups
+from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
 from train.profiling.ranges import null_ranges
@@ -104,7 +109,12 @@ class Trainer:
         t = cfg.train
         self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * batches_per_epoch))
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+        fused = fused_adamw_supported(device) if o.fused is None else o.fused
+        if fused and not fused_adamw_supported(device):
+            raise UserError(f"optim.fused=true: torch {torch.__version__} has no fused AdamW on {device.type}; use null")
+        self.optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           fused=fused)
+        self.guard = NumericsGuard(model, device, cfg.numerics.max_bad_steps, cfg.numerics.diagnose)
         warmup = int(o.warmup_fraction * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_warmup_decay(self.total_steps, warmup))
         self.timer = StepTimer(device)
@@ -123,9 +133,13 @@ class Trainer:
             self.epoch += 1
 
     def train_step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One optimizer step. Returns (loss, pre-clip global grad norm in true units) as device tensors."""
+        """One optimizer step. Returns (loss, pre-clip global grad norm in true units) as device tensors.
+
+        A step with non-finite loss or gradients is skipped and counted by ``self.guard`` (no host sync).
+        """
         with self.ranges("forward"):
-            logits = self.model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
+            with self.guard.forward_context():  # hooks only while diagnosing a bad step
+                logits = self.model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
             loss = F.cross_entropy(logits, labels)  # fp32, outside autocast
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
@@ -133,20 +147,24 @@ class Trainer:
             self.policy.backward(loss)
         with self.ranges("optimizer"):
             self.policy.unscale_(self.optimizer)  # clip in true units
-            grad_norm = None
-            if self.cfg.optim.clip_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_norm)
-            self.policy.step(self.optimizer)
+            clip = clip_gradients(self.model.parameters(), **vars(self.cfg.clip))
+            ok = self.guard.observe(loss, clip)
+            self.guard.step(self.policy, self.optimizer, ok)
             self.scheduler.step()
-        return loss.detach(), grad_norm
+        return loss.detach(), clip.grad_norm
+
+    def _diagnostic_pass(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward + backward on one batch, no optimizer step (for the numerics guard's diagnosis)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(ids, mask, self.policy.blocks_autocast), labels)
+        loss.backward()
+        return loss.detach()
 
     def fit(self) -> TrainStats:
         t, s = self.cfg.train, self.stats
         self.model.train()
         show = t.progress and sys.stderr.isatty()
         bar = tqdm(total=self.total_steps, disable=not show, dynamic_ncols=True, mininterval=0.5, unit="step")
-        window_loss = torch.zeros((), device=self.device)
-        window_norm = torch.zeros((), device=self.device)
         window = {"steps": 0, "ms": 0.0, "samples": 0, "real": 0, "padded": 0}
         batches = self._batches()
         for step in range(1, self.total_steps + 1):
@@ -169,22 +187,21 @@ class Trainer:
                 s.steady_shape_counts[(b, seq)] += 1
                 s.steady_samples += b
                 s.steady_real_tokens += batch["real_tokens"]
-            window_loss += loss
-            if grad_norm is not None:
-                window_norm += grad_norm
             window["steps"] += 1
             window["ms"] += ms
             window["samples"] += b
             window["real"] += batch["real_tokens"]
             window["padded"] += b * seq
             if step % t.log_every == 0 or step == self.total_steps:
-                record = self._log_record(step, window, window_loss, window_norm)
+                record = self._log_record(step, window)
                 self.logger.log(record)
+                if self.guard.should_abort():
+                    self.guard.diagnose_batch(functools.partial(self._diagnostic_pass, ids, mask, labels))
+                    bar.close()
+                    raise self.guard.abort(step)
                 s.final_train_loss = record["loss"]
-                bar.set_postfix(loss=f"{record['loss']:.3f}", samples_s=f"{record['samples_per_s']:.0f}",
+                bar.set_postfix(loss="n/a" if record["loss"] is None else f"{record['loss']:.3f}", samples_s=f"{record['samples_per_s']:.0f}",
                                 pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
-                window_loss.zero_()
-                window_norm.zero_()
                 window = {"steps": 0, "ms": 0.0, "samples": 0, "real": 0, "padded": 0}
             if self.eval_loader is not None and (step % t.eval_every == 0 or step == self.total_steps):
                 result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device)
@@ -201,14 +218,15 @@ class Trainer:
         bar.close()
         return s
 
-    def _log_record(self, step: int, window: dict, window_loss: torch.Tensor, window_norm: torch.Tensor) -> dict[str, Any]:
+    def _log_record(self, step: int, window: dict) -> dict[str, Any]:
         n = window["steps"]
-        loss = float(window_loss) / n  # sync point: once per log_every steps
+        numerics = self.guard.end_window(n)  # sync point: once per log_every steps
+        loss = numerics.pop("loss")  # mean over the window's non-skipped steps
         secs = window["ms"] / 1e3
         record = {"step": step, "epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                   "step_time_ms": window["ms"] / n, "samples_per_s": window["samples"] / secs if secs else None,
                   "real_tokens": window["real"], "padded_tokens": window["padded"],
-                  "token_efficiency": window["real"] / window["padded"], "steps_in_window": n}
-        if self.cfg.optim.clip_norm is not None:
-            record["grad_norm"] = float(window_norm) / n
+                  "token_efficiency": window["real"] / window["padded"], "steps_in_window": n, **numerics}
+        if self.policy.scaler is not None:
+            record["loss_scale"] = float(self.policy.scaler.get_scale())
         return record

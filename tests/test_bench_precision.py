@@ -1,0 +1,29 @@
+"""bench-precision on tiny data: same batches, the auto row (fp32 here) identical to fp32, files written."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from train.bench_precision import run_bench
+
+
+def test_bench_precision_small(tiny_cfg) -> None:
+    out = run_bench(tiny_cfg("train.run_id=bp"), steps=6, bf16_cpu_steps=2, warmup=1)
+    run_dir = Path(out["run_dir"])
+    on_disk = json.loads((run_dir / "bench_precision.json").read_text())
+    rows = {r["requested"]: r for r in on_disk["rows"]}
+    assert rows["fp32"]["precision"] == "fp32" and rows["fp32"]["eval_accuracy"] is not None
+    if torch.cuda.is_available():
+        return
+    assert set(rows) == {"fp32", "auto", "bf16"}
+    auto = rows["auto"]
+    if auto["precision"] == "fp32":  # this CPU: auto must be exactly fp32, not merely close
+        assert auto["identical_to_fp32"] is True and auto["loss_gap_vs_fp32"]["max_abs"] == 0.0
+        assert auto["eval_accuracy"] == rows["fp32"]["eval_accuracy"]
+    bf16 = rows["bf16"]
+    assert bf16["precision"] == "bf16" and bf16["steps"] == 2 and bf16["eval_accuracy"] is None
+    assert "timing-only" in bf16["eval_unavailable_reason"] and bf16["step_time_ms_p50"] > 0
+    assert rows["fp32"]["peak_memory_bytes"] is None and rows["fp32"]["peak_memory_unavailable_reason"]
+    md = (run_dir / "bench_precision.md").read_text()
+    assert "| auto | " in md and "| bf16 | bf16 | 2 |" in md

@@ -1,0 +1,187 @@
+"""``python -m train bench-precision``: the same model on the same batches in several precisions.
+
+Rows: ``fp32`` and the ``auto`` choice; on CUDA also ``bf16`` (where supported) and ``fp16``; on a CPU
+also a short ``bf16`` row (``--bf16-cpu-steps`` steps, timing only) that shows why ``auto`` avoids it.
+Every row starts from the same initial weights and RNG state and is fed the same batches; the rows
+run interleaved step by step (the order rotates each step), so a shared, noisy machine slows them
+alike. Step times are synchronised, the first ``--warmup`` steps are dropped, medians are reported
+with the ratio to fp32. After training, each full-length row is evaluated on the validation split.
+
+Writes ``bench_precision.json`` and ``bench_precision.md`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from train.config import RunConfig, dump_config
+from train.data import make_loader, prepare_data
+from train.env import collect_env, resolve_device
+from train.errors import atomic_write_text
+from train.perf.timer import synchronize
+from train.precision import PrecisionPolicy
+from train.run import build_model, make_run_dir, seed_everything
+from train.tracking import NullLogger
+from train.trainer import Trainer, evaluate, move
+
+ACCURACY_PARITY_POINTS = 1.0  # target: low-precision eval accuracy within 1.0 point of fp32 (CUDA)
+
+
+def _rows(device: torch.device, steps: int, bf16_cpu_steps: int) -> list[tuple[str, int]]:
+    """(requested mode, steps) per row."""
+    rows = [("fp32", steps), ("auto", steps)]
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            rows.append(("bf16", steps))
+        rows.append(("fp16", steps))
+    elif bf16_cpu_steps > 0:
+        rows.append(("bf16", min(bf16_cpu_steps, steps)))
+    return rows
+
+
+class _Row:
+    def __init__(self, cfg: RunConfig, mode: str, steps: int, bundle: Any, device: torch.device, loader: Any) -> None:
+        self.requested, self.steps = mode, steps
+        self.policy = PrecisionPolicy.create(mode, device)
+        seed_everything(cfg.train.seed)
+        model = build_model(cfg, bundle).to(device)  # same seed → same initial weights in every row
+        self.trainer = Trainer(cfg, model, self.policy, device, loader, None, NullLogger(), bundle.num_classes)
+        self.trainer.model.train()
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.losses: list[float] = []
+        self.ms: list[float] = []
+        self.peak: Optional[int] = None
+
+    def step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, device: torch.device) -> None:
+        torch.set_rng_state(self.rng)  # each row has its own dropout RNG stream
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, device)
+            torch.cuda.reset_peak_memory_stats(device)
+        synchronize(device)
+        t0 = time.perf_counter()
+        loss, _ = self.trainer.train_step(ids, mask, labels)
+        synchronize(device)
+        self.ms.append((time.perf_counter() - t0) * 1e3)
+        self.losses.append(float(loss))  # sync point (a benchmark, not the training loop)
+        self.rng = torch.get_rng_state()
+        if self.cuda_rng is not None:
+            self.cuda_rng = torch.cuda.get_rng_state(device)
+            self.peak = max(self.peak or 0, int(torch.cuda.max_memory_allocated(device)))
+
+
+def _gap(a: list[float], b: list[float]) -> dict[str, Optional[float]]:
+    n = min(len(a), len(b))
+    if n == 0:
+        return {"mean_abs": None, "max_abs": None}
+    d = np.abs(np.asarray(a[:n]) - np.asarray(b[:n]))
+    return {"mean_abs": float(d.mean()), "max_abs": float(d.max())}
+
+
+def run_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> dict[str, Any]:
+    """Train every row for its steps in lockstep, evaluate, write JSON + markdown. Returns the JSON dict."""
+    cfg.train.max_steps = steps  # same LR schedule in every row
+    if cfg.train.run_id is None:
+        cfg.train.run_id = "bench-precision-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    run_dir = make_run_dir(cfg)
+    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    device = resolve_device(cfg.train.device)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed)
+    bundle = prepare_data(cfg, run_dir)
+    loader = make_loader(bundle, "train", cfg, train=True, device=device)
+    val_loader = make_loader(bundle, "validation", cfg, train=False, device=device)
+    rows = [_Row(cfg, mode, n, bundle, device, loader) for mode, n in _rows(device, steps, bf16_cpu_steps)]
+    print(f"bench-precision {run_dir}: {steps} steps; rows " +
+          ", ".join(f"{r.requested}→{r.policy.mode} ({r.steps} steps)" for r in rows), flush=True)
+
+    batches, epoch = [], 0
+    while len(batches) < steps:
+        loader.batch_sampler.set_epoch(epoch)
+        batches += [move(b, device) for b in loader][: steps - len(batches)]
+        epoch += 1
+    for i, (ids, mask, labels) in enumerate(batches):
+        active = [r for r in rows if i < r.steps]
+        k = i % len(active)
+        for r in active[k:] + active[:k]:  # rotate the order: no row always runs first
+            r.step(ids, mask, labels, device)
+        if (i + 1) % max(1, steps // 10) == 0:
+            print(f"step {i + 1}/{steps}: " + ", ".join(f"{r.requested} loss {r.losses[-1]:.4f}" for r in active),
+                  flush=True)
+
+    ref = rows[0]
+    ref_p50 = float(np.median(ref.ms[warmup:])) if len(ref.ms) > warmup else None
+    results = []
+    for r in rows:
+        full = r.steps == steps
+        timed = r.ms[warmup:] if len(r.ms) > warmup else r.ms[1:]
+        p50 = float(np.median(timed)) if timed else None
+        ev = evaluate(r.trainer.model, val_loader, r.policy, bundle.num_classes, device) if full else {}
+        row: dict[str, Any] = {
+            "requested": r.requested, "precision": r.policy.mode, "precision_reason": r.policy.reason,
+            "steps": r.steps, "timed_steps": len(timed), "step_time_ms_p50": p50,
+            "step_time_ratio_vs_fp32": p50 / ref_p50 if p50 and ref_p50 else None,
+            "peak_memory_bytes": r.peak,
+            "eval_accuracy": ev.get("accuracy"), "eval_loss": ev.get("loss"),
+            "final_train_loss": float(np.mean(r.losses[-10:])), "loss_gap_vs_fp32": _gap(r.losses, ref.losses),
+            "skipped_steps": r.trainer.guard.end_window(len(r.losses))["skipped_steps"],  # non-finite steps
+        }
+        if r.peak is None:
+            row["peak_memory_unavailable_reason"] = ("CPU: only the process-wide peak RSS is measurable, and all rows "
+                                                     "run interleaved in one process")
+        if not full:
+            row["eval_unavailable_reason"] = f"timing-only row: {r.steps} steps (bf16 on this CPU is too slow to train)"
+        if r is not ref:
+            same = r.losses == ref.losses[: len(r.losses)] and all(
+                torch.equal(a, b) for a, b in zip(r.trainer.model.state_dict().values(), ref.trainer.model.state_dict().values()))
+            row["identical_to_fp32"] = bool(same) if full else None
+            if full and row["eval_accuracy"] is not None and results[0]["eval_accuracy"] is not None:
+                gap = 100 * (row["eval_accuracy"] - results[0]["eval_accuracy"])
+                row["accuracy_gap_points"] = gap
+                row["accuracy_parity_met"] = abs(gap) <= ACCURACY_PARITY_POINTS
+        results.append(row)
+    out = {"run_dir": str(run_dir), "steps": steps, "warmup_steps_excluded": warmup,
+           "model": cfg.model.preset, "batching": {"method": cfg.batching.method, "batch_size": cfg.batching.batch_size,
+                                                   "max_tokens": cfg.batching.max_tokens},
+           "accuracy_parity_points": ACCURACY_PARITY_POINTS, "env": collect_env(device),
+           "num_threads": torch.get_num_threads(), "rows": results}
+    atomic_write_text(run_dir / "bench_precision.json", json.dumps(out, indent=2) + "\n")
+    atomic_write_text(run_dir / "bench_precision.md", markdown(out))
+    return out
+
+
+def markdown(out: dict[str, Any]) -> str:
+    """The result as a markdown table (what README quotes)."""
+
+    def f(x: Any, fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    lines = [f"bench-precision: {out['model']} model, {out['steps']} steps on the same batches "
+             f"({out['env']['device']}, torch {out['env']['torch']}); step time = median after "
+             f"{out['warmup_steps_excluded']} warm-up steps", "",
+             "| row | precision | steps | step_time_ms p50 | × fp32 | peak_memory_bytes | eval accuracy | "
+             "final train loss | loss gap vs fp32 (mean / max abs) | identical to fp32 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in out["rows"]:
+        g = r["loss_gap_vs_fp32"]
+        lines.append(
+            f"| {r['requested']} | {r['precision']} | {r['steps']} | {f(r['step_time_ms_p50'], '.1f')} | "
+            f"{f(r['step_time_ratio_vs_fp32'], '.2f')} | {f(r['peak_memory_bytes'], 'd')} | "
+            f"{f(r['eval_accuracy'], '.4f')} | {f(r['final_train_loss'], '.4f')} | "
+            f"{f(g['mean_abs'], '.2e')} / {f(g['max_abs'], '.2e')} | {r.get('identical_to_fp32', '—')} |")
+    lines += ["", "Why auto chose what it chose: " + out["rows"][1]["precision_reason"]]
+    return "\n".join(lines) + "\n"
+
+
+def main_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> int:
+    out = run_bench(cfg, steps, bf16_cpu_steps, warmup)
+    print(markdown(out))
+    print(f"wrote {Path(out['run_dir']) / 'bench_precision.json'} and bench_precision.md")
+    return 0
