@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,15 +26,3 @@ def make_grad_scaler(device_type: str, enabled: bool = True) -> Any:
 def load_state(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load`` restricted to tensors and plain containers (``weights_only=True``, available since 1.13)."""
     return torch.load(path, map_location=map_location, weights_only=True)
-
-
-def sdpa_flops_in_counts(counts: Mapping[Any, int]) -> int:
-    """FLOPs that ``FlopCounterMode`` attributed to ``scaled_dot_product_attention`` (counts: op → FLOPs).
-
-    Recent torch reports SDPA kernels under their own names (``aten._scaled_dot_product_*``), or, for the
-    CPU kernel with a bool mask, not at all. torch 2.1 on CPU runs the math fallback, which the counter sees
-    as ``aten.bmm`` (QKᵀ and A·V, forward and backward). The encoder has no other batched matmul (its Linear
-    layers are ``aten.mm``/``aten.addmm``), so every ``bmm`` is attention's; callers replace the sum with the
-    analytic attention count.
-    """
-    return sum(v for op, v in counts.items() if "scaled_dot_product" in str(op) or str(op) in ("aten.bmm", "aten.bmm.default"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from train.compat import sdpa_flops_in_counts
 from train.model import EncoderClassifier
 
 
@@ -38,7 +37,7 @@ def training_step_flops(model: EncoderClassifier, input_ids: torch.Tensor, atten
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     counts = counter.get_flop_counts().get("Global", {})
-    sdpa = sdpa_flops_in_counts(counts)  # torch-version differences: train/compat.py
+    sdpa = sum(v for op, v in counts.items() if "scaled_dot_product" in str(op))
     b, s = input_ids.shape
     spec = model.spec
     return int(counter.get_total_flops() - sdpa + attention_training_flops(b, s, spec.hidden_size, spec.num_layers))
