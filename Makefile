@@ -52,8 +52,8 @@ LOCK_FLAGS = --python-platform x86_64-manylinux_2_28 --python-version 3.10 --gen
 	--custom-compile-command "make lock"
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke buckets test test-slow lint clean distclean
-.PHONY: print-image bad-runtime build image-present verify-gpu warmup profile profile-pyspy profile-nsys bench shell lock test-torch21 clean-cache
+.PHONY: help setup data train smoke buckets bench test test-slow lint clean distclean
+.PHONY: print-image bad-runtime build image-present verify-gpu warmup profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -79,6 +79,11 @@ smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.jso
 
 buckets: setup data ## fit bucket boundaries offline and save them as JSON
 	$(PY) -m train buckets --config $(CONFIG) $(ARGS)
+
+BENCH_CONFIG ?= configs/bench-cpu.yaml
+bench: $(RT_DEPS_DATA) ## training + inference benchmark, naive vs optimized, in one run → runs/bench/bench/; BENCH=bench-... picks another command
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train $(BENCH) --config $(BENCH_CONFIG) $(ARGS))
 
 test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
 	@echo "$(RT_LINE)"
@@ -137,9 +142,6 @@ profile-nsys: $(RT_DEPS_DATA) ## Nsight Systems capture of a training run → ru
 	mkdir -p $(PROFILE_DIR)
 	$(call rt_py,-m train train --config $(CONFIG) $(ARGS),nsys profile --trace=cuda$(comma)nvtx$(comma)osrt --sample=cpu --force-overwrite=true -o $(PROFILE_DIR)/nsys,$(NSYS_DOCKER_FLAGS))
 
-bench: $(RT_DEPS_DATA) ## benchmarks (python -m train bench); BENCH=bench-... picks another command
-	@echo "$(RT_LINE)"
-	$(call rt_py,-m train $(BENCH) $(ARGS))
 
 shell: $(RT_DEPS) ## an interactive shell in the image (or with .venv on PATH)
 	@echo "$(RT_LINE)"

@@ -32,6 +32,8 @@ def test_short_run_learns_and_reports(tiny_cfg) -> None:
     assert on_disk["batching"]["distinct_shapes"] <= 3  # static shapes: at most K sequence lengths
     assert 0 < on_disk["batching"]["token_efficiency"] <= 1
     assert on_disk["perf"]["throughput_samples_per_s"] > 0 and on_disk["env"]["precision"] == "fp32"
+    assert on_disk["perf"]["mfu"] > 0 and on_disk["perf"]["mfu_peak_source"] == "measured matmul"
+    assert "energy_j_per_sample" in on_disk["perf"] and "p90" in on_disk["perf"]["step_time_ms"]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

@@ -88,7 +88,8 @@ def test_variables_override_image_tag_gpus_and_args():
     assert "reg.example/dmp:v9" in words and flag_values(words, "--gpus") == ["device=1"]
     assert words[-3:] == ["train.max_steps=7", "--run-id", "x"]
     words = docker_run(make_n("RUNTIME=docker", "STACK=torch2x", "bench", "BENCH=bench-compile"))
-    assert "deep-model-perf:cu124-torch2.6.0" in words and words[-2:] == ["train", "bench-compile"]
+    assert "deep-model-perf:cu124-torch2.6.0" in words
+    assert words[-4:] == ["train", "bench-compile", "--config", "configs/bench-cpu.yaml"]
 
 
 def test_docker_targets_build_the_image_when_missing():

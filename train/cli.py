@@ -33,6 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("buckets", help="fit bucket boundaries on the training split and save them as JSON")
     _common(p)
     p.add_argument("--out", default=None, help="output JSON (default: runs/buckets/<method>-<K>.json)")
+    p = sub.add_parser("bench", help="training + inference benchmark, naive vs optimized, in one run")
+    _common(p)
+    p.add_argument("--run-id", default=None, help="run directory name (default: a timestamp)")
+    p.add_argument("--configs", default=None, help="comma-separated training configurations (default: all)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per configuration first")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of interleaved timed windows")
+    p.add_argument("--window", type=int, default=5, help="timed steps per configuration per round")
+    p.add_argument("--checkpoint", default=None, help="checkpoint.pt to serve in the inference benchmark")
+    p.add_argument("--requests", type=int, default=200, help="inference requests (single and batched)")
+    p.add_argument("--inference-batch-size", type=int, default=32)
+    p.add_argument("--skip-inference", action="store_true")
     return parser
 
 
@@ -76,6 +87,24 @@ def cmd_buckets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from train.bench import CONFIGS, run_bench
+    from train.config import load_config
+
+    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
+    cfg = load_config(args.config, overrides)
+    if min(args.warmup_steps, args.rounds, args.window, args.requests, args.inference_batch_size) < 1:
+        raise UserError("--warmup-steps, --rounds, --window, --requests and --inference-batch-size must be ≥ 1")
+    names = [n.strip() for n in args.configs.split(",")] if args.configs else list(CONFIGS)
+    result = run_bench(cfg, names, args.warmup_steps, args.rounds, args.window, args.checkpoint, args.requests,
+                       args.inference_batch_size, args.skip_inference)
+    from train.bench import markdown
+
+    print(markdown(result))
+    print(f"wrote {cfg.train.output_dir}/{cfg.train.run_id or '<timestamp>'}/bench/ (bench.json, bench.md, PNGs)")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) -> int:
     t_start = time.perf_counter() if t_start is None else t_start
     args = build_parser().parse_args(argv)
@@ -84,6 +113,8 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
             return cmd_train(args, t_start)
         if args.command == "buckets":
             return cmd_buckets(args)
+        if args.command == "bench":
+            return cmd_bench(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -76,7 +76,8 @@ class BatchingConfig:
 
     method: str = "optimal"
     """Bucket boundaries: ``optimal`` (minimum-padding DP), ``quantile``, ``kmeans``; or no buckets:
-    ``pad-to-max`` (every batch padded to ``data.max_len``), ``random`` (random batches padded to the batch max)."""
+    ``pad-to-max`` (every batch padded to ``data.max_len``), ``random`` (random batches padded to the batch max),
+    ``hf-group-by-length`` (Hugging Face's megabatch length grouping, padded to the batch max; a baseline)."""
     num_buckets: int = 8
     """K, the number of buckets (= distinct sequence lengths) for the bucketed methods."""
     batch_size: int = 64
@@ -91,7 +92,7 @@ class BatchingConfig:
     """A bucket-boundaries JSON from ``python -m train buckets``; None = fit on the fly and save into the run."""
 
     def __post_init__(self) -> None:
-        allowed = ("optimal", "quantile", "kmeans", "pad-to-max", "random")
+        allowed = ("optimal", "quantile", "kmeans", "pad-to-max", "random", "hf-group-by-length")
         if self.method not in allowed:
             raise UserError(f"batching.method={self.method!r} is not one of {', '.join(allowed)}")
         if self.num_buckets < 1:

@@ -22,6 +22,9 @@ from train.data import DataBundle, make_loader, prepare_data
 from train.env import collect_env, resolve_device
 from train.errors import UserError, atomic_write_text
 from train.model import EncoderClassifier, resolve_spec
+from train.perf.devices import mfu_fields
+from train.perf.energy import EnergyMeter, per_unit
+from train.perf.flops import StepFlops
 from train.perf.memory import peak_memory, reset_peak
 from train.precision import PrecisionPolicy
 from train.tracking import JsonlLogger
@@ -177,10 +180,13 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
     print(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch)", flush=True)
     reset_peak(device)
+    energy_meter = EnergyMeter(device)
+    energy_meter.start()
     try:
         stats = trainer.fit()
     finally:
         logger.close()
+    energy = energy_meter.stop()  # the training loop, periodic evaluations included
     sampler = train_loader.batch_sampler
     sampler_counts = {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
     final_eval = stats.evals[-1] if stats.evals else evaluate(model, val_loader, policy, bundle.num_classes, device)
@@ -196,8 +202,22 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
                           sum(trainer.timer.steady_ms), final_eval, test_eval, env, memory, sampler_counts, t_start,
                           time.perf_counter() - t_start)
     report["perf"]["data_prep_s"] = data_s
+    report["perf"].update(efficiency_fields(model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, policy.mode))
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
+
+
+def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: float, energy: dict,
+                      device: torch.device, precision: str) -> dict[str, Any]:
+    """perf.mfu (+ both peaks) from FLOPs counted per steady-state step shape, and energy per step/sample/token."""
+    step_flops = StepFlops(model.spec)
+    steady_flops = sum(step_flops(b, s) * n for (b, s), n in stats.steady_shape_counts.items())
+    achieved = steady_flops / steady_s if steady_s > 0 and steady_flops else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out = {"flops_per_step_mean": steady_flops / max(1, sum(stats.steady_shape_counts.values())),
+           **mfu_fields(achieved, device, name, precision)}
+    out.update(per_unit(energy, stats.steps, stats.samples, stats.real_tokens))
+    return out
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:

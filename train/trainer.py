@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -51,6 +52,7 @@ class TrainStats:
     truncated_in_collate: int = 0
     seq_lens: set = field(default_factory=set)
     batch_shapes: set = field(default_factory=set)
+    steady_shape_counts: Counter = field(default_factory=Counter)  # (B, S) → steps, first step excluded
     final_train_loss: Optional[float] = None
     first_step_end: Optional[float] = None  # time.perf_counter() at the end of step 1
     evals: list = field(default_factory=list)
@@ -154,6 +156,7 @@ class Trainer:
             s.seq_lens.add(seq)
             s.batch_shapes.add((b, seq))
             if step > 1:
+                s.steady_shape_counts[(b, seq)] += 1
                 s.steady_samples += b
                 s.steady_real_tokens += batch["real_tokens"]
             window_loss += loss

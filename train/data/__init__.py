@@ -14,9 +14,11 @@ from torch.utils.data import DataLoader
 from train.config import RunConfig
 from train.data.buckets import BucketPlan
 from train.data.collate import PadCollate, TokenDataset
+from train.data.length_grouped import LengthGroupedBatchSampler
 from train.data.sampler import BucketBatchSampler
 from train.data.sources import Corpus, load_corpus
 from train.data.tokenizer import TokenizedSplit, encode, load_or_train, pad_id, texts_fingerprint
+from train.errors import UserError
 
 BUCKETED = ("optimal", "quantile", "kmeans")
 
@@ -54,6 +56,8 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         return [cfg.data.max_len], "bound", None, "none (pad to data.max_len)"
     if b.method == "random":
         return [cfg.data.max_len], "batch-max", None, "none (random batches, pad to batch max)"
+    if b.method == "hf-group-by-length":
+        return [cfg.data.max_len], "batch-max", None, "none (megabatch length grouping, pad to batch max)"
     if b.boundaries_file:
         plan = BucketPlan.load(b.boundaries_file, data_fp, tok_fp, force=force)
         return plan.bounds, "bound", plan, str(b.boundaries_file)
@@ -90,10 +94,16 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
     shuffle, nothing dropped, the same buckets (so eval shapes are the training shapes).
     """
     b = cfg.batching
-    sampler = BucketBatchSampler(
-        bundle.splits[split].lengths, bundle.bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
-        round_batch_to=8 if b.round_to % 8 == 0 else 1, shuffle=train, seed=cfg.train.seed,
-        drop_last=b.drop_last if train else False, world_size=world_size, rank=rank)
+    sampler: BucketBatchSampler | LengthGroupedBatchSampler
+    if b.method == "hf-group-by-length" and train:
+        if world_size > 1:
+            raise UserError("batching.method=hf-group-by-length is a single-process baseline; use optimal with DDP")
+        sampler = LengthGroupedBatchSampler(bundle.splits[split].lengths, b.batch_size, cfg.train.seed, b.drop_last)
+    else:
+        sampler = BucketBatchSampler(
+            bundle.splits[split].lengths, bundle.bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
+            round_batch_to=8 if b.round_to % 8 == 0 else 1, shuffle=train, seed=cfg.train.seed,
+            drop_last=b.drop_last if train else False, world_size=world_size, rank=rank)
     return DataLoader(TokenDataset(bundle.splits[split]), batch_sampler=sampler,
                       collate_fn=PadCollate(bundle.pad_id, bundle.bounds, bundle.pad_to),
                       num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",

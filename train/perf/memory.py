@@ -27,3 +27,45 @@ def peak_memory(device: torch.device) -> dict:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     scale = 1 if sys.platform == "darwin" else 1024
     return {"peak_memory_bytes": int(rss * scale), "peak_memory_source": "process peak RSS (getrusage)"}
+
+
+def _vm_hwm_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+class WindowPeakMemory:
+    """Peak memory of a window of work, resettable between windows (benchmark phases).
+
+    CUDA: ``reset_peak_memory_stats`` then ``max_memory_allocated``/``max_memory_reserved``.
+    CPU (Linux): writing ``5`` to ``/proc/self/clear_refs`` resets the peak RSS (``VmHWM``, Linux
+    ≥ 4.0, proc(5)); the window's peak is read back from ``/proc/self/status``. Elsewhere the
+    process-lifetime ``ru_maxrss`` is returned with a source that says it cannot be reset.
+    The CPU figure is the whole process's resident memory (model, data, every benchmark arm).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.resettable_rss = False
+        if device.type != "cuda":
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                _vm_hwm_bytes()
+                self.resettable_rss = True
+            except OSError:
+                pass
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.resettable_rss:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+
+    def stop(self) -> dict:
+        if self.device.type == "cuda" or not self.resettable_rss:
+            return peak_memory(self.device)
+        return {"peak_memory_bytes": _vm_hwm_bytes(), "peak_memory_source": "process peak RSS in the window (VmHWM)"}

@@ -1,0 +1,47 @@
+"""A tiny end-to-end bench producing every JSON key (fixture data, smallest model)."""
+
+import json
+from pathlib import Path
+
+from train.bench import run_bench
+from train.bench.training import CONFIGS
+
+ROW_KEYS = {"name", "samples_per_s", "tokens_per_s", "time_to_first_step_s", "step_time_ms", "peak_memory_bytes",
+            "energy_j_per_sample", "mfu", "mfu_vs_measured_peak", "samples_per_s_vs_naive", "samples_per_s_vs_hf-style"}
+
+
+def test_tiny_bench_writes_every_key(tiny_cfg) -> None:
+    cfg = tiny_cfg("train.run_id=bench", "batching.max_tokens=256")
+    run_bench(cfg, list(CONFIGS), warmup_steps=1, rounds=2, window=2, checkpoint=None,
+                       num_requests=6, inference_batch_size=4, skip_inference=False, notice=lambda _m: None)
+    out = Path(cfg.train.output_dir) / "bench" / "bench"
+    on_disk = json.loads((out / "bench.json").read_text())
+    rows = {r["name"]: r for r in on_disk["training"]["configs"]}
+    assert list(rows) == list(CONFIGS)
+    for row in rows.values():
+        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert set(row["step_time_ms"]) == {"p50", "p90", "p99"} and row["timed_steps"] == 4
+        assert row["samples_per_s"] > 0 and row["mfu_vs_measured_peak"] > 0
+        assert row["energy_j_per_sample"] is not None or row["energy_unavailable_reason"]
+    assert rows["naive"]["samples_per_s_vs_naive"] == 1.0
+    assert rows["naive"]["token_efficiency"] < rows["naive+buckets"]["token_efficiency"]
+    assert rows["naive"]["distinct_shapes"] == 1
+    inf = on_disk["inference"]
+    assert inf["time_to_first_response_s"] > 0 and inf["single"]["requests"] == 6
+    for mode in ("single", "batched"):
+        assert set(inf[mode]["latency_ms"]) == {"p50", "p90", "p99"} and inf[mode]["requests_per_s"] > 0
+    assert {"throughput.png", "memory.png", "latency_cdf.png"} <= {p.name for p in out.iterdir()}
+    assert "| naive |" in (out / "bench.md").read_text()
+
+
+def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
+    import time
+
+    from train.run import run_training
+
+    report = run_training(tiny_cfg("train.max_steps=40", "train.run_id=ck"), time.perf_counter())
+    cfg = tiny_cfg("train.run_id=benchck")
+    result = run_bench(cfg, ["naive"], 1, 1, 1, str(Path(report["run_dir"]) / "checkpoint.pt"), 20, 5, False,
+                       notice=lambda _m: None)
+    assert result["inference"]["model"].endswith("checkpoint.pt")
+    assert result["inference"]["accuracy_on_requests"] > 0.3  # a trained model, not chance (1/45)

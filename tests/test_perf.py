@@ -1,0 +1,153 @@
+"""Measurement primitives: percentiles, FLOPs, MFU, energy sources (mocked NVML / fake RAPL), memory phases."""
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from train.model import EncoderClassifier, resolve_spec
+from train.perf.devices import mfu_fields, table_peak
+from train.perf.energy import EnergyMeter, integrate_power, per_unit
+from train.perf.flops import StepFlops, training_step_flops
+from train.perf.memory import WindowPeakMemory
+from train.perf.timer import StepTimer, percentiles
+
+
+def test_percentiles_match_numpy() -> None:
+    values = np.random.default_rng(0).lognormal(3, 1, 997)
+    got = percentiles(values)
+    for q in (50, 90, 99):
+        assert got[f"p{q}"] == pytest.approx(np.percentile(values, q))
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_step_timer_separates_the_first_step() -> None:
+    timer = StepTimer(torch.device("cpu"))
+    for _ in range(3):
+        timer.start()
+        timer.stop()
+    assert timer.first_ms is not None and len(timer.steady_ms) == 2
+
+
+def test_step_flops_extrapolation_equals_direct_counting() -> None:
+    spec = resolve_spec("tiny", 300, 9, 64, dropout=0.0, num_layers=2, hidden_size=32, num_heads=4, ffn_size=48)
+    model = EncoderClassifier(spec)
+    flops = StepFlops(spec)
+    for b, s in [(1, 5), (7, 33), (3, 64)]:
+        ids = torch.randint(4, 300, (b, s))
+        assert flops(b, s) == training_step_flops(model, ids, torch.ones(b, s, dtype=torch.bool))
+
+
+def test_one_encoder_layer_against_the_hand_formula() -> None:
+    b, s, h, f, c = 2, 10, 64, 256, 5
+    spec = resolve_spec("tiny", 100, c, 16, num_layers=1, hidden_size=h, num_heads=4, ffn_size=f)
+    linears = 2 * b * s * (3 * h * h + h * h + 2 * h * f) + 2 * b * h * c  # 2·m·n·k per Linear, forward
+    attention = 4 * b * s * s * h  # QKᵀ and A·V, forward
+    assert StepFlops(spec)(b, s) == 3 * linears + 3 * attention  # backward = 2 × forward
+
+
+def test_mfu_arithmetic_and_table_lookup() -> None:
+    peak, why = table_peak("NVIDIA H200", "bf16")
+    assert peak == pytest.approx(989.4e12) and why is None
+    assert table_peak("cpu", "fp32")[0] is None
+    out = mfu_fields(1e12, torch.device("cpu"), "NVIDIA H200", "bf16", measure=False)
+    assert out["mfu"] == pytest.approx(1e12 / 989.4e12) and out["mfu_peak_source"] == "device table"
+    cpu = mfu_fields(None, torch.device("cpu"), "cpu", "fp32", measure=False)
+    assert cpu["mfu"] is None and "mfu_unavailable_reason" in cpu
+
+
+class FakeNvml(types.ModuleType):
+    """pynvml stand-in: energy counter in mJ, power in mW; either can raise NotSupported."""
+
+    class NVMLError_NotSupported(Exception):
+        pass
+
+    def __init__(self, counter: bool, power: bool) -> None:
+        super().__init__("pynvml")
+        self.counter, self.power, self.mj = counter, power, 1_000_000
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: int) -> int:
+        if not self.counter:
+            raise self.NVMLError_NotSupported()
+        self.mj += 2500  # each reading: 2.5 J later
+        return self.mj
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        if not self.power:
+            raise self.NVMLError_NotSupported()
+        return 200_000  # 200 W
+
+
+@pytest.fixture
+def cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return torch.device("cuda", 0)
+
+
+def test_energy_counter(monkeypatch, cuda_device) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(counter=True, power=True))
+    meter = EnergyMeter(cuda_device)
+    assert meter.source == "nvml-energy-counter"
+    meter.start()
+    assert meter.stop() == {"energy_j": 2.5, "energy_source": "nvml-energy-counter"}
+
+
+def test_energy_power_integration_when_counter_unsupported(monkeypatch, cuda_device) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(counter=False, power=True))
+    meter = EnergyMeter(cuda_device, sample_interval_s=0.005)
+    assert meter.source == "nvml-power-sampling"
+    meter.start()
+    import time
+
+    time.sleep(0.2)
+    out = meter.stop()
+    assert out["energy_source"] == "nvml-power-sampling"
+    assert 0.5 * 200 * 0.2 < out["energy_j"] < 1.5 * 200 * 0.2  # ≈ 200 W × 0.2 s
+    assert integrate_power([(0.0, 100.0), (1.0, 300.0)]) == 200.0
+
+
+def test_energy_null_with_reason_never_zero(monkeypatch, cuda_device, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(counter=False, power=False))
+    out = EnergyMeter(cuda_device).stop()
+    assert out["energy_j"] is None and "unsupported" in out["energy_unavailable_reason"]
+    cpu = EnergyMeter(torch.device("cpu"), rapl_root=str(tmp_path))
+    cpu.start()
+    out = cpu.stop()
+    assert out["energy_j"] is None and "RAPL" in out["energy_unavailable_reason"]
+    unit = per_unit(out, 10, 100, 1000)
+    assert unit["energy_j_per_sample"] is None and unit["energy_unavailable_reason"]
+
+
+def test_rapl_reader_with_wraparound(tmp_path: Path) -> None:
+    dom = tmp_path / "intel-rapl:0"
+    dom.mkdir()
+    (dom / "max_energy_range_uj").write_text("1000000\n")
+    (dom / "energy_uj").write_text("999000\n")
+    (tmp_path / "intel-rapl:0:0").mkdir()  # a sub-domain: not summed
+    meter = EnergyMeter(torch.device("cpu"), rapl_root=str(tmp_path))
+    assert meter.source == "rapl"
+    meter.start()
+    (dom / "energy_uj").write_text("4000\n")  # wrapped: 1,000 + 4,000 µJ
+    assert meter.stop()["energy_j"] == pytest.approx(0.005)
+
+
+def test_window_peak_memory_resets_between_phases() -> None:
+    mem = WindowPeakMemory(torch.device("cpu"))
+    if not mem.resettable_rss:
+        pytest.skip("/proc/self/clear_refs not writable here")
+    mem.start()
+    big = np.ones(400 * 2**20 // 8)  # 400 MiB touched
+    first = mem.stop()["peak_memory_bytes"]
+    del big
+    mem.start()
+    second = mem.stop()["peak_memory_bytes"]
+    assert first - second > 300 * 2**20

@@ -1,0 +1,152 @@
+"""``python -m train bench``: the five-part performance report, naive vs optimized, in one run.
+
+Writes ``runs/<id>/bench/``: ``bench.json`` (``training.configs`` rows and ``inference``),
+``bench.md`` (one table per benchmark) and PNG plots (throughput bars, latency CDF, memory bars).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from train.bench.inference import run_inference_bench
+from train.bench.training import CONFIGS, add_ratios, run_training_bench
+from train.config import RunConfig
+from train.data import prepare_data
+from train.data.tokenizer import load_or_train
+from train.env import collect_env, resolve_device
+from train.errors import atomic_path, atomic_write_text
+from train.run import make_run_dir, seed_everything
+
+
+def run_bench(cfg: RunConfig, names: list[str], warmup_steps: int, rounds: int, window: int,
+              checkpoint: Optional[str], num_requests: int, inference_batch_size: int, skip_inference: bool,
+              notice: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the training (and inference) benchmarks and write ``<run_dir>/bench/``. Returns bench.json's dict."""
+    run_dir = make_run_dir(cfg)
+    out_dir = run_dir / "bench"
+    device = resolve_device(cfg.train.device)
+    seed_everything(cfg.train.seed)
+    bundle = prepare_data(cfg, None, notice=notice)
+    t0 = time.perf_counter()
+    rows = run_training_bench(cfg, bundle, device, names, warmup_steps, rounds, window, notice)
+    add_ratios(rows)
+    result: dict[str, Any] = {
+        "training": {"configs": rows, "settings": {"warmup_steps": warmup_steps, "rounds": rounds, "window": window,
+                                                   "batch_size": cfg.batching.batch_size,
+                                                   "max_tokens": cfg.batching.max_tokens, "model": cfg.model.preset,
+                                                   "interleaved": True, "seconds": time.perf_counter() - t0}},
+        "env": {**collect_env(device), "num_threads": __import__("torch").get_num_threads()},
+    }
+    if skip_inference:
+        result["inference"] = None
+        result["inference_unavailable_reason"] = "skipped (--skip-inference)"
+    else:
+        tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
+        result["inference"] = run_inference_bench(cfg, bundle, tok, device, checkpoint, num_requests,
+                                                  inference_batch_size, notice)
+    write_outputs(out_dir, result)
+    return result
+
+
+def _fmt(x: Any, spec: str = ".1f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """bench.md: one table for training, one for inference."""
+    env = result["env"]
+    lines = [f"# Benchmark — {env['device']}, torch {env['torch']}", "",
+             "## Training (interleaved, same process; medians over windows after warm-up)", "",
+             "| config | samples/s | × naive | × hf-style | tokens/s | first step s | p50 ms | p90 ms | p99 ms "
+             "| token eff. | shapes | peak mem MiB | J/sample | MFU (measured peak) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["training"]["configs"]:
+        st = r["step_time_ms"]
+        lines.append(f"| {r['name']} | {_fmt(r['samples_per_s'])} | {_fmt(r.get('samples_per_s_vs_naive'), '.2f')} "
+                     f"| {_fmt(r.get('samples_per_s_vs_hf-style'), '.2f')} | {_fmt(r['tokens_per_s'], '.0f')} "
+                     f"| {_fmt(r['time_to_first_step_s'], '.2f')} | {_fmt(st['p50'])} | {_fmt(st['p90'])} | {_fmt(st['p99'])} "
+                     f"| {_fmt(r['token_efficiency'], '.3f')} | {r['distinct_shapes']} | {r['peak_memory_bytes'] / 2**20:.0f} "
+                     f"| {_fmt(r.get('energy_j_per_sample'), '.3g')} | {_fmt(r['mfu_vs_measured_peak'], '.1%')} |")
+    reason = next((r.get("energy_unavailable_reason") for r in result["training"]["configs"]
+                   if r.get("energy_unavailable_reason")), None)
+    if reason:
+        lines += ["", f"Energy: not measured — {reason}."]
+    inf = result.get("inference")
+    if inf:
+        lines += ["", "## Inference", "", f"Model: {inf['model']}; precision {inf['precision']}; "
+                  f"time to first response {inf['time_to_first_response_s']:.2f} s (first request {inf['first_request_ms']:.1f} ms); "
+                  f"accuracy on the requests {inf['accuracy_on_requests']:.3f}.", "",
+                  "| mode | requests | requests/s | p50 ms | p90 ms | p99 ms | peak mem MiB | J/request |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for mode in ("single", "batched"):
+            m = inf[mode]
+            lat = m["latency_ms"]
+            label = mode if mode == "single" else f"batched ({m['batch_size']}/call; latency per call)"
+            lines.append(f"| {label} | {m['requests']} | {_fmt(m['requests_per_s'])} | {_fmt(lat['p50'], '.2f')} "
+                         f"| {_fmt(lat['p90'], '.2f')} | {_fmt(lat['p99'], '.2f')} | {m['peak_memory_bytes'] / 2**20:.0f} "
+                         f"| {_fmt(m.get('energy_j_per_request'), '.3g')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(out_dir: Path, result: dict[str, Any]) -> list[str]:
+    """throughput.png, memory.png and (with inference) latency_cdf.png; returns the file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["training"]["configs"]
+    names = [r["name"] for r in rows]
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        with atomic_path(out_dir / name) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+        written.append(name)
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(names, [r["samples_per_s"] for r in rows], color="tab:blue")
+    ax.set_xlabel("training samples/s (median over windows)")
+    ax.invert_yaxis()
+    save(fig, "throughput.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels, values = list(names), [r["peak_memory_bytes"] / 2**20 for r in rows]
+    inf = result.get("inference")
+    if inf:
+        labels += ["inference single", "inference batched"]
+        values += [inf["single"]["peak_memory_bytes"] / 2**20, inf["batched"]["peak_memory_bytes"] / 2**20]
+    ax.barh(labels, values, color="tab:orange")
+    ax.set_xlabel(f"peak memory, MiB ({rows[0]['peak_memory_source']})")
+    ax.invert_yaxis()
+    save(fig, "memory.png")
+
+    if inf:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for mode in ("single", "batched"):
+            lat = np.sort(np.asarray(inf[mode]["latencies_ms"]))
+            ax.step(lat, np.arange(1, len(lat) + 1) / len(lat), where="post", label=mode)
+        ax.set_xscale("log")
+        ax.set_xlabel("latency per call, ms")
+        ax.set_ylabel("fraction of calls")
+        ax.legend()
+        save(fig, "latency_cdf.png")
+    return written
+
+
+def write_outputs(out_dir: Path, result: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result["plots"] = plots(out_dir, result)
+    atomic_write_text(out_dir / "bench.md", markdown(result))
+    atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=2) + "\n")
+
+
+__all__ = ["CONFIGS", "run_bench", "markdown", "write_outputs"]

@@ -1,0 +1,225 @@
+"""Training benchmark: named configurations trained side by side in one process, interleaved.
+
+Every configuration gets its own model (same seed, same initial weights), optimizer and batch
+stream over the same real training split. After ``warmup_steps`` untimed steps each, the
+configurations take turns — ``rounds`` × ``window`` timed steps — so machine noise hits them
+alike; each step is timed between device synchronisations. Figures per configuration:
+samples/s and real tokens/s (median over windows), time to first step (model build → end of
+the first step: includes compilation where enabled), step time p50/p90/p99, peak memory,
+energy per sample (null + reason where unmeasurable) and MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from train.config import RunConfig, build_config, parse_override
+from train.data import DataBundle, bucket_plan, make_loader
+from train.perf.devices import mfu_fields
+from train.perf.energy import EnergyMeter, per_unit
+from train.perf.flops import StepFlops
+from train.perf.memory import WindowPeakMemory
+from train.perf.timer import StepTimer, percentiles
+from train.precision import PrecisionPolicy
+from train.run import build_model
+from train.tracking import NullLogger
+from train.trainer import Trainer, move
+
+# name → (description, config overrides on top of the base config). "naive" comes first: ratios use it.
+CONFIGS: dict[str, tuple[str, list[str]]] = {
+    "naive": ("fp32, every batch padded to data.max_len, random order, no compile",
+              ["batching.method=pad-to-max", "batching.max_tokens=null", "train.precision=fp32"]),
+    "hf-style": ("dynamic padding to the batch max with group_by_length-style megabatch sorting",
+                 ["batching.method=hf-group-by-length", "batching.max_tokens=null", "train.precision=fp32"]),
+    "optimized": ("auto precision, fitted buckets (optimal DP) with a token budget",
+                  ["batching.method=optimal", "train.precision=auto"]),
+    "naive+buckets": ("naive, but batches from fitted buckets padded to the bucket bound (same batch size)",
+                      ["batching.method=optimal", "batching.max_tokens=null", "train.precision=fp32"]),
+    "naive+precision-auto": ("naive, but with the precision auto picks on this device",
+                             ["batching.method=pad-to-max", "batching.max_tokens=null", "train.precision=auto"]),
+}
+
+
+@dataclass
+class _Arm:
+    """One configuration's live state during the benchmark."""
+
+    name: str
+    description: str
+    cfg: RunConfig
+    bundle: DataBundle
+    trainer: Trainer
+    batches: Iterator[dict]
+    flops: StepFlops
+    policy: PrecisionPolicy
+    first_step_s: Optional[float] = None
+    step_ms: list[float] = field(default_factory=list)
+    window_samples_per_s: list[float] = field(default_factory=list)
+    window_tokens_per_s: list[float] = field(default_factory=list)
+    samples: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    flops_total: float = 0.0
+    seq_lens: set = field(default_factory=set)
+    peak_memory: dict = field(default_factory=dict)
+    energy_j: Optional[float] = 0.0
+    energy_reason: Optional[str] = None
+    energy_source: Optional[str] = None
+
+
+def arm_config(base: RunConfig, overrides: list[str]) -> RunConfig:
+    """``base`` with ``section.key=value`` overrides applied, validated like the command line's."""
+    raw = base.to_dict()
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        raw[section][key] = value
+    return build_config(raw, "bench configuration")
+
+
+def _endless(loader: Any) -> Iterator[dict]:
+    epoch = 0
+    while True:
+        loader.batch_sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _build_arm(name: str, description: str, cfg: RunConfig, base_bundle: DataBundle, device: torch.device,
+               notice: Callable[[str], None]) -> _Arm:
+    t0 = time.perf_counter()
+    tr = base_bundle.splits["train"]
+    bounds, pad_to, plan, source = bucket_plan(cfg, tr.lengths, base_bundle.data_fingerprint,
+                                               base_bundle.tokenizer_info["fingerprint"], None, False, lambda _m: None)
+    bundle = dataclasses.replace(base_bundle, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source)
+    _seed(cfg.train.seed)
+    model = build_model(cfg, bundle).to(device)
+    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    loader = make_loader(bundle, "train", cfg, train=True, device=device)
+    trainer = Trainer(cfg, model, policy, device, loader, None, NullLogger(), bundle.num_classes)
+    arm = _Arm(name=name, description=description, cfg=cfg, bundle=bundle, trainer=trainer, batches=_endless(loader),
+               flops=StepFlops(model.spec), policy=policy)
+    arm.first_step_s = -t0  # completed after the first step
+    notice(f"bench: {name}: {description}; precision {policy.mode}; buckets {bounds}")
+    return arm
+
+
+def _step(arm: _Arm, timer: StepTimer) -> tuple[float, int, int, int]:
+    timer.start()
+    batch = next(arm.batches)
+    ids, mask, labels = move(batch, arm.trainer.device)
+    arm.trainer.train_step(ids, mask, labels)
+    ms = timer.stop()
+    b, s = ids.shape
+    return ms, b, s, batch["real_tokens"]
+
+
+def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.device, names: list[str],
+                       warmup_steps: int, rounds: int, window: int,
+                       notice: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Benchmark ``names`` (keys of :data:`CONFIGS`) and return one result row per configuration.
+
+    Raises:
+        UserError: an unknown configuration name or an invalid override combination.
+    """
+    from train.errors import UserError
+
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise UserError(f"unknown bench configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    arms: list[_Arm] = []
+    for name in names:
+        description, overrides = CONFIGS[name]
+        arm = _build_arm(name, description, arm_config(base, overrides), base_bundle, device, notice)
+        timer = StepTimer(device)
+        for i in range(max(1, warmup_steps)):
+            _step(arm, timer)
+            if i == 0:
+                arm.first_step_s = arm.first_step_s + time.perf_counter()
+        arms.append(arm)
+    memory = WindowPeakMemory(device)
+    for r in range(rounds):
+        for arm in arms:
+            timer = StepTimer(device)
+            meter = EnergyMeter(device)
+            memory.start()
+            meter.start()
+            w_ms, w_samples, w_tokens = 0.0, 0, 0
+            for _ in range(window):
+                ms, b, s, real = _step(arm, timer)
+                arm.step_ms.append(ms)
+                w_ms += ms
+                w_samples += b
+                w_tokens += real
+                arm.padded_tokens += b * s
+                arm.flops_total += arm.flops(b, s)
+                arm.seq_lens.add(s)
+            energy = meter.stop()
+            peak = memory.stop()
+            if peak["peak_memory_bytes"] > arm.peak_memory.get("peak_memory_bytes", -1):
+                arm.peak_memory = peak
+            if energy["energy_j"] is None:
+                arm.energy_j, arm.energy_reason = None, energy.get("energy_unavailable_reason")
+            elif arm.energy_j is not None:
+                arm.energy_j += energy["energy_j"]
+                arm.energy_source = energy["energy_source"]
+            arm.samples += w_samples
+            arm.real_tokens += w_tokens
+            arm.window_samples_per_s.append(w_samples / (w_ms / 1e3))
+            arm.window_tokens_per_s.append(w_tokens / (w_ms / 1e3))
+        notice(f"bench: round {r + 1}/{rounds} done")
+    return [_row(arm, device, device_name) for arm in arms]
+
+
+def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
+    total_s = sum(arm.step_ms) / 1e3
+    energy = {"energy_j": arm.energy_j, "energy_source": arm.energy_source,
+              "energy_unavailable_reason": arm.energy_reason}
+    steps = len(arm.step_ms)
+    row: dict[str, Any] = {
+        "name": arm.name,
+        "description": arm.description,
+        "precision": arm.policy.mode,
+        "precision_reason": arm.policy.reason,
+        "batching_method": arm.cfg.batching.method,
+        "bucket_bounds": arm.bundle.bounds,
+        "timed_steps": steps,
+        "samples_per_s": float(np.median(arm.window_samples_per_s)),
+        "tokens_per_s": float(np.median(arm.window_tokens_per_s)),
+        "time_to_first_step_s": arm.first_step_s,
+        "step_time_ms": percentiles(arm.step_ms),
+        "token_efficiency": arm.real_tokens / arm.padded_tokens if arm.padded_tokens else None,
+        "distinct_shapes": len(arm.seq_lens),
+        "samples_per_step_mean": arm.samples / steps if steps else None,
+        **arm.peak_memory,
+    }
+    e = per_unit(energy, steps, arm.samples, arm.real_tokens)
+    row.update({k: v for k, v in e.items() if k != "energy_j" or v is not None})
+    row.update(mfu_fields(arm.flops_total / total_s if total_s else None, device, device_name, arm.policy.mode))
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]], baselines: tuple[str, ...] = ("naive", "hf-style")) -> None:
+    """Add ``samples_per_s_vs_<baseline>`` and ``tokens_per_s_vs_<baseline>`` to every row, in place."""
+    by_name = {r["name"]: r for r in rows}
+    for base in baselines:
+        ref = by_name.get(base)
+        if ref is None:
+            continue
+        for r in rows:
+            for key in ("samples_per_s", "tokens_per_s"):
+                r[f"{key}_vs_{base}"] = r[key] / ref[key] if ref[key] else None
