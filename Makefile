@@ -5,13 +5,57 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/cpu-tiny.yaml
 ARGS ?=
 PYTEST_ARGS ?=
+comma := ,
+
+# ---- containers (docker/README.md): every variable can be overridden --------------------------------------
+# RUNTIME=auto: docker when an engine with GPU support is present, else the local .venv (scripts/detect_runtime.sh).
+RUNTIME ?= auto
+STACK ?= torch21
+IMAGE ?= deep-model-perf
+TAG ?= $(STACK_TAG_$(STACK))
+GPUS ?= all
+DOCKER ?= docker
+CACHE_VOLUME ?= deep-model-perf-cache
+DOCKER_ARGS ?=
+BENCH ?= bench
+STACK_TAG_torch21 := cu121-torch2.1.0
+STACK_TAG_torch2x := cu124-torch2.6.0
+STACK_VERSIONS_torch21 := --build-arg CUDA_VERSION=12.1.1 --build-arg TORCH_VERSION=2.1.0 --build-arg TRITON_VERSION=2.1.0
+STACK_VERSIONS_torch2x := --build-arg CUDA_VERSION=12.4.1 --build-arg TORCH_VERSION=2.6.0 --build-arg TRITON_VERSION=3.2.0
+IMG = $(IMAGE):$(TAG)
+HOST_UID := $(shell id -u)
+HOST_GID := $(shell id -g)
+# Resolved once per make invocation (memoised), only when a container-aware target is read.
+RT_LINE_RAW = $(eval RT_LINE_RAW := $(shell RUNTIME='$(RUNTIME)' DOCKER='$(DOCKER)' scripts/detect_runtime.sh))$(RT_LINE_RAW)
+RT = $(firstword $(RT_LINE_RAW))
+RT_LINE = runtime: $(RT) ($(wordlist 2,99,$(RT_LINE_RAW)))$(if $(filter docker,$(RT)), image $(IMG),)
+RT_DEPS = $(if $(filter docker,$(RT)),image-present,$(if $(filter local,$(RT)),setup,bad-runtime))
+RT_DEPS_DATA = $(if $(filter docker,$(RT)),image-present,$(if $(filter local,$(RT)),setup data,bad-runtime))
+# Container runs: GPUs; host IPC (DataLoader workers need more than the default 64 MB /dev/shm: "bus error");
+# unlimited locked memory (pinned host buffers); the shared cache volume; runs/ and wandb/ bind-mounted and
+# written as the calling user; W&B credentials passed through from the environment, never baked in; ptrace
+# for py-spy.
+DOCKER_RUN_FLAGS = --rm --gpus $(GPUS) --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
+	--user $(HOST_UID):$(HOST_GID) -v $(CACHE_VOLUME):/cache \
+	-v $(CURDIR)/runs:/app/runs -v $(CURDIR)/wandb:/app/wandb \
+	-e WANDB_API_KEY -e WANDB_MODE -e WANDB_PROJECT -e WANDB_ENTITY --cap-add SYS_PTRACE
+# nsys additionally needs perf_event_open (CPU sampling, OS runtime trace): blocked by the default seccomp
+# profile unless the container has CAP_SYS_ADMIN, so profile-nsys (only) adds these.
+NSYS_DOCKER_FLAGS = --cap-add SYS_ADMIN --security-opt seccomp=unconfined
+DOCKER_RUN = mkdir -p runs wandb && $(DOCKER) run $(DOCKER_RUN_FLAGS)
+# $(call rt_py,PYTHON-ARGS[,WRAPPER[,EXTRA-DOCKER-FLAGS]]): run `WRAPPER python PYTHON-ARGS` in the image or the .venv.
+rt_py = $(if $(filter docker,$(RT)),$(DOCKER_RUN) $(3) $(DOCKER_ARGS) $(IMG) $(2) python $(1),$(2) $(PY) $(1))
+TORCH21_VENV ?= .venv-torch21
+UV ?= $(VENV)/bin/uv
+LOCK_FLAGS = --python-platform x86_64-manylinux_2_28 --python-version 3.10 --generate-hashes --quiet \
+	--custom-compile-command "make lock"
 
 .DEFAULT_GOAL := help
-
-.PHONY: help setup data train smoke buckets bench bench-batching bench-precision profile profile-pyspy profile-nsys test test-slow lint clean distclean
+.PHONY: help setup data train smoke buckets bench bench-batching bench-precision test test-slow lint clean distclean
+.PHONY: print-image bad-runtime build image-present verify-gpu warmup profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache
 
 help: ## list the targets
-	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +69,9 @@ setup: $(VENV)/.installed ## create .venv and install the pinned dependencies (C
 data: setup ## make the WordNet database available (apt-get install wordnet-base when root)
 	PY=$(PY) scripts/install_wordnet.sh
 
-train: setup data ## train with CONFIG (default configs/cpu-tiny.yaml); ARGS="section.key=value ..." overrides
-	$(PY) -m train train --config $(CONFIG) $(ARGS)
+train: $(RT_DEPS_DATA) ## train with CONFIG (default configs/cpu-tiny.yaml); ARGS="section.key=value ..." overrides; RUNTIME=auto|docker|local
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train train --config $(CONFIG) $(ARGS))
 
 smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.json
 	$(PY) -m train train --config configs/smoke.yaml $(ARGS)
@@ -35,34 +80,95 @@ buckets: setup data ## fit bucket boundaries offline and save them as JSON
 	$(PY) -m train buckets --config $(CONFIG) $(ARGS)
 
 BENCH_CONFIG ?= configs/bench-cpu.yaml
-bench: setup data ## training + inference benchmark, naive vs optimized, in one run → runs/bench/bench/
-	$(PY) -m train bench --config $(BENCH_CONFIG) $(ARGS)
-bench-batching: setup data ## batching methods side by side (a few minutes on 2 cores) -> runs/<id>/bench-batching.{json,md,png}
-	$(PY) -m train bench-batching --config $(CONFIG) $(ARGS)
-profile: setup data ## profile real training steps: torch.profiler table + py-spy + nsys + GPU sampling (what is available) → runs/profile/profile/
-	$(PY) -m train profile --config $(CONFIG) $(ARGS)
+bench: $(RT_DEPS_DATA) ## training + inference benchmark, naive vs optimized, in one run → runs/bench/bench/; BENCH=bench-... picks another command
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train $(BENCH) --config $(BENCH_CONFIG) $(ARGS))
 
-profile-pyspy: setup data ## py-spy flame graph + speedscope of the running job, with its measured overhead
-	$(PY) -m train profile --tools pyspy --config $(CONFIG) $(ARGS)
+bench-batching: $(RT_DEPS_DATA) ## batching methods side by side (a few minutes on 2 cores) → runs/<id>/bench-batching.{json,md,png}
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train bench-batching --config $(CONFIG) $(ARGS))
 
-profile-nsys: setup data ## Nsight Systems capture of a few steps (needs nsys on PATH and CUDA; else says why it skipped)
-	$(PY) -m train profile --tools nsys --config $(CONFIG) $(ARGS)
+bench-precision: $(RT_DEPS_DATA) ## fp32 vs the auto precision (+ bf16/fp16 on CUDA) on the same batches; JSON + markdown in the run dir
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train bench-precision --config $(CONFIG) $(ARGS))
 
-bench-precision: setup data ## fp32 vs the auto precision (+ bf16/fp16 on CUDA) on the same batches; JSON + markdown in the run dir
-	$(PY) -m train bench-precision --config $(CONFIG) $(ARGS)
-
-test: setup ## unit + short end-to-end tests on CPU (excludes tests marked slow)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m pytest -q -m "not slow" $(PYTEST_ARGS))
 
 test-slow: setup ## only the tests marked slow
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-lint: setup ## ruff
+lint: setup ## ruff, hadolint, shellcheck, actionlint (if installed); always local (static checks)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/hadolint docker/Dockerfile
+	$(VENV)/bin/shellcheck ci/*.sh scripts/*.sh docker/entrypoint.sh .ci/run
+	PY=$(PY) scripts/actionlint.sh
 
 clean: ## remove run outputs and caches (keeps .venv)
 	rm -rf runs .cache .pytest_cache .ruff_cache .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-distclean: clean ## also remove .venv
-	rm -rf $(VENV)
+distclean: clean ## also remove .venv and .venv-torch21
+	rm -rf $(VENV) $(TORCH21_VENV)
+
+# ---- the image and container-aware targets (issue 8) ---------------------------------------------------------
+DOCKER_BUILD = $(DOCKER) build -f docker/Dockerfile --build-arg STACK=$(STACK) $(STACK_VERSIONS_$(STACK)) \
+	--build-arg UID=$(HOST_UID) --build-arg GID=$(HOST_GID) \
+	--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
+	--build-arg CREATED=$$(date -u +%Y-%m-%dT%H:%M:%SZ) $(BUILD_ARGS) -t $(IMG) .
+
+build: ## build the image IMAGE:TAG (STACK=torch21 default: CUDA 12.1/torch 2.1.0; STACK=torch2x: CUDA 12.4/torch 2.6.0)
+	$(DOCKER_BUILD)
+
+image-present: # build the image only when it does not exist yet
+	@$(DOCKER) image inspect $(IMG) >/dev/null 2>&1 || { echo "image $(IMG) not found: building it"; $(DOCKER_BUILD); }
+
+bad-runtime:
+	@echo "error: RUNTIME=$(RUNTIME) is not one of auto, docker, local" >&2; exit 2
+
+verify-gpu: $(RT_DEPS) ## driver, CUDA, torch/Triton, matmul vs CPU, bf16, NCCL, /dev/shm, cache, ptrace, nsys: a pass/fail table
+	@echo "$(RT_LINE)"
+	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) python -m train.verify_gpu $(ARGS),PY=$(PY) scripts/verify_gpu.sh $(ARGS))
+
+warmup: $(RT_DEPS_DATA) ## fill the inductor/Triton cache (python -m train warmup); a second warm-up reuses it
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train warmup --config $(CONFIG) $(ARGS))
+
+profile: $(RT_DEPS_DATA) ## profile real training steps: torch.profiler table + py-spy + nsys + GPU sampling (what is available) → runs/profile/profile/
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train profile --config $(CONFIG) $(ARGS))
+
+profile-pyspy: $(RT_DEPS_DATA) ## py-spy flame graph + speedscope of the running job (native frames), with its measured overhead
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train profile --tools pyspy --config $(CONFIG) $(ARGS))
+
+profile-nsys: $(RT_DEPS_DATA) ## Nsight Systems capture of a few steps (needs nsys and CUDA; else says why it skipped)
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train profile --tools nsys --config $(CONFIG) $(ARGS),,$(NSYS_DOCKER_FLAGS))
+
+
+shell: $(RT_DEPS) ## an interactive shell in the image (or with .venv on PATH)
+	@echo "$(RT_LINE)"
+	$(if $(filter docker,$(RT)),$(DOCKER_RUN) -it $(DOCKER_ARGS) $(IMG) bash,env PATH="$(CURDIR)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(CURDIR)/$(VENV)" bash)
+
+clean-cache: ## remove the shared inductor/Triton cache volume
+	-$(DOCKER) volume rm $(CACHE_VOLUME)
+
+lock: setup ## regenerate docker/requirements*.lock for linux x86_64 / Python 3.10 with hashes (uv)
+	$(UV) pip compile $(LOCK_FLAGS) docker/requirements-torch21.in -o docker/requirements.lock
+	$(UV) pip compile $(LOCK_FLAGS) docker/requirements-torch2x.in -o docker/requirements-torch2x.lock
+
+$(TORCH21_VENV)/.installed: requirements-torch21.txt requirements-dev.txt pyproject.toml
+	$(PYTHON) -m venv $(TORCH21_VENV)
+	$(TORCH21_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TORCH21_VENV)/bin/python -m pip install -q -r requirements-torch21.txt -r requirements-dev.txt
+	$(TORCH21_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-torch21: $(TORCH21_VENV)/.installed data ## the unit tests against torch 2.1.0 (the image's) on CPU, in .venv-torch21
+	$(TORCH21_VENV)/bin/python -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"
+	$(TORCH21_VENV)/bin/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+print-image: # the image reference IMAGE:TAG (for ci/docker-build.sh)
+	@echo $(IMG)
