@@ -5,9 +5,10 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/cpu-tiny.yaml
 ARGS ?=
 PYTEST_ARGS ?=
+RUNS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke buckets test test-slow lint clean distclean
+.PHONY: help setup data train smoke buckets test test-slow lint clean distclean compare wandb-sync bench-tracking
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -32,6 +33,16 @@ smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.jso
 
 buckets: setup data ## fit bucket boundaries offline and save them as JSON
 	$(PY) -m train buckets --config $(CONFIG) $(ARGS)
+
+compare: setup ## compare runs side by side: make compare RUNS="runs/a runs/b" → runs/compare/compare.{md,png}
+	@test -n "$(RUNS)" || { echo 'usage: make compare RUNS="runs/a runs/b"'; exit 2; }
+	$(PY) -m train compare $(RUNS) $(ARGS)
+
+wandb-sync: setup ## upload offline W&B runs under runs/ (needs WANDB_API_KEY or wandb login, and the network)
+	$(PY) -m train wandb-sync $(ARGS)
+
+bench-tracking: setup data ## step-time overhead of tracking (none / jsonl / W&B offline), interleaved in one process
+	$(PY) -m train bench-tracking $(ARGS)
 
 test: setup ## unit + short end-to-end tests on CPU (excludes tests marked slow)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -26,3 +26,11 @@ def make_grad_scaler(device_type: str, enabled: bool = True) -> Any:
 def load_state(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load`` restricted to tensors and plain containers (``weights_only=True``, available since 1.13)."""
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def foreach_norm(tensors: list) -> list:
+    """L2 norm of each tensor: ``torch._foreach_norm`` (fused; private API present in 2.1 and 2.13), else a loop."""
+    fn = getattr(torch, "_foreach_norm", None)
+    if fn is not None:
+        return list(fn(tensors))
+    return [t.norm() for t in tensors]

@@ -24,7 +24,7 @@ from train.errors import UserError, atomic_write_text
 from train.model import EncoderClassifier, resolve_spec
 from train.perf.memory import peak_memory, reset_peak
 from train.precision import PrecisionPolicy
-from train.tracking import JsonlLogger
+from train.tracking_setup import Tracking
 from train.trainer import Trainer, TrainStats, evaluate
 
 
@@ -172,15 +172,17 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
     train_loader = make_loader(bundle, "train", cfg, train=True, device=device)
     val_loader = make_loader(bundle, "validation", cfg, train=False, device=device)
     test_loader = make_loader(bundle, "test", cfg, train=False, device=device)
-    logger = JsonlLogger(run_dir / "metrics.jsonl")
-    trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes)
+    tracking = Tracking(cfg, run_dir)  # metrics.jsonl; W&B initialises on its own thread (bounded, never blocks)
+    logger = tracking.attach(model, device)
+    trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes,
+                      grad_stats=tracking.grad_stats)
     print(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch)", flush=True)
     reset_peak(device)
     try:
         stats = trainer.fit()
     finally:
-        logger.close()
+        tracking.close()
     sampler = train_loader.batch_sampler
     sampler_counts = {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
     final_eval = stats.evals[-1] if stats.evals else evaluate(model, val_loader, policy, bundle.num_classes, device)
@@ -196,6 +198,7 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
                           sum(trainer.timer.steady_ms), final_eval, test_eval, env, memory, sampler_counts, t_start,
                           time.perf_counter() - t_start)
     report["perf"]["data_prep_s"] = data_s
+    report["tracking"] = tracking.report()
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
 

@@ -21,6 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from tqdm import tqdm
 
 from train.config import RunConfig
+from train.gradstats import GradStats
 from train.model import EncoderClassifier, param_groups
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
@@ -91,8 +92,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, model: EncoderClassifier, policy: PrecisionPolicy, device: torch.device,
                  train_loader: DataLoader, eval_loader: Optional[DataLoader], logger: MetricLogger,
-                 num_classes: int) -> None:
+                 num_classes: int, grad_stats: Optional[GradStats] = None) -> None:
         self.cfg, self.model, self.policy, self.device = cfg, model, policy, device
+        self.grad_stats = grad_stats  # per-layer gradient norm/std records (train/gradstats.py), or None
         self.train_loader, self.eval_loader, self.logger = train_loader, eval_loader, logger
         self.num_classes = num_classes
         batches_per_epoch = len(train_loader)
@@ -167,6 +169,8 @@ class Trainer:
             if step % t.log_every == 0 or step == self.total_steps:
                 record = self._log_record(step, window, window_loss, window_norm)
                 self.logger.log(record)
+                if self.grad_stats is not None:  # this step's gradients are still in .grad
+                    self.grad_stats.after_log(step, self.model, grad_norm, self.logger)
                 s.final_train_loss = record["loss"]
                 bar.set_postfix(loss=f"{record['loss']:.3f}", samples_s=f"{record['samples_per_s']:.0f}",
                                 pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
