@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/cpu-tiny.yaml
 ARGS ?=
 PYTEST_ARGS ?=
+RUNS ?=
 comma := ,
 
 # ---- containers (docker/README.md): every variable can be overridden --------------------------------------
@@ -51,7 +52,7 @@ LOCK_FLAGS = --python-platform x86_64-manylinux_2_28 --python-version 3.10 --gen
 	--custom-compile-command "make lock"
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke buckets bench bench-batching bench-precision test test-slow lint clean distclean
+.PHONY: help setup data train smoke buckets bench bench-batching bench-precision compare wandb-sync bench-tracking test test-slow lint clean distclean
 .PHONY: print-image bad-runtime build image-present verify-gpu warmup profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache
 
 help: ## list the targets
@@ -91,6 +92,16 @@ bench-batching: $(RT_DEPS_DATA) ## batching methods side by side (a few minutes 
 bench-precision: $(RT_DEPS_DATA) ## fp32 vs the auto precision (+ bf16/fp16 on CUDA) on the same batches; JSON + markdown in the run dir
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m train bench-precision --config $(CONFIG) $(ARGS))
+
+compare: setup ## compare runs side by side: make compare RUNS="runs/a runs/b" → runs/compare/compare.{md,png}
+	@test -n "$(RUNS)" || { echo 'usage: make compare RUNS="runs/a runs/b"'; exit 2; }
+	$(PY) -m train compare $(RUNS) $(ARGS)
+
+wandb-sync: setup ## upload offline W&B runs under runs/ (needs WANDB_API_KEY or wandb login, and the network)
+	$(PY) -m train wandb-sync $(ARGS)
+
+bench-tracking: setup data ## step-time overhead of tracking (none / jsonl / W&B offline), interleaved in one process
+	$(PY) -m train bench-tracking $(ARGS)
 
 test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
 	@echo "$(RT_LINE)"

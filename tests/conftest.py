@@ -50,6 +50,12 @@ def synthetic_rows(n_per_class: int = 60, seed: int = 0) -> list[tuple[str, str,
     return rows
 
 
+@pytest.fixture(autouse=True)
+def _no_wandb_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs in tests log JSONL only (W&B init costs seconds); W&B tests delete this variable."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+
+
 @pytest.fixture
 def wndb(tmp_path: Path) -> Path:
     return write_wndb(tmp_path / "wn", synthetic_rows())

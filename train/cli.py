@@ -5,6 +5,9 @@
     python -m train bench-batching [--config FILE] [--run-id ID] [--num-buckets K] [...] [section.key=value ...]
     python -m train profile [--config FILE] [--run-id ID] [--tools torch,pyspy,gpu,nsys] [section.key=value ...]
     python -m train bench-precision [--config FILE] [--steps N] [--bf16-cpu-steps M] [section.key=value ...]
+    python -m train compare RUN_A RUN_B ... [--out DIR]
+    python -m train wandb-sync [--runs-dir DIR] [--all] [--dry-run]
+    python -m train bench-tracking [--config FILE] [--rounds N] [--block-steps N] [--online-check] [section.key=value ...]
 
 Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
 """
@@ -68,7 +71,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16-cpu-steps", type=int, default=4, help="steps of the timing-only bf16 row on CPU (0: none)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the step-time median")
     p.add_argument("--run-id", default=None, help="run directory name (default: bench-precision-<timestamp>)")
+    p = sub.add_parser("compare", help="compare runs side by side: markdown table + PNG (no network)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or run ids under --runs-dir)")
+    p.add_argument("--out", default=None, help="output directory (default: <runs-dir>/compare)")
+    p.add_argument("--runs-dir", default="runs", help="where bare run ids are looked up (default: runs)")
+    p = sub.add_parser("wandb-sync", help="upload offline W&B runs under --runs-dir with `wandb sync`")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--all", action="store_true", help="also runs already marked as synced")
+    p.add_argument("--dry-run", action="store_true", help="list what would be synced")
+    p = sub.add_parser("bench-tracking", help="step-time overhead of tracking (none / jsonl / W&B offline), one process")
+    _common(p)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--block-steps", type=int, default=100, help="optimizer steps per block (default 100)")
+    p.add_argument("--online-check", action="store_true", help="also time W&B forced online with no reachable server")
+    p.add_argument("--out", default=None, help="result JSON (default: <output_dir>/bench-tracking/bench.json)")
     return parser
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from train.compare import compare
+
+    md, md_path, png_path = compare(args.runs, args.out, args.runs_dir)
+    print(md)
+    print(f"wrote {md_path} and {png_path}")
+    return 0
+
+
+def cmd_bench_tracking(args: argparse.Namespace) -> int:
+    from train.bench_tracking import bench_tracking
+    from train.config import load_config
+
+    if args.rounds < 1 or args.block_steps < 2:
+        raise UserError("--rounds must be ≥ 1 and --block-steps ≥ 2")
+    cfg = load_config(args.config or "configs/smoke.yaml", list(args.overrides))
+    res = bench_tracking(cfg, args.rounds, args.block_steps, args.online_check, args.out)
+    med = res["ms_per_step_median"]
+    print(f"ms/step (median of {args.rounds} blocks): none {med['none']:.2f}, jsonl {med['jsonl']:.2f}, full {med['full']:.2f}")
+    print(f"overhead of full tracking vs none: {100 * res['overhead_full_vs_none']:+.2f}% (target ≤ 2%: "
+          f"{'met' if res['target_met'] else 'NOT met'}); vs jsonl only: {100 * res['overhead_full_vs_jsonl']:+.2f}%")
+    print(f"CPU time per step (process + wandb-core), less sensitive to a shared machine: full vs none "
+          f"{100 * res['cpu_overhead_full_vs_none']:+.2f}%, vs jsonl {100 * res['cpu_overhead_full_vs_jsonl']:+.2f}%")
+    if "online_unreachable" in res:
+        o = res["online_unreachable"]
+        print(f"W&B forced online, server unreachable: extra wall time {o['extra_wall_s']:.1f} s "
+              f"(init timeout {o['init_timeout_s']:g} s); W&B active: {o['wandb_active']}; reason: {o['wandb_fallback_reason']}")
+    print(f"wrote {res['path']}")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace, t_start: float) -> int:
@@ -186,6 +234,14 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
             return cmd_profile(args, t_start)
         if args.command == "bench-precision":
             return cmd_bench_precision(args)
+        if args.command == "compare":
+            return cmd_compare(args)
+        if args.command == "wandb-sync":
+            from train.wandb_sync import sync
+
+            return sync(args.runs_dir, args.all, args.dry_run)
+        if args.command == "bench-tracking":
+            return cmd_bench_tracking(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

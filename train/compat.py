@@ -42,6 +42,8 @@ def event_device_total_us(event: Any) -> float:
     if value is None:
         value = getattr(event, "cuda_time_total", 0)
     return float(value or 0)
+
+
 def fused_adamw_supported(device: Any) -> bool:
     """Whether ``torch.optim.AdamW(fused=True)`` accepts parameters on ``device``.
 
@@ -53,3 +55,11 @@ def fused_adamw_supported(device: Any) -> bool:
     except (RuntimeError, ValueError, TypeError):
         return False
     return True
+
+
+def foreach_norm(tensors: list) -> list:
+    """L2 norm of each tensor: ``torch._foreach_norm`` (fused; private API present in 2.1 and 2.13), else a loop."""
+    fn = getattr(torch, "_foreach_norm", None)
+    if fn is not None:
+        return list(fn(tensors))
+    return [t.norm() for t in tensors]

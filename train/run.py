@@ -28,7 +28,7 @@ from train.perf.energy import EnergyMeter, per_unit
 from train.perf.flops import StepFlops
 from train.perf.memory import peak_memory, reset_peak
 from train.precision import PrecisionPolicy
-from train.tracking import JsonlLogger
+from train.tracking_setup import Tracking
 from train.trainer import Trainer, TrainStats, evaluate
 
 
@@ -178,8 +178,10 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, ho
     train_loader = make_loader(bundle, "train", cfg, train=True, device=device)
     val_loader = make_loader(bundle, "validation", cfg, train=False, device=device)
     test_loader = make_loader(bundle, "test", cfg, train=False, device=device)
-    logger = JsonlLogger(run_dir / "metrics.jsonl")
-    trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes)
+    tracking = Tracking(cfg, run_dir)  # metrics.jsonl; W&B initialises on its own thread (bounded, never blocks)
+    logger = tracking.attach(model, device)
+    trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes,
+                      grad_stats=tracking.grad_stats)
     print(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch)", flush=True)
     for hook in hooks:
@@ -194,7 +196,7 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, ho
         write_aborted_report(cfg, run_dir, bundle, trainer, abort, device, policy, t_start)
         raise
     finally:
-        logger.close()
+        tracking.close()
     energy = energy_meter.stop()  # the training loop, periodic evaluations included
     sampler = train_loader.batch_sampler
     sampler_counts = {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
@@ -217,6 +219,7 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, ho
     report["numerics"] = trainer.guard.report()
     report["perf"]["throughput_valid"] = True
     report["clip"] = clip_report(cfg)
+    report["tracking"] = tracking.report()
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
 

@@ -26,6 +26,7 @@ from train.clipping import clip_gradients
 from train.compat import fused_adamw_supported
 from train.config import RunConfig
 from train.errors import UserError
+from train.gradstats import GradStats
 from train.model import EncoderClassifier, param_groups
 from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
@@ -99,8 +100,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, model: EncoderClassifier, policy: PrecisionPolicy, device: torch.device,
                  train_loader: DataLoader, eval_loader: Optional[DataLoader], logger: MetricLogger,
-                 num_classes: int) -> None:
+                 num_classes: int, grad_stats: Optional[GradStats] = None) -> None:
         self.cfg, self.model, self.policy, self.device = cfg, model, policy, device
+        self.grad_stats = grad_stats  # per-layer gradient norm/std records (train/gradstats.py), or None
         self.train_loader, self.eval_loader, self.logger = train_loader, eval_loader, logger
         self.num_classes = num_classes
         batches_per_epoch = len(train_loader)
@@ -199,6 +201,8 @@ class Trainer:
                     self.guard.diagnose_batch(functools.partial(self._diagnostic_pass, ids, mask, labels))
                     bar.close()
                     raise self.guard.abort(step)
+                if self.grad_stats is not None:  # this step's gradients are still in .grad
+                    self.grad_stats.after_log(step, self.model, grad_norm, self.logger)
                 s.final_train_loss = record["loss"]
                 bar.set_postfix(loss="n/a" if record["loss"] is None else f"{record['loss']:.3f}", samples_s=f"{record['samples_per_s']:.0f}",
                                 pad=f"{100 * (1 - record['token_efficiency']):.0f}%")

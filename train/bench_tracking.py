@@ -1,0 +1,186 @@
+"""``python -m train bench-tracking``: what tracking costs a training step, measured in one process.
+
+One model, one data pipeline. Blocks of ``--block-steps`` optimizer steps are run under three
+conditions, interleaved (the order rotates every round), after a warm-up block:
+
+* ``none``  — no logger at all (tracking disabled);
+* ``jsonl`` — metrics.jsonl only;
+* ``full``  — the default tracking: JSONL + W&B offline (background thread) + system metrics thread
+  + per-layer gradient statistics, at the default sampling (``train.log_every``,
+  ``tracking.grad_stats_every``, ``tracking.system_interval_s``).
+
+Every block replays the same batches (each block starts a fresh epoch iterator with the same seed), so
+blocks differ only by tracking. A block's cost is its wall time ÷ steps (logging included — the step
+timer alone would miss it). Overhead = median over rounds of (full ÷ none) − 1. W&B's init is not in the
+blocks (it runs once, on its own thread, before them); it is reported as ``wandb_init_s``.
+
+``--online-check``: with W&B forced online (a dummy API key when none is set) and no reachable server,
+one short block with full tracking is timed from ``Tracking()`` to ``close()`` against a ``none`` block; the
+extra wall time must stay within ``tracking.init_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from train.config import RunConfig
+from train.errors import atomic_write_text
+from train.tracking import JsonlLogger, NullLogger
+from train.tracking_setup import Tracking
+
+
+def _setup(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
+    from train.data import make_loader, prepare_data
+    from train.env import resolve_device
+    from train.precision import PrecisionPolicy
+    from train.run import build_model, seed_everything
+
+    device = resolve_device(cfg.train.device)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed)
+    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    bundle = prepare_data(cfg, run_dir)
+    model = build_model(cfg, bundle).to(device)
+    loader = make_loader(bundle, "train", cfg, train=True, device=device)
+    return {"device": device, "policy": policy, "bundle": bundle, "model": model, "loader": loader}
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process (all threads) plus its children (the wandb-core service)."""
+    import psutil
+
+    proc = psutil.Process()
+    t = proc.cpu_times()
+    kids = 0.0
+    for child in proc.children(recursive=True):
+        try:
+            c = child.cpu_times()
+            kids += c.user + c.system
+        except psutil.Error:
+            pass
+    return t.user + t.system + kids
+
+
+def _block(cfg: RunConfig, env: dict[str, Any], steps: int, logger: Any, grad_stats: Any,
+           cpu: Optional[list] = None) -> float:
+    """Run ``steps`` optimizer steps; returns wall milliseconds per step (logging included).
+    Appends CPU milliseconds per step (process + children) to ``cpu`` when given."""
+    from train.trainer import Trainer
+
+    block_cfg = replace(cfg, train=replace(cfg.train, max_steps=steps, progress=False))
+    trainer = Trainer(block_cfg, env["model"], env["policy"], env["device"], env["loader"], None, logger,
+                      env["bundle"].num_classes, grad_stats=grad_stats)
+    c0, t0 = _cpu_s(), time.perf_counter()
+    trainer.fit()
+    if env["device"].type == "cuda":
+        torch.cuda.synchronize(env["device"])
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    if cpu is not None:
+        cpu.append((_cpu_s() - c0) * 1e3 / steps)
+    return wall
+
+
+def bench_tracking(cfg: RunConfig, rounds: int = 5, block_steps: int = 100, online_check: bool = False,
+                   out: Optional[str] = None) -> dict[str, Any]:
+    """Measure tracking overhead (see the module docstring). Writes and returns the result dict."""
+    run_dir = Path(cfg.train.output_dir) / "bench-tracking"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = _setup(cfg, run_dir)
+    full_cfg = replace(cfg, tracking=replace(cfg.tracking, wandb="on", mode="offline"))
+    tracking = Tracking(full_cfg, run_dir / "full", run_name="bench-tracking")
+    wandb_ok = tracking.wandb.wait_ready() if tracking.wandb is not None else False
+    jsonl = JsonlLogger(run_dir / "jsonl" / "metrics.jsonl")
+    null = NullLogger()
+
+    cpu: dict[str, list[float]] = {"none": [], "jsonl": [], "full": []}
+
+    def run_condition(name: str) -> float:
+        if name == "none":
+            return _block(cfg, env, block_steps, null, None, cpu["none"])
+        if name == "jsonl":
+            return _block(cfg, env, block_steps, jsonl, None, cpu["jsonl"])
+        logger = tracking.attach(env["model"], env["device"])  # starts the system-metrics thread
+        try:
+            return _block(cfg, env, block_steps, logger, tracking.grad_stats, cpu["full"])
+        finally:
+            if tracking.monitor is not None:
+                tracking.monitor.stop()
+
+    names = ["none", "jsonl", "full"]
+    run_condition("none")  # warm-up
+    cpu["none"].clear()
+    per: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % 3:] + names[:r % 3]
+        for name in order:
+            per[name].append(run_condition(name))
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {per[n][-1]:.2f} ms/step (cpu {cpu[n][-1]:.2f})" for n in names),
+              flush=True)
+    tracking.close()
+    jsonl.close()
+    ratios_full = [f / n for f, n in zip(per["full"], per["none"])]
+    ratios_wandb = [f / j for f, j in zip(per["full"], per["jsonl"])]
+    overhead = statistics.median(ratios_full) - 1
+    result: dict[str, Any] = {
+        "config": {"log_every": cfg.train.log_every, "grad_stats_every": cfg.tracking.grad_stats_every,
+                   "system_interval_s": cfg.tracking.system_interval_s, "block_steps": block_steps, "rounds": rounds,
+                   "model_preset": cfg.model.preset, "device": str(env["device"]), "torch_threads": torch.get_num_threads()},
+        "ms_per_step_median": {n: statistics.median(v) for n, v in per.items()},
+        "ms_per_step_blocks": per,
+        "overhead_full_vs_none": overhead,
+        "overhead_full_vs_jsonl": statistics.median(ratios_wandb) - 1,
+        "cpu_ms_per_step_median": {n: statistics.median(v) for n, v in cpu.items()},
+        "cpu_ms_per_step_blocks": cpu,
+        "cpu_overhead_full_vs_none": statistics.median([f / n for f, n in zip(cpu["full"], cpu["none"])]) - 1,
+        "cpu_overhead_full_vs_jsonl": statistics.median([f / j for f, j in zip(cpu["full"], cpu["jsonl"])]) - 1,
+        "noise_jsonl_vs_none": statistics.median([j / n for j, n in zip(per["jsonl"], per["none"])]) - 1,
+        "overhead_target": 0.02,
+        "target_met": overhead <= 0.02,
+        "tracking": tracking.report(),
+        "wandb_ready": wandb_ok,
+        "machine_note": "2-core CPU shared with other jobs: block timings are noisy; ratios are of adjacent blocks",
+    }
+    if online_check:
+        result["online_unreachable"] = _online_check(cfg, env, run_dir, block_steps)
+    path = Path(out) if out else run_dir / "bench.json"
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+    result["path"] = str(path)
+    return result
+
+
+def _online_check(cfg: RunConfig, env: dict[str, Any], run_dir: Path, steps: int) -> dict[str, Any]:
+    """Full tracking forced online (dummy key when none is set) vs no tracking: whole-lifecycle wall time."""
+    saved = {k: os.environ.get(k) for k in ("WANDB_API_KEY", "WANDB_MODE")}
+    if not saved["WANDB_API_KEY"]:
+        os.environ["WANDB_API_KEY"] = "0" * 40  # dummy: W&B must try (and fail) to reach its server
+    os.environ.pop("WANDB_MODE", None)
+    try:
+        online_cfg = replace(cfg, tracking=replace(cfg.tracking, wandb="on", mode="online"))
+        base_ms = _block(cfg, env, steps, NullLogger(), None) * steps
+        t0 = time.perf_counter()
+        tracking = Tracking(online_cfg, run_dir / "online", run_name="bench-tracking-online")
+        logger = tracking.attach(env["model"], env["device"])
+        train_ms = _block(cfg, env, steps, logger, tracking.grad_stats) * steps
+        tracking.close()
+        total_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    rep = tracking.report()
+    extra_s = (total_ms - base_ms) / 1e3
+    return {"steps": steps, "baseline_s": base_ms / 1e3, "training_s": train_ms / 1e3, "total_with_tracking_s": total_ms / 1e3,
+            "extra_wall_s": extra_s, "init_timeout_s": online_cfg.tracking.init_timeout_s,
+            "bounded_by_init_timeout": extra_s <= online_cfg.tracking.init_timeout_s,
+            "wandb_active": rep.get("wandb_active"), "wandb_fallback_reason": rep.get("wandb_fallback_reason")}

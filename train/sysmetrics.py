@@ -1,0 +1,140 @@
+"""System metrics sampled by a background thread: CPU %, process RSS, and on CUDA NVML GPU figures.
+
+Every ``tracking.system_interval_s`` seconds the thread logs ``{"event": "system", ...}``:
+
+* ``cpu_percent`` (all cores, 0–100) and ``process_cpu_percent`` (this process; 100 = one core busy),
+  ``process_rss_bytes``, ``system_memory_used_bytes`` — from psutil.
+* on CUDA, from NVML (``pynvml`` of the ``nvidia-ml-py`` package): ``gpu_utilization_percent``,
+  ``gpu_memory_used_bytes``, ``gpu_memory_total_bytes``, ``gpu_power_w``, ``gpu_temperature_c``.
+
+A figure that cannot be read is absent, and ``gpu_metrics_unavailable_reason`` /
+``cpu_metrics_unavailable_reason`` say why — never 0, never an exception in training.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any, Optional
+
+from train.tracking import MetricLogger
+
+
+def _nvml_handle(device_index: int) -> tuple[Any, Any, Optional[str]]:
+    """``(pynvml, handle, None)`` for CUDA device ``device_index``, or ``(None, None, reason)``.
+
+    The device is found by UUID (``torch.cuda.get_device_properties(i).uuid``) so CUDA_VISIBLE_DEVICES
+    remapping is respected; NVML index ``device_index`` is the fallback.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return None, None, "pynvml not importable (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, driver not loaded, …
+        return None, None, f"nvmlInit failed: {exc}"
+    try:
+        import torch
+
+        uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
+        if uuid is not None:
+            text = str(uuid)
+            return pynvml, pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith("GPU-") else f"GPU-{text}"), None
+    except Exception:
+        pass
+    try:
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index), None
+    except Exception as exc:
+        return None, None, f"no NVML handle for CUDA device {device_index}: {exc}"
+
+
+class SystemMonitor:
+    """Background sampler. ``start()`` / ``stop()``; ``samples`` counts records logged.
+
+    Args:
+        logger: receives the records (must be thread-safe: JsonlLogger locks, the W&B logger queues).
+        interval_s: seconds between samples (> 0).
+        cuda_index: CUDA device index to read through NVML, or None on CPU runs.
+    """
+
+    def __init__(self, logger: MetricLogger, interval_s: float, cuda_index: Optional[int] = None) -> None:
+        self.logger, self.interval_s = logger, interval_s
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.cpu_reason: Optional[str] = None
+        self._proc = None
+        self._psutil = None
+        try:
+            import psutil
+
+            self._psutil, self._proc = psutil, psutil.Process()
+            self._proc.cpu_percent(None)  # the first call primes the counters and returns 0.0: discard it
+            psutil.cpu_percent(None)
+        except Exception as exc:
+            self.cpu_reason = f"psutil unavailable: {exc.__class__.__name__}: {exc}"
+        self._nvml = self._handle = None
+        if cuda_index is None:
+            self.gpu_reason: Optional[str] = "not a CUDA run"
+        else:
+            self._nvml, self._handle, self.gpu_reason = _nvml_handle(cuda_index)
+
+    def sample(self) -> dict[str, Any]:
+        """One record (without ``step``); fields that cannot be read are left out, with a reason."""
+        rec: dict[str, Any] = {"event": "system", "time_unix_s": time.time()}
+        if self._proc is not None:
+            try:
+                rec["cpu_percent"] = self._psutil.cpu_percent(None)
+                rec["process_cpu_percent"] = self._proc.cpu_percent(None)
+                rec["process_rss_bytes"] = self._proc.memory_info().rss
+                rec["system_memory_used_bytes"] = self._psutil.virtual_memory().used
+            except Exception as exc:
+                rec["cpu_metrics_unavailable_reason"] = f"psutil failed: {exc}"
+        else:
+            rec["cpu_metrics_unavailable_reason"] = self.cpu_reason
+        if self._handle is not None:
+            nv, h = self._nvml, self._handle
+            reasons = []
+            for key, read in (("gpu_utilization_percent", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
+                              ("gpu_memory_used_bytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).used),
+                              ("gpu_memory_total_bytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).total),
+                              ("gpu_power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1e3),  # NVML: milliwatts
+                              ("gpu_temperature_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))):
+                try:
+                    rec[key] = read()
+                except Exception as exc:  # e.g. NVMLError_NotSupported for power on some boards
+                    reasons.append(f"{key}: {exc}")
+            if reasons:
+                rec["gpu_metrics_unavailable_reason"] = "; ".join(reasons)
+        else:
+            rec["gpu_metrics_unavailable_reason"] = self.gpu_reason
+        return rec
+
+    def _run(self) -> None:
+        failed = False
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.logger.log(self.sample())
+                self.samples += 1
+            except Exception as exc:  # never let monitoring take the run down
+                if not failed:
+                    warnings.warn(f"system metrics: sampling failed ({exc}); continuing without them", stacklevel=1)
+                failed = True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="system-metrics", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (waits at most one sample's duration) and shut NVML down."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+            self._nvml = self._handle = None
