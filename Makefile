@@ -51,8 +51,28 @@ UV ?= $(VENV)/bin/uv
 LOCK_FLAGS = --python-platform x86_64-manylinux_2_28 --python-version 3.10 --generate-hashes --quiet \
 	--custom-compile-command "make lock"
 
+# Scale-out (docs/scale-out.md): NPROC processes per node through torchrun; NNODES > 1 adds a static rendezvous
+# at MASTER_ADDR:MASTER_PORT (run the same command on every node with its NODE_RANK). NPROC=1, NNODES=1: plain python.
+NPROC ?= 1
+NNODES ?= 1
+NODE_RANK ?= 0
+MASTER_ADDR ?= 127.0.0.1
+MASTER_PORT ?= 29500
+ifeq ($(NPROC)$(NNODES),11)
+TORCHRUN_ARGS :=
+else ifeq ($(NNODES),1)
+TORCHRUN_ARGS := --standalone --nproc_per_node=$(NPROC)
+else
+TORCHRUN_ARGS := --nnodes=$(NNODES) --node_rank=$(NODE_RANK) --nproc_per_node=$(NPROC) \
+	--master_addr=$(MASTER_ADDR) --master_port=$(MASTER_PORT)
+endif
+# `python -m train` (one process) or `torchrun … -m train`, locally (.venv) or in the image (LAUNCH_IN_IMAGE).
+LAUNCH := $(if $(TORCHRUN_ARGS),$(VENV)/bin/torchrun $(TORCHRUN_ARGS) -m train,$(PY) -m train)
+LAUNCH_IN_IMAGE := $(if $(TORCHRUN_ARGS),torchrun $(TORCHRUN_ARGS) -m train,python -m train)
+
+
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke buckets bench bench-batching bench-precision compare wandb-sync bench-tracking test test-slow lint clean distclean
+.PHONY: help setup data train smoke smoke-2node buckets bench bench-batching bench-precision compare wandb-sync bench-tracking test test-slow lint clean distclean
 .PHONY: print-image bad-runtime build image-present verify-gpu warmup profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache
 
 help: ## list the targets
@@ -70,12 +90,15 @@ setup: $(VENV)/.installed ## create .venv and install the pinned dependencies (C
 data: setup ## make the WordNet database available (apt-get install wordnet-base when root)
 	PY=$(PY) scripts/install_wordnet.sh
 
-train: $(RT_DEPS_DATA) ## train with CONFIG (default configs/cpu-tiny.yaml); ARGS="section.key=value ..." overrides; RUNTIME=auto|docker|local
+train: $(RT_DEPS_DATA) ## train with CONFIG (default configs/cpu-tiny.yaml); ARGS="section.key=value ..." overrides; RUNTIME=auto|docker|local; NPROC=2 for DDP
 	@echo "$(RT_LINE)"
-	$(call rt_py,-m train train --config $(CONFIG) $(ARGS))
+	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) $(LAUNCH_IN_IMAGE) train --config $(CONFIG) $(ARGS),$(LAUNCH) train --config $(CONFIG) $(ARGS))
 
-smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.json
-	$(PY) -m train train --config configs/smoke.yaml $(ARGS)
+smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.json (NPROC=2: the same under DDP)
+	$(LAUNCH) train --config configs/smoke.yaml $(ARGS)
+
+smoke-2node: setup data ## the smoke run as two simulated nodes (two torchrun launches, loopback rendezvous) → runs/smoke-2node
+	PY=$(PY) NPROC=$(NPROC) MASTER_PORT=$(MASTER_PORT) scripts/simulate_2node.sh --config configs/smoke.yaml train.run_id=smoke-2node $(ARGS)
 
 buckets: setup data ## fit bucket boundaries offline and save them as JSON
 	$(PY) -m train buckets --config $(CONFIG) $(ARGS)

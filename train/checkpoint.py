@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import pickle
 import zipfile
 from pathlib import Path
@@ -14,9 +15,25 @@ from train.errors import UserError, atomic_path
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """``torch.save`` to a temporary file, fsync, rename: readers never see a half-written checkpoint."""
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    """``torch.save`` to a temporary file, fsync, rename: readers never see a half-written checkpoint.
+
+    Raises:
+        UserError: the write failed (disk full, permissions); the temporary file is removed and any
+            earlier checkpoint at ``path`` is left as it was.
+    """
+    try:
+        with atomic_path(path) as tmp:
+            torch.save(state, tmp)
+    except OSError as exc:
+        hint = ("the disk is full: free space or set train.output_dir to a disk with room" if exc.errno == errno.ENOSPC
+                else "check the directory's permissions or set train.output_dir")
+        raise UserError(f"cannot write checkpoint {path} ({exc.strerror or exc}); {hint}; "
+                        "earlier checkpoints are intact") from None
+    except RuntimeError as exc:  # torch's zip writer reports a failed write(2), e.g. ENOSPC, as RuntimeError
+        if "write" not in str(exc):
+            raise
+        raise UserError(f"cannot write checkpoint {path} ({str(exc).splitlines()[0]}); is the disk full? "
+                        "Free space or set train.output_dir; earlier checkpoints are intact") from None
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Command-line interface: argument parsing only; each command calls a function in its module.
 
-    python -m train train   [--config FILE] [--run-id ID] [--buckets-force] [section.key=value ...]
+    python -m train train   [--config FILE] [--run-id ID] [--buckets-force] [--resume RUN_DIR] [section.key=value ...]
     python -m train buckets [--config FILE] [--out FILE] [section.key=value ...]
     python -m train bench-batching [--config FILE] [--run-id ID] [--num-buckets K] [...] [section.key=value ...]
     python -m train profile [--config FILE] [--run-id ID] [--tools torch,pyspy,gpu,nsys] [section.key=value ...]
@@ -15,6 +15,7 @@ Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and ex
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -36,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--run-id", default=None, help="run directory name (default: a timestamp)")
     p.add_argument("--buckets-force", action="store_true", help="use batching.boundaries_file even if its fingerprints differ")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue runs/<id> from its newest checkpoint (or a given checkpoint file) with the run's own "
+                        "config.yaml (--config is ignored; overrides still apply)")
     p = sub.add_parser("buckets", help="fit bucket boundaries on the training split and save them as JSON")
     _common(p)
     p.add_argument("--out", default=None, help="output JSON (default: runs/buckets/<method>-<K>.json)")
@@ -126,10 +130,25 @@ def cmd_train(args: argparse.Namespace, t_start: float) -> int:
     overrides = list(args.overrides)
     if args.run_id:
         overrides.append(f"train.run_id={args.run_id}")
-    cfg = load_config(args.config, overrides)
-    report = run_training(cfg, t_start, buckets_force=args.buckets_force)
-    for line in summary_lines(report):
-        print(line)
+    if args.resume:
+        from train.resume import find_resume_checkpoint
+
+        run_dir, _ = find_resume_checkpoint(args.resume)
+        cfg = load_config(str(run_dir / "config.yaml"), [o for o in overrides if not o.startswith("train.run_id=")])
+        cfg.train.output_dir, cfg.train.run_id = str(run_dir.parent), run_dir.name
+    else:
+        cfg = load_config(args.config, overrides)
+    report = run_training(cfg, t_start, buckets_force=args.buckets_force, resume=args.resume)
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if report.get("status") == "interrupted":
+        info = report["interrupted"]
+        if main_rank:
+            print(f"interrupted by {info['signal']} after step {info['step']}/{info['total_steps']}; "
+                  f"checkpoint {info['checkpoint']}; resume with: {info['resume_command']}")
+        return 0 if info["signal"] == "SIGTERM" else 130  # SIGTERM = preemption: a clean, resumable stop
+    if main_rank:
+        for line in summary_lines(report):
+            print(line)
     return 0
 
 

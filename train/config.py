@@ -231,6 +231,12 @@ class TrainConfig:
     """Run directory name under ``output_dir``; None = a timestamp."""
     progress: bool = True
     """Show a tqdm progress bar (loss, samples/s, padding %)."""
+    checkpoint_every: Optional[int] = 500
+    """Write a resumable checkpoint to ``runs/<id>/checkpoints/`` every N steps; null = only the final ``checkpoint.pt``."""
+    keep_checkpoints: int = 3
+    """How many periodic checkpoints to keep (the newest; older ones are deleted after each write)."""
+    shutdown_timeout_s: float = 60.0
+    """After SIGTERM/SIGINT the run finishes its step, checkpoints and reports; it exits anyway after this many seconds."""
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and self.max_steps < 1:
@@ -241,6 +247,12 @@ class TrainConfig:
             raise UserError("train.eval_every and train.log_every must be ≥ 1")
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise UserError(f"train.precision={self.precision!r} is not one of auto, fp32, bf16, fp16")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise UserError("train.checkpoint_every must be ≥ 1 or null")
+        if self.keep_checkpoints < 1:
+            raise UserError("train.keep_checkpoints must be ≥ 1")
+        if self.shutdown_timeout_s <= 0:
+            raise UserError("train.shutdown_timeout_s must be > 0")
 
 
 @dataclass

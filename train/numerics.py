@@ -170,6 +170,19 @@ class NumericsGuard:
         return {"loss": loss / good if good else None, "grad_norm": norm / good if good else None,
                 "clipped_fraction": clipped / good if good else None, "skipped_steps": bad}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The open window's accumulators and the run's counters (tensors and plain values: checkpoint-safe)."""
+        return {"accumulators": torch.stack([self._loss, self._norm, self._clipped, self._bad, self._run,
+                                             self._longest]).detach().cpu().clone(),
+                "skipped_steps": self.skipped_steps, "longest_bad_run": self.longest_bad_run, "step": self._step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        acc = state["accumulators"].to(self.device)
+        for t, v in zip((self._loss, self._norm, self._clipped, self._bad, self._run, self._longest), acc):
+            t.copy_(v)
+        self.skipped_steps, self.longest_bad_run = int(state["skipped_steps"]), int(state["longest_bad_run"])
+        self._step = int(state["step"])
+
     def should_abort(self) -> bool:
         return self.longest_bad_run >= self.max_bad_steps
 

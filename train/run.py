@@ -6,19 +6,20 @@ Writes ``runs/<run-id>/``: ``config.yaml`` (fully resolved), ``metrics.jsonl``, 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from train.checkpoint import save_checkpoint
 from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader, prepare_data
+from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
 from train.env import collect_env, resolve_device
 from train.errors import UserError, atomic_write_text
 from train.model import EncoderClassifier, resolve_spec
@@ -28,6 +29,17 @@ from train.perf.energy import EnergyMeter, per_unit
 from train.perf.flops import StepFlops
 from train.perf.memory import peak_memory, reset_peak
 from train.precision import PrecisionPolicy
+from train.resume import (
+    Checkpointer,
+    find_resume_checkpoint,
+    full_state,
+    load_resume_state,
+    restore_rng,
+    truncate_metrics,
+    write_state,
+)
+from train.shutdown import ShutdownRequest
+from train.tracking import NullLogger
 from train.tracking_setup import Tracking
 from train.trainer import Trainer, TrainStats, evaluate
 
@@ -91,6 +103,7 @@ def build_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, stats: Train
         "first_step_ms": first_step_ms,
         "step_time_ms": timer_summary,
         "steps": stats.steps,
+        "train_samples_seen": stats.samples,
         "wall_time_s": wall_s,
         **memory,
     }
@@ -146,81 +159,197 @@ def build_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, stats: Train
     }
 
 
-def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, hooks: tuple = ()) -> dict[str, Any]:
+def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
+                 resume: Optional[str] = None, hooks: tuple = ()) -> dict[str, Any]:
     """Train, evaluate and write the run directory. Returns the report dict.
 
     ``t_start`` is ``time.perf_counter()`` at command start, for ``perf.time_to_first_step_s``.
+    Under ``torchrun`` every rank calls this; DDP is set up and torn down here and only rank 0
+    writes files or prints. ``resume``: a run directory (or one of its checkpoint files) to
+    continue from (see train/resume.py). After SIGTERM/SIGINT the report has ``"status": "interrupted"``.
     ``hooks``: objects with ``attach(trainer, run_dir)`` (called before the loop) and
     ``finish(report)`` (called before report.json is written; may add keys), e.g. a profile session.
 
     Raises:
-        UserError: any bad input (config, data, buckets, run directory).
+        UserError: any bad input (config, data, buckets, run directory, checkpoint), on every rank.
     """
-    run_dir = make_run_dir(cfg)
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
-    for stale in ("report.json", "metrics.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)
-    device = resolve_device(cfg.train.device)
+    ctx, device = init_distributed(resolve_device(cfg.train.device))
+    try:
+        return _run_training(cfg, t_start, buckets_force, resume, ctx, device, hooks)
+    finally:
+        teardown(ctx)
+
+
+def _reduce_stats(stats: TrainStats, ctx: DistContext) -> None:
+    """Turn this rank's counters into job totals (sums over ranks; shapes: union). No-op single-process."""
+    if not ctx.enabled:
+        return
+    names = ("samples", "real_tokens", "padded_tokens", "steady_samples", "steady_real_tokens", "truncated_in_collate")
+    totals = all_reduce_sum(torch.tensor([getattr(stats, n) for n in names], dtype=torch.float64), ctx)
+    for name, value in zip(names, totals.tolist()):
+        setattr(stats, name, int(value))
+    shapes = [None] * ctx.world_size
+    torch.distributed.all_gather_object(shapes, (stats.seq_lens, stats.batch_shapes), group=ctx.control_group)
+    stats.seq_lens = set().union(*(a for a, _ in shapes))
+    stats.batch_shapes = set().union(*(b for _, b in shapes))
+
+
+def _prepare_data(cfg: RunConfig, run_dir: Path, buckets_force: bool, ctx: DistContext, say) -> DataBundle:
+    """``prepare_data`` on every rank, consistently.
+
+    Rank 0 goes first (it may train and cache the tokenizer); the other ranks then load rank 0's
+    tokenizer, because WordPiece training is not deterministic across processes (tie-breaking
+    follows hash-map order), so ranks training their own would tokenize differently. Finally every
+    rank checks that it holds rank 0's data, tokenizer and bucket bounds.
+
+    Raises:
+        UserError: bad input on any rank, or ranks that disagree (e.g. a per-node data copy that differs).
+    """
+    if not ctx.enabled:
+        return prepare_data(cfg, run_dir, buckets_force, notice=say)
+    bundle = agreed(lambda: prepare_data(cfg, run_dir, buckets_force, notice=say) if ctx.is_main else None, ctx)
+    tok_json = None
+    if ctx.is_main:
+        tok_file = Path(bundle.tokenizer_info["path"])
+        tok_json = tok_file.read_text(encoding="utf-8") if tok_file.is_file() else None
+    tok_json = broadcast_from_main(tok_json, ctx)
+
+    def follow() -> DataBundle:
+        if ctx.is_main:
+            return bundle
+        local = copy.deepcopy(cfg)
+        with tempfile.TemporaryDirectory() as tmp:
+            if tok_json is not None:
+                local.data.tokenizer_path = os.path.join(tmp, "tokenizer.json")
+                Path(local.data.tokenizer_path).write_text(tok_json, encoding="utf-8")
+            return prepare_data(local, None, buckets_force, notice=lambda *a, **k: None)
+
+    bundle = agreed(follow, ctx)
+    facts = (bundle.data_fingerprint, bundle.tokenizer_info["fingerprint"], list(bundle.bounds))
+    main_facts = broadcast_from_main(facts, ctx)
+
+    def check() -> None:
+        if facts != main_facts:
+            raise UserError(f"rank {ctx.rank} prepared other data than rank 0 (data, tokenizer, buckets: {facts} vs "
+                            f"{main_facts}); give every node the same data.source and a shared data.cache_dir "
+                            "(or data.tokenizer_path and batching.boundaries_file)")
+
+    agreed(check, ctx)
+    return bundle
+
+
+def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
+                  device: torch.device, hooks: tuple = ()) -> dict[str, Any]:
+    say = print if ctx.is_main else (lambda *a, **k: None)
+    if ctx.enabled and cfg.train.run_id is None:  # one timestamp for all ranks
+        cfg.train.run_id = broadcast_from_main(time.strftime("%Y%m%d-%H%M%S", time.gmtime()), ctx)
+    run_dir = agreed(lambda: make_run_dir(cfg) if ctx.is_main else Path(cfg.train.output_dir) / cfg.train.run_id, ctx)
+    if ctx.is_main:
+        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        if resume is None:
+            for stale in ("report.json", "metrics.jsonl"):
+                (run_dir / stale).unlink(missing_ok=True)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
     policy = PrecisionPolicy.create(cfg.train.precision, device)
-    print(f"run {run_dir}: device {device}, precision {policy.mode} ({policy.reason})", flush=True)
+    say(f"run {run_dir}: device {device}, precision {policy.mode} ({policy.reason})"
+        + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""), flush=True)
 
     t_data = time.perf_counter()
-    bundle = prepare_data(cfg, run_dir, buckets_force)
+    bundle = _prepare_data(cfg, run_dir, buckets_force, ctx, say)
     data_s = time.perf_counter() - t_data
-    print(f"data: {bundle.corpus.name}, {len(bundle.splits['train'])} train / {len(bundle.splits['validation'])} val / "
-          f"{len(bundle.splits['test'])} test, {bundle.num_classes} classes, vocab {bundle.vocab_size} "
-          f"(tokenizer {bundle.tokenizer_info['source']}), {data_s:.1f}s", flush=True)
+    say(f"data: {bundle.corpus.name}, {len(bundle.splits['train'])} train / {len(bundle.splits['validation'])} val / "
+        f"{len(bundle.splits['test'])} test, {bundle.num_classes} classes, vocab {bundle.vocab_size} "
+        f"(tokenizer {bundle.tokenizer_info['source']}), {data_s:.1f}s", flush=True)
 
-    model = build_model(cfg, bundle).to(device)
-    train_loader = make_loader(bundle, "train", cfg, train=True, device=device)
-    val_loader = make_loader(bundle, "validation", cfg, train=False, device=device)
-    test_loader = make_loader(bundle, "test", cfg, train=False, device=device)
-    tracking = Tracking(cfg, run_dir)  # metrics.jsonl; W&B initialises on its own thread (bounded, never blocks)
-    logger = tracking.attach(model, device)
+    model = agreed(lambda: build_model(cfg, bundle), ctx).to(device)
+    state = None
+    if resume is not None:
+        _, ckpt_path = find_resume_checkpoint(resume)
+        state = agreed(lambda: load_resume_state(ckpt_path, ctx, bundle, model.spec), ctx)
+        say(f"resuming from {ckpt_path} (step {state['step']})", flush=True)
+    if ctx.rank:  # distinct dropout streams per rank; rank 0 keeps the single-process stream
+        torch.manual_seed(cfg.train.seed + ctx.rank)
+    ws, rk = ctx.world_size, ctx.rank
+    train_loader = make_loader(bundle, "train", cfg, train=True, device=device, world_size=ws, rank=rk)
+    val_loader = make_loader(bundle, "validation", cfg, train=False, device=device, world_size=ws, rank=rk)
+    test_loader = make_loader(bundle, "test", cfg, train=False, device=device, world_size=ws, rank=rk)
+    if state is not None:
+        model.load_state_dict(state["model"])  # before DDP: its construction broadcasts rank 0's weights
+        if ctx.is_main:
+            truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+    # rank 0: metrics.jsonl (+ W&B on its own thread, bounded, never blocking); other ranks log nothing
+    tracking = Tracking(cfg, run_dir) if ctx.is_main else None
+    logger = tracking.attach(model, device) if tracking is not None else NullLogger()
     trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes,
-                      grad_stats=tracking.grad_stats)
-    print(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
-          f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch)", flush=True)
+                      grad_stats=tracking.grad_stats if tracking is not None else None,
+                      dist_ctx=ctx, train_model=wrap_model(model, ctx, device))
+    say(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
+        f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch per rank)", flush=True)
+    if state is not None:
+        trainer.load_state_dict(state, state["ranks"][ctx.rank])
+        if trainer.start_step >= trainer.total_steps:
+            raise UserError(f"--resume {resume}: the checkpoint is at step {trainer.start_step} of {trainer.total_steps}; "
+                            "nothing left to train (raise train.max_steps to train longer)")
+        restore_rng(state, ctx)  # last: nothing may draw from the RNGs between here and the next step
     for hook in hooks:
         hook.attach(trainer, run_dir)
     reset_peak(device)
     energy_meter = EnergyMeter(device)
-    energy_meter.start()
-    try:
-        stats = trainer.fit()
-    except NumericsAbort as abort:
-        energy_meter.stop()
-        write_aborted_report(cfg, run_dir, bundle, trainer, abort, device, policy, t_start)
-        raise
-    finally:
-        tracking.close()
-    energy = energy_meter.stop()  # the training loop, periodic evaluations included
-    sampler = train_loader.batch_sampler
-    sampler_counts = {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
-    final_eval = stats.evals[-1] if stats.evals else evaluate(model, val_loader, policy, bundle.num_classes, device)
-    test_eval = evaluate(model, test_loader, policy, bundle.num_classes, device)
-    memory = peak_memory(device)
-    env = {**collect_env(device), "precision": policy.mode, "precision_reason": policy.reason,
-           "num_threads": torch.get_num_threads()}
-    save_checkpoint(run_dir / "checkpoint.pt", {
-        "model": model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(), "step": stats.steps, "epoch": trainer.epoch,
-        "spec": asdict(model.spec), "label_names": list(bundle.corpus.label_names), "config": cfg.to_dict()})
-    report = build_report(cfg, run_dir, bundle, stats, trainer.timer.summary(), trainer.timer.first_ms,
-                          sum(trainer.timer.steady_ms), final_eval, test_eval, env, memory, sampler_counts, t_start,
-                          time.perf_counter() - t_start)
-    report["perf"]["data_prep_s"] = data_s
-    report["perf"].update(efficiency_fields(model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, policy.mode))
-    for hook in hooks:
-        hook.finish(report)
-    report["numerics"] = trainer.guard.report()
-    report["perf"]["throughput_valid"] = True
-    report["clip"] = clip_report(cfg)
-    report["tracking"] = tracking.report()
-    atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    with ShutdownRequest(cfg.train.shutdown_timeout_s) as shutdown:
+        checkpointer = Checkpointer(run_dir, cfg, trainer, model, bundle, ctx, shutdown)
+        trainer.on_step_end = checkpointer
+        energy_meter.start()
+        try:
+            stats = trainer.fit()
+        except NumericsAbort as abort:
+            energy_meter.stop()
+            if ctx.is_main:
+                write_aborted_report(cfg, run_dir, bundle, trainer, abort, device, policy, t_start)
+            raise
+        finally:
+            if tracking is not None:
+                tracking.close()
+        energy = energy_meter.stop()  # the training loop, periodic evaluations included
+        interrupted = trainer.stopped_at is not None
+        if not interrupted:  # the final state, resumable and loadable (weights_only)
+            write_state(run_dir / "checkpoint.pt", full_state(trainer, model, bundle, cfg, ctx), ctx)
+        _reduce_stats(stats, ctx)
+        sampler = train_loader.batch_sampler
+        sampler_counts = {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
+        if interrupted:  # bounded shutdown: no extra evaluation
+            final_eval, test_eval = (stats.evals[-1] if stats.evals else {}), {}
+        else:
+            final_eval = stats.evals[-1] if stats.evals else evaluate(model, val_loader, policy, bundle.num_classes,
+                                                                      device, ctx)
+            test_eval = evaluate(model, test_loader, policy, bundle.num_classes, device, ctx)
+        memory = peak_memory(device)
+        env = {**collect_env(device), "precision": policy.mode, "precision_reason": policy.reason,
+               "num_threads": torch.get_num_threads(), "world_size": ctx.world_size,
+               "distributed_backend": ctx.backend}
+        report = build_report(cfg, run_dir, bundle, stats, trainer.timer.summary(), trainer.timer.first_ms,
+                              sum(trainer.timer.steady_ms), final_eval, test_eval, env, memory, sampler_counts, t_start,
+                              time.perf_counter() - t_start)
+        report["perf"]["data_prep_s"] = data_s
+        report["perf"].update(efficiency_fields(model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device,
+                                                policy.mode))
+        for hook in hooks:
+            hook.finish(report)
+        report["numerics"] = trainer.guard.report()
+        report["perf"]["throughput_valid"] = True
+        report["clip"] = clip_report(cfg)
+        if tracking is not None:
+            report["tracking"] = tracking.report()
+        report["resumed_from"] = None if state is None else {"checkpoint": str(ckpt_path), "step": state["step"]}
+        if interrupted:
+            report["status"] = "interrupted"
+            report["interrupted"] = {
+                "signal": shutdown.signal_name, "step": trainer.stopped_at, "total_steps": trainer.total_steps,
+                "checkpoint": str(checkpointer.last_path), "resume_command": f"make train ARGS=\"--resume {run_dir}\""}
+            report["quality"]["test_unavailable_reason"] = "interrupted before the final evaluation"
+        if ctx.is_main:
+            atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
 
 

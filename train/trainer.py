@@ -12,7 +12,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,6 +25,7 @@ from tqdm import tqdm
 from train.clipping import clip_gradients
 from train.compat import fused_adamw_supported
 from train.config import RunConfig
+from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
 from train.gradstats import GradStats
 from train.model import EncoderClassifier, param_groups
@@ -73,8 +74,13 @@ def move(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
 
 @torch.no_grad()
 def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPolicy, num_classes: int,
-             device: torch.device) -> dict[str, float]:
-    """Accuracy (micro), macro-F1 (torchmetrics) and mean cross-entropy over ``loader``."""
+             device: torch.device, dist_ctx: Optional[DistContext] = None) -> dict[str, float]:
+    """Accuracy (micro), macro-F1 (torchmetrics) and mean cross-entropy over ``loader``.
+
+    Under DDP each rank evaluates its shard (``loader`` from ``make_loader(..., world_size, rank)``):
+    torchmetrics all-gathers its states in ``compute()``; the loss sum and count are all-reduced.
+    """
+    ctx = dist_ctx or DistContext()
     was_training = model.training
     model.eval()
     acc = MulticlassAccuracy(num_classes=num_classes, average="micro").to(device)
@@ -89,6 +95,10 @@ def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPoli
         f1.update(logits, labels)
         n += labels.numel()
     model.train(was_training)
+    if ctx.enabled:  # every rank, even one with an empty shard, joins the reductions
+        totals = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(float(n), dtype=torch.float64,
+                                                                              device=device)]), ctx)
+        loss_sum, n = totals[0], int(totals[1])
     if n == 0:
         return {"accuracy": None, "macro_f1": None, "loss": None, "samples": 0}
     return {"accuracy": float(acc.compute()), "macro_f1": float(f1.compute()),
@@ -100,8 +110,11 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, model: EncoderClassifier, policy: PrecisionPolicy, device: torch.device,
                  train_loader: DataLoader, eval_loader: Optional[DataLoader], logger: MetricLogger,
-                 num_classes: int, grad_stats: Optional[GradStats] = None) -> None:
+                 num_classes: int, grad_stats: Optional[GradStats] = None, dist_ctx: Optional[DistContext] = None,
+                 train_model: Optional[torch.nn.Module] = None) -> None:
         self.cfg, self.model, self.policy, self.device = cfg, model, policy, device
+        self.dist = dist_ctx or DistContext()
+        self.train_model = train_model or model  # the DDP wrapper under torchrun; evaluation uses ``model``
         self.grad_stats = grad_stats  # per-layer gradient norm/std records (train/gradstats.py), or None
         self.train_loader, self.eval_loader, self.logger = train_loader, eval_loader, logger
         self.num_classes = num_classes
@@ -126,13 +139,25 @@ class Trainer:
         # by default a range is a shared no-op context and there are no hooks.
         self.ranges = null_ranges
         self.step_hooks: list = []  # callables hook(step: int, step_ms: float), called at the end of each step
+        self.batches_in_epoch = 0  # consumed by the loop (the DataLoader prefetches ahead of the sampler)
+        self.start_step = 0  # > 0 after resuming from a checkpoint
+        self.on_step_end: Optional[Callable[[int], bool]] = None  # after each step; True = stop now
+        self.stopped_at: Optional[int] = None  # the step the loop stopped at when on_step_end said so
+        self.reset_window()
+
+    def reset_window(self) -> None:
+        """Start a new logging window (loss/norm accumulate on the device in ``self.guard`` until the next record)."""
+        self.window = {"steps": 0, "ms": 0.0, "samples": 0, "real": 0, "padded": 0}
 
     def _batches(self) -> Iterator[dict]:
         sampler = self.train_loader.batch_sampler
         while True:
             sampler.set_epoch(self.epoch)
-            yield from self.train_loader
+            for batch in self.train_loader:
+                self.batches_in_epoch += 1
+                yield batch
             self.epoch += 1
+            self.batches_in_epoch = 0
 
     def train_step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One optimizer step. Returns (loss, pre-clip global grad norm in true units) as device tensors.
@@ -141,7 +166,7 @@ class Trainer:
         """
         with self.ranges("forward"):
             with self.guard.forward_context():  # hooks only while diagnosing a bad step
-                logits = self.model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
+                logits = self.train_model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
             loss = F.cross_entropy(logits, labels)  # fp32, outside autocast
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
@@ -165,18 +190,19 @@ class Trainer:
     def fit(self) -> TrainStats:
         t, s = self.cfg.train, self.stats
         self.model.train()
-        show = t.progress and sys.stderr.isatty()
-        bar = tqdm(total=self.total_steps, disable=not show, dynamic_ncols=True, mininterval=0.5, unit="step")
-        window = {"steps": 0, "ms": 0.0, "samples": 0, "real": 0, "padded": 0}
+        show = t.progress and sys.stderr.isatty() and self.dist.is_main
+        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not show, dynamic_ncols=True,
+                   mininterval=0.5, unit="step")
         batches = self._batches()
-        for step in range(1, self.total_steps + 1):
+        for step in range(self.start_step + 1, self.total_steps + 1):
+            window = self.window
             self.timer.start()
             with self.ranges("data_wait"):
                 batch = next(batches)  # data wait is part of the step time
                 ids, mask, labels = move(batch, self.device)
             loss, grad_norm = self.train_step(ids, mask, labels)
             ms = self.timer.stop()
-            if step == 1:
+            if step == self.start_step + 1:
                 s.first_step_end = time.perf_counter()
             b, seq = ids.shape
             s.steps, s.samples = step, s.samples + b
@@ -185,7 +211,7 @@ class Trainer:
             s.truncated_in_collate += batch["truncated"]
             s.seq_lens.add(seq)
             s.batch_shapes.add((b, seq))
-            if step > 1:
+            if step > self.start_step + 1:  # steady state: after this process's first (cold) step
                 s.steady_shape_counts[(b, seq)] += 1
                 s.steady_samples += b
                 s.steady_real_tokens += batch["real_tokens"]
@@ -206,19 +232,22 @@ class Trainer:
                 s.final_train_loss = record["loss"]
                 bar.set_postfix(loss="n/a" if record["loss"] is None else f"{record['loss']:.3f}", samples_s=f"{record['samples_per_s']:.0f}",
                                 pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
-                window = {"steps": 0, "ms": 0.0, "samples": 0, "real": 0, "padded": 0}
+                self.reset_window()
             if self.eval_loader is not None and (step % t.eval_every == 0 or step == self.total_steps):
-                result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device)
+                result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device, self.dist)
                 s.evals.append({"step": step, **result})
                 self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
                 msg = f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f}"
                 if show:
                     bar.write(msg)
-                else:
+                elif self.dist.is_main:
                     print(msg, flush=True)
             bar.update(1)
             for hook in tuple(self.step_hooks):  # a hook may remove itself
                 hook(step, ms)
+            if self.on_step_end is not None and self.on_step_end(step):
+                self.stopped_at = step
+                break
         bar.close()
         return s
 
@@ -226,6 +255,12 @@ class Trainer:
         n = window["steps"]
         numerics = self.guard.end_window(n)  # sync point: once per log_every steps
         loss = numerics.pop("loss")  # mean over the window's non-skipped steps
+        if self.dist.enabled:  # mean loss over ranks; samples and tokens summed over ranks (time: this rank's)
+            totals = all_reduce_sum(torch.tensor([loss if loss is not None else float("nan"), window["samples"],
+                                                  window["real"], window["padded"]], dtype=torch.float64,
+                                                 device=self.device), self.dist)
+            loss = float(totals[0]) / self.dist.world_size
+            window = {**window, "samples": int(totals[1]), "real": int(totals[2]), "padded": int(totals[3])}
         secs = window["ms"] / 1e3
         record = {"step": step, "epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                   "step_time_ms": window["ms"] / n, "samples_per_s": window["samples"] / secs if secs else None,
@@ -234,3 +269,43 @@ class Trainer:
         if self.policy.scaler is not None:
             record["loss_scale"] = float(self.policy.scaler.get_scale())
         return record
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training state every rank shares: progress, optimizer, scheduler, GradScaler, evaluations.
+
+        Plain values and tensors only (loadable with ``weights_only=True``). ``batches_in_epoch`` is the
+        sampler position: batches of ``epoch`` the loop has consumed (not what the DataLoader prefetched).
+        """
+        scaler = self.policy.scaler
+        return {"step": self.stats.steps, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
+                "total_steps": self.total_steps, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "grad_scaler": scaler.state_dict() if scaler is not None else None,
+                "evals": list(self.stats.evals), "final_train_loss": self.stats.final_train_loss}
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's own state: its open logging window and its counters."""
+        s = self.stats
+        return {"guard": self.guard.state_dict(), "window": dict(self.window), "samples": s.samples, "real_tokens": s.real_tokens,
+                "padded_tokens": s.padded_tokens, "truncated_in_collate": s.truncated_in_collate,
+                "seq_lens": sorted(s.seq_lens), "batch_shapes": [list(x) for x in sorted(s.batch_shapes)]}
+
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` / :meth:`rank_state_dict`: the next step is ``state['step'] + 1``."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.policy.scaler is not None and state.get("grad_scaler") is not None:
+            self.policy.scaler.load_state_dict(state["grad_scaler"])
+        self.start_step = int(state["step"])
+        self.epoch, self.batches_in_epoch = int(state["epoch"]), int(state["batches_in_epoch"])
+        self.train_loader.batch_sampler.load_state_dict(
+            {"epoch": self.epoch, "start": self.batches_in_epoch, "seed": self.cfg.train.seed})
+        s = self.stats
+        s.steps, s.evals, s.final_train_loss = self.start_step, list(state["evals"]), state["final_train_loss"]
+        r = rank_state
+        self.guard.load_state_dict(r["guard"])
+        self.window = dict(r["window"])
+        s.samples, s.real_tokens, s.padded_tokens = r["samples"], r["real_tokens"], r["padded_tokens"]
+        s.truncated_in_collate = r["truncated_in_collate"]
+        s.seq_lens = set(r["seq_lens"])
+        s.batch_shapes = {tuple(x) for x in r["batch_shapes"]}

@@ -15,7 +15,7 @@ from train.config import RunConfig
 from train.data.buckets import BucketPlan
 from train.data.collate import PadCollate, TokenDataset
 from train.data.grouping import LengthGroupedBatchSampler
-from train.data.sampler import BucketBatchSampler
+from train.data.sampler import BucketBatchSampler, ShardedBatchSampler
 from train.data.sources import Corpus, load_corpus
 from train.data.tokenizer import TokenizedSplit, encode, load_or_train, pad_id, texts_fingerprint
 from train.errors import UserError
@@ -71,6 +71,19 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
     return plan.bounds, b.pad_to, plan, source
 
 
+def check_token_budget(max_tokens: Optional[int], bounds: list[int], max_len: int) -> None:
+    """A batch is at least one sample and never more than ``max_tokens`` padded tokens, so the budget
+    must hold one sample of the longest bucket. (With a budget, ``batching.batch_size`` is not used.)
+
+    Raises:
+        UserError: ``max_tokens`` < the largest bucket bound.
+    """
+    if max_tokens is not None and max_tokens < max(bounds):
+        raise UserError(f"batching.max_tokens={max_tokens} cannot hold one sample of the longest bucket "
+                        f"({max(bounds)} tokens, data.max_len={max_len}): every batch would exceed the token budget; "
+                        f"raise batching.max_tokens to at least {max(bounds)} or lower data.max_len")
+
+
 def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: bool = False,
                  notice: Callable[[str], None] = print) -> DataBundle:
     """Load, split, tokenize and plan the buckets. Raises UserError for any bad input."""
@@ -81,6 +94,7 @@ def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: 
     data_fp = texts_fingerprint(corpus.train.texts)
     bounds, pad_to, plan, source = bucket_plan(cfg, splits["train"].lengths, data_fp, tok_info["fingerprint"],
                                                run_dir, buckets_force, notice)
+    check_token_budget(cfg.batching.max_tokens, bounds, cfg.data.max_len)
     return DataBundle(corpus=corpus, splits=splits, tokenizer_info=tok_info, vocab_size=tok.get_vocab_size(),
                       pad_id=pad_id(tok), bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source,
                       data_fingerprint=data_fp)
@@ -91,20 +105,27 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
     """A DataLoader over ``split`` with a :class:`BucketBatchSampler` and :class:`PadCollate`.
 
     Training: seeded shuffle, the configured token budget and ``drop_last``. Evaluation: no
-    shuffle, nothing dropped, the same buckets (so eval shapes are the training shapes).
+    shuffle, nothing dropped, the same buckets (so eval shapes are the training shapes); under DDP
+    each rank gets every ``world_size``-th batch (:class:`ShardedBatchSampler`, nothing repeated).
+    Each loader draws its workers' base seed from its own generator, not the global torch RNG, so
+    starting an epoch or an evaluation never shifts the dropout stream (exact resume relies on it).
     """
     b = cfg.batching
-    sampler: BucketBatchSampler | LengthGroupedBatchSampler
+    batches: BucketBatchSampler | LengthGroupedBatchSampler | ShardedBatchSampler
     if b.method == "hf-group-by-length" and train:
         if world_size > 1:
             raise UserError("batching.method=hf-group-by-length is a single-process baseline; use optimal with DDP")
-        sampler = LengthGroupedBatchSampler(bundle.splits[split].lengths, b.batch_size, cfg.train.seed, b.drop_last)
+        batches = LengthGroupedBatchSampler(bundle.splits[split].lengths, b.batch_size, cfg.train.seed, b.drop_last)
     else:
+        shard_train = world_size if train else 1
         sampler = BucketBatchSampler(
             bundle.splits[split].lengths, bundle.bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
             round_batch_to=8 if b.round_to % 8 == 0 else 1, shuffle=train, seed=cfg.train.seed,
-            drop_last=b.drop_last if train else False, world_size=world_size, rank=rank)
-    return DataLoader(TokenDataset(bundle.splits[split]), batch_sampler=sampler,
+            drop_last=b.drop_last if train else False, world_size=shard_train, rank=rank if train else 0)
+        batches = sampler if train or world_size == 1 else ShardedBatchSampler(sampler, world_size, rank)
+    generator = torch.Generator()
+    generator.manual_seed(cfg.train.seed)
+    return DataLoader(TokenDataset(bundle.splits[split]), batch_sampler=batches,
                       collate_fn=PadCollate(bundle.pad_id, bundle.bounds, bundle.pad_to),
                       num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
-                      persistent_workers=cfg.data.num_workers > 0)
+                      persistent_workers=cfg.data.num_workers > 0, generator=generator)

@@ -128,3 +128,28 @@ class BucketBatchSampler(Sampler[list[int]]):
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next ``__iter__`` yields exactly the batches not yet consumed in ``state['epoch']``."""
         self.epoch, self._start, self.seed = int(state["epoch"]), int(state["start"]), int(state["seed"])
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Rank ``rank``'s share of ``inner``'s batches for evaluation: batches rank, rank + w, rank + 2w, …
+
+    Nothing is repeated or dropped, so the union over ranks is every sample exactly once and
+    reduced metrics equal the single-process ones; ranks may get one batch fewer than others,
+    which is fine for evaluation (no collective inside its loop).
+    """
+
+    def __init__(self, inner: BucketBatchSampler, world_size: int, rank: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        self.inner, self.world_size, self.rank = inner, world_size, rank
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for i, batch in enumerate(self.inner):
+            if i % self.world_size == self.rank:
+                yield batch
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.inner), self.world_size))

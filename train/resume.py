@@ -1,0 +1,198 @@
+"""Fault tolerance: periodic full-state checkpoints, exact resume, and the loop's per-step hook.
+
+A checkpoint (``runs/<id>/checkpoints/step-00000120.pt``, the last ``train.keep_checkpoints``
+kept; the final one is ``runs/<id>/checkpoint.pt``) holds state_dicts, tensors and plain values only,
+so ``torch.load(weights_only=True)`` reads it:
+
+* ``model``, ``optimizer``, ``scheduler``, ``grad_scaler`` (None without fp16), ``step``, ``epoch``,
+  ``batches_in_epoch`` (the sampler position), ``evals``, ``final_train_loss``, ``total_steps``;
+* ``ranks[r]``: rank r's RNG states (Python, NumPy, torch CPU, CUDA) and its open logging window
+  and counters, so each rank's dropout stream and metrics continue exactly;
+* ``world_size``, ``spec``, ``label_names``, ``data_fingerprint``, ``tokenizer_fingerprint``,
+  ``config``, ``format``: what the resume checks against.
+
+Resuming restores all of it and the RNG states last, right before the next step, so on CPU a
+resumed run's parameters and losses equal an uninterrupted run's bit for bit (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from train.checkpoint import load_checkpoint, save_checkpoint
+from train.distributed import DistContext, agreed, any_rank, gather_to_main
+from train.errors import UserError, atomic_write_text
+
+FORMAT = 1
+CHECKPOINT_DIR = "checkpoints"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states as tensors, lists and plain values (safe for ``weights_only=True``)."""
+    version, mt, gauss = random.getstate()  # (3, 625 ints, None | float)
+    kind, keys, pos, has_gauss, cached = np.random.get_state()  # ('MT19937', uint32[624], int, int, float)
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"python": {"version": version, "state": list(mt), "gauss_next": gauss},
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "torch": torch.get_rng_state(), "cuda": list(cuda)}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINT_DIR / f"step-{step:08d}.pt"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Periodic checkpoints of ``run_dir``, oldest first (temporary files of an interrupted write are ignored)."""
+    d = run_dir / CHECKPOINT_DIR
+    return sorted(d.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1])) if d.is_dir() else []
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` periodic checkpoints, and temporary files left by a killed write."""
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    for tmp in (run_dir / CHECKPOINT_DIR).glob(".step-*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def full_state(trainer, model: torch.nn.Module, bundle, cfg, ctx: DistContext) -> Optional[dict[str, Any]]:
+    """Everything needed to continue (a collective under DDP: every rank calls it); the dict on rank 0, else None."""
+    ranks = gather_to_main({"rng": rng_state(), **trainer.rank_state_dict()}, ctx)
+    if not ctx.is_main:
+        return None
+    return {"format": FORMAT, **trainer.state_dict(), "model": model.state_dict(), "ranks": ranks,
+            "world_size": ctx.world_size, "spec": asdict(model.spec), "label_names": list(bundle.corpus.label_names),
+            "data_fingerprint": bundle.data_fingerprint, "tokenizer_fingerprint": bundle.tokenizer_info["fingerprint"],
+            "config": cfg.to_dict()}
+
+
+def write_state(path: Path, state: Optional[dict], ctx: DistContext, keep: Optional[int] = None) -> None:
+    """Rank 0 writes ``state`` atomically (and prunes to ``keep``); a write error stops every rank with one message."""
+
+    def write() -> None:
+        if ctx.is_main:
+            save_checkpoint(path, state)
+            if keep is not None:
+                prune_checkpoints(path.parent.parent, keep)
+
+    agreed(write, ctx)
+
+
+class Checkpointer:
+    """The loop's ``on_step_end`` hook: periodic checkpoints, and a checkpoint then stop after a signal.
+
+    Under DDP the stop flag is OR-ed over ranks every step (one tiny CPU all-reduce), so all ranks
+    stop after the same step even when the signal reaches them at different moments.
+    """
+
+    def __init__(self, run_dir: Path, cfg, trainer, model: torch.nn.Module, bundle, ctx: DistContext, shutdown=None) -> None:
+        self.run_dir, self.cfg, self.trainer, self.model, self.bundle, self.ctx = run_dir, cfg, trainer, model, bundle, ctx
+        self.shutdown = shutdown
+        self.last_path: Optional[Path] = None
+
+    def __call__(self, step: int) -> bool:
+        stop = any_rank(self.shutdown is not None and self.shutdown.requested, self.ctx)
+        if step >= self.trainer.total_steps:
+            return False  # the last step: finish normally (final checkpoint and report)
+        every = self.cfg.train.checkpoint_every
+        if stop or (every and step % every == 0):
+            self.save(step)
+        return stop
+
+    def save(self, step: int) -> Path:
+        path = checkpoint_path(self.run_dir, step)
+        state = full_state(self.trainer, self.model, self.bundle, self.cfg, self.ctx)
+        write_state(path, state, self.ctx, keep=self.cfg.train.keep_checkpoints)
+        self.last_path = path
+        return path
+
+
+def find_resume_checkpoint(target: str) -> tuple[Path, Path]:
+    """(run_dir, checkpoint) for ``--resume``: a run directory (its newest periodic checkpoint) or a checkpoint file.
+
+    Raises:
+        UserError: no such run, or no checkpoint in it.
+    """
+    p = Path(target)
+    if p.is_file():
+        run_dir = p.parent.parent if p.parent.name == CHECKPOINT_DIR else p.parent
+        return run_dir, p
+    if not p.is_dir():
+        raise UserError(f"--resume {target}: no such run directory or checkpoint file (runs are under train.output_dir, e.g. runs/<id>)")
+    found = list_checkpoints(p)
+    if not found:
+        raise UserError(f"--resume {target}: no checkpoint in {p / CHECKPOINT_DIR} (periodic checkpoints need "
+                        "train.checkpoint_every; a finished run's final state is checkpoint.pt)")
+    if not (p / "config.yaml").is_file():
+        raise UserError(f"--resume {target}: {p / 'config.yaml'} is missing; cannot rebuild the run's config")
+    return p, found[-1]
+
+
+def load_resume_state(path: Path, ctx: DistContext, bundle, spec) -> dict[str, Any]:
+    """Load ``path`` (weights_only) and check that it fits this run.
+
+    Raises:
+        UserError: corrupt/truncated/pickled-object checkpoint, another format, another world size,
+            another model shape (e.g. ``data.max_len`` above the checkpoint's position table),
+            other labels or other training data.
+    """
+    state = load_checkpoint(path)
+    where = f"checkpoint {path}"
+    if not isinstance(state, dict) or state.get("format") != FORMAT or "ranks" not in state:
+        raise UserError(f"{where} is not a resumable checkpoint of this version (format {FORMAT}); start a new run")
+    if state["world_size"] != ctx.world_size:
+        raise UserError(f"{where} was written by {state['world_size']} processes, this run has {ctx.world_size}; "
+                        f"resume with the same NPROC x NNODES (the data order depends on it)")
+    if state["label_names"] != list(bundle.corpus.label_names):
+        raise UserError(f"{where}: trained on other labels ({len(state['label_names'])} classes, this data has "
+                        f"{bundle.num_classes}); resume with the same data")
+    if state["data_fingerprint"] != bundle.data_fingerprint:
+        raise UserError(f"{where}: trained on other data (fingerprint {state['data_fingerprint']}, this data's is "
+                        f"{bundle.data_fingerprint}); resume with the same data.source and split settings")
+    want = asdict(spec)
+    for key, have in state["spec"].items():
+        if want.get(key) != have:
+            if key == "max_len":
+                raise UserError(f"{where}: its position table holds {have} positions but data.max_len={want[key]}; "
+                                f"set data.max_len={have}")
+            raise UserError(f"{where}: model {key}={have} but this config gives {want.get(key)}; resume with the run's own config")
+    return state
+
+
+def restore_rng(state: dict[str, Any], ctx: DistContext) -> None:
+    """This rank's RNG states from ``state``; call right before the loop so nothing draws from them in between."""
+    set_rng_state(state["ranks"][ctx.rank]["rng"])
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics.jsonl records after ``step`` (logged after the checkpoint, before the interruption), atomically."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by kill -9
+            continue
+        if record.get("step", 0) <= step:
+            keep.append(line)
+    atomic_write_text(path, "".join(line + "\n" for line in keep))
