@@ -302,6 +302,9 @@ class ProfileConfig:
                 raise UserError(f"profile.{name} must be in (0, 1)")
         if self.launch_us <= 0:
             raise UserError("profile.launch_us must be > 0")
+
+
+@dataclass
 class TrackingConfig:
     """Experiment tracking beside metrics.jsonl (always written): W&B, system metrics, gradient statistics.
 
