@@ -24,6 +24,8 @@ def test_bench_precision_small(tiny_cfg) -> None:
     bf16 = rows["bf16"]
     assert bf16["precision"] == "bf16" and bf16["steps"] == 2 and bf16["eval_accuracy"] is None
     assert "timing-only" in bf16["eval_unavailable_reason"] and bf16["step_time_ms_p50"] > 0
+    fp32_same_step = rows["fp32"]["step_times_ms"][1]  # bf16's one timed step is step 2: compare with fp32's step 2
+    assert bf16["step_time_ratio_vs_fp32"] == bf16["step_times_ms"][1] / fp32_same_step
     assert rows["fp32"]["peak_memory_bytes"] is None and rows["fp32"]["peak_memory_unavailable_reason"]
     md = (run_dir / "bench_precision.md").read_text()
     assert "| auto | " in md and "| bf16 | bf16 | 2 |" in md

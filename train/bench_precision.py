@@ -4,8 +4,8 @@ Rows: ``fp32`` and the ``auto`` choice; on CUDA also ``bf16`` (where supported) 
 also a short ``bf16`` row (``--bf16-cpu-steps`` steps, timing only) that shows why ``auto`` avoids it.
 Every row starts from the same initial weights and RNG state and is fed the same batches; the rows
 run interleaved step by step (the order rotates each step), so a shared, noisy machine slows them
-alike. Step times are synchronised, the first ``--warmup`` steps are dropped, medians are reported
-with the ratio to fp32. After training, each full-length row is evaluated on the validation split.
+alike. Step times are synchronised, the first ``--warmup`` steps are dropped (a row shorter than that
+drops only its first step), medians are reported with the ratio to fp32's median on the same steps. After training, each full-length row is evaluated on the validation split.
 
 Writes ``bench_precision.json`` and ``bench_precision.md`` into the run directory.
 """
@@ -117,17 +117,19 @@ def run_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> d
                   flush=True)
 
     ref = rows[0]
-    ref_p50 = float(np.median(ref.ms[warmup:])) if len(ref.ms) > warmup else None
     results = []
     for r in rows:
         full = r.steps == steps
-        timed = r.ms[warmup:] if len(r.ms) > warmup else r.ms[1:]
+        first = warmup if len(r.ms) > warmup else 1  # a short row: all but its first (cold) step
+        timed = r.ms[first:]
         p50 = float(np.median(timed)) if timed else None
+        ref_p50 = float(np.median(ref.ms[first:len(r.ms)])) if timed else None  # fp32 on the same steps/batches
         ev = evaluate(r.trainer.model, val_loader, r.policy, bundle.num_classes, device) if full else {}
         row: dict[str, Any] = {
             "requested": r.requested, "precision": r.policy.mode, "precision_reason": r.policy.reason,
             "steps": r.steps, "timed_steps": len(timed), "step_time_ms_p50": p50,
             "step_time_ratio_vs_fp32": p50 / ref_p50 if p50 and ref_p50 else None,
+            "step_times_ms": r.ms,
             "peak_memory_bytes": r.peak,
             "eval_accuracy": ev.get("accuracy"), "eval_loss": ev.get("loss"),
             "final_train_loss": float(np.mean(r.losses[-10:])), "loss_gap_vs_fp32": _gap(r.losses, ref.losses),
