@@ -51,11 +51,10 @@ class GradStats:
     """Emits a ``{"event": "grad_stats", "step", "clip_norm", "layers": {name: {norm, std, numel}}}`` record
     every ``every`` logged records. The counter persists across trainers (benchmarks reuse one instance)."""
 
-    def __init__(self, every: int, clip_norm: Optional[float]) -> None:
-        if every < 1:
-            raise ValueError("every must be ≥ 1")
-        self.every, self.clip_norm = every, clip_norm
-        self.logs_seen = 0
+    def __init__(self, every: int, clip_norm: Optional[float], log_every: int = 1) -> None:
+        if every < 1 or log_every < 1:
+            raise ValueError("every and log_every must be ≥ 1")
+        self.every, self.clip_norm, self.log_every = every, clip_norm, log_every
         self.records = 0
 
     def after_log(self, step: int, model: torch.nn.Module, grad_norm: Optional[torch.Tensor], logger: MetricLogger) -> None:
@@ -64,8 +63,8 @@ class GradStats:
         ``grad_norm``: the step's pre-clip global norm (0-d device tensor) returned by ``clip_grad_norm_``,
         or None when clipping is off.
         """
-        self.logs_seen += 1
-        if self.logs_seen % self.every:
+        # a function of the step, not a counter, so a resumed run writes the same records
+        if (step // self.log_every) % self.every:
             return
         scale = None
         if grad_norm is not None and self.clip_norm is not None:
