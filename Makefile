@@ -7,7 +7,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke buckets test test-slow lint clean distclean
+.PHONY: help setup data train smoke buckets test test-slow lint clean distclean warmup bench-compile
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -32,6 +32,12 @@ smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.jso
 
 buckets: setup data ## fit bucket boundaries offline and save them as JSON
 	$(PY) -m train buckets --config $(CONFIG) $(ARGS)
+
+warmup: setup data ## compile + warm every batch shape of CONFIG's bucket plan into the shared cache; writes runs/<id>/warmup.json
+	$(PY) -m train warmup --config $(CONFIG) compile.enabled=true $(ARGS)
+
+bench-compile: setup data ## cold vs warm compile cache (separate processes), compiled vs eager steps; runs/<id>/bench-compile.json
+	$(PY) -m train bench-compile --config $(CONFIG) $(ARGS)
 
 test: setup ## unit + short end-to-end tests on CPU (excludes tests marked slow)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

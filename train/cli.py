@@ -2,6 +2,8 @@
 
     python -m train train   [--config FILE] [--run-id ID] [--buckets-force] [section.key=value ...]
     python -m train buckets [--config FILE] [--out FILE] [section.key=value ...]
+    python -m train warmup  [--config FILE] [--run-id ID] [section.key=value ...]
+    python -m train bench-compile [--config FILE] [--run-id ID] [--steps N] [--rounds R] [section.key=value ...]
 
 Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
 """
@@ -33,6 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("buckets", help="fit bucket boundaries on the training split and save them as JSON")
     _common(p)
     p.add_argument("--out", default=None, help="output JSON (default: runs/buckets/<method>-<K>.json)")
+    p = sub.add_parser("warmup", help="compile and warm every batch shape of the run's bucket plan; write runs/<id>/warmup.json")
+    _common(p)
+    p.add_argument("--run-id", default=None, help="run directory name (default: a timestamp)")
+    p.add_argument("--buckets-force", action="store_true", help="use batching.boundaries_file even if its fingerprints differ")
+    p = sub.add_parser("bench-compile", help="time to first step with a cold vs warm compile cache (separate processes), "
+                       "compiled vs eager step time; write runs/<id>/bench-compile.json")
+    _common(p)
+    p.add_argument("--run-id", default=None, help="run directory name (default: bench-compile-<timestamp>)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (eager, compiled, eager, ...)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one first-step process → JSON file
     return parser
 
 
@@ -76,6 +89,33 @@ def cmd_buckets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from train.config import load_config
+    from train.warmup import run_warmup
+
+    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
+    result = run_warmup(load_config(args.config, overrides), buckets_force=args.buckets_force)
+    t = result["totals"]
+    print(f"{t['shapes']} shapes ({t['train_shapes']} train, {t['eval_shapes']} eval) in {t['warmup_s']:.1f}s, "
+          f"{t['stable_shapes']} stable (CV ≤ {100 * result['criteria']['cv_threshold']:.0f}%); wrote {result['path']}")
+    return 0
+
+
+def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
+    from train.bench_compile import first_step_child, run_bench_compile
+    from train.config import load_config
+
+    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
+    cfg = load_config(args.config, overrides)
+    if args.child:
+        first_step_child(cfg, t_start, args.child)
+        return 0
+    if args.steps < 2 or args.rounds < 1:
+        raise UserError("bench-compile: --steps must be ≥ 2 and --rounds ≥ 1")
+    run_bench_compile(cfg, args.config, list(args.overrides), args.steps, args.rounds)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) -> int:
     t_start = time.perf_counter() if t_start is None else t_start
     args = build_parser().parse_args(argv)
@@ -84,6 +124,10 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
             return cmd_train(args, t_start)
         if args.command == "buckets":
             return cmd_buckets(args)
+        if args.command == "warmup":
+            return cmd_warmup(args)
+        if args.command == "bench-compile":
+            return cmd_bench_compile(args, t_start)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,6 +27,7 @@ from train.perf.memory import peak_memory, reset_peak
 from train.precision import PrecisionPolicy
 from train.tracking import JsonlLogger
 from train.trainer import Trainer, TrainStats, evaluate
+from train.warmup import start_compile, warm_up_for_run
 
 
 def seed_everything(seed: int) -> None:
@@ -172,10 +174,13 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
     train_loader = make_loader(bundle, "train", cfg, train=True, device=device)
     val_loader = make_loader(bundle, "validation", cfg, train=False, device=device)
     test_loader = make_loader(bundle, "test", cfg, train=False, device=device)
+    compiled = start_compile(cfg, device, model, bundle.pad_to, train_loader, [val_loader, test_loader])
+    print(f"compile: {'on' if compiled.enabled else 'off'} ({compiled.reason})", flush=True)
     logger = JsonlLogger(run_dir / "metrics.jsonl")
-    trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes)
+    trainer = Trainer(cfg, compiled.forward, policy, device, train_loader, val_loader, logger, bundle.num_classes)
     print(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch)", flush=True)
+    warm_up_for_run(compiled, trainer, model, run_dir)
     reset_peak(device)
     try:
         stats = trainer.fit()
@@ -183,8 +188,8 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
         logger.close()
     sampler = train_loader.batch_sampler
     sampler_counts = {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
-    final_eval = stats.evals[-1] if stats.evals else evaluate(model, val_loader, policy, bundle.num_classes, device)
-    test_eval = evaluate(model, test_loader, policy, bundle.num_classes, device)
+    final_eval = stats.evals[-1] if stats.evals else evaluate(compiled.forward, val_loader, policy, bundle.num_classes, device)
+    test_eval = evaluate(compiled.forward, test_loader, policy, bundle.num_classes, device)
     memory = peak_memory(device)
     env = {**collect_env(device), "precision": policy.mode, "precision_reason": policy.reason,
            "num_threads": torch.get_num_threads()}
@@ -196,6 +201,9 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False) ->
                           sum(trainer.timer.steady_ms), final_eval, test_eval, env, memory, sampler_counts, t_start,
                           time.perf_counter() - t_start)
     report["perf"]["data_prep_s"] = data_s
+    report["compile"] = compiled.report()
+    for line in compiled.loud_warnings():
+        print(line, file=sys.stderr, flush=True)
     atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
 
@@ -214,5 +222,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"first step after {f(p['time_to_first_step_s'], '.1f')} s; peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence lengths; "
         f"wall time {p['wall_time_s']:.0f} s",
+        *_compile_line(report.get("compile")),
         f"report: {os.path.join(report['run_dir'], 'report.json')}",
     ]
+
+
+def _compile_line(c: Optional[dict]) -> list[str]:
+    if not c or not c.get("enabled"):
+        return []
+    warm = "n/a" if c["warmup_s"] is None else f"{c['warmup_s']:.0f} s"
+    return [f"compile: {c['status']}; warm-up {warm}, recompiles after warm-up {c['recompiles_after_warmup']}, "
+            f"cache {c['cache_state']} ({c['cache_dir']})"]
