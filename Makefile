@@ -72,7 +72,7 @@ LAUNCH_IN_IMAGE := $(if $(TORCHRUN_ARGS),torchrun $(TORCHRUN_ARGS) -m train,pyth
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke smoke-2node buckets bench bench-batching bench-precision compare wandb-sync bench-tracking test test-slow lint clean distclean
+.PHONY: help setup data train smoke smoke-2node buckets bench bench-batching bench-precision compare wandb-sync bench-tracking bench-compile test test-slow lint clean distclean
 .PHONY: print-image bad-runtime build image-present verify-gpu warmup profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache
 
 help: ## list the targets
@@ -126,6 +126,10 @@ wandb-sync: setup ## upload offline W&B runs under runs/ (needs WANDB_API_KEY or
 bench-tracking: setup data ## step-time overhead of tracking (none / jsonl / W&B offline), interleaved in one process
 	$(PY) -m train bench-tracking $(ARGS)
 
+bench-compile: $(RT_DEPS_DATA) ## cold vs warm compile cache (separate processes), compiled vs eager steps → runs/<id>/bench-compile.json
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train bench-compile --config $(CONFIG) $(ARGS))
+
 test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m pytest -q -m "not slow" $(PYTEST_ARGS))
@@ -167,7 +171,7 @@ verify-gpu: $(RT_DEPS) ## driver, CUDA, torch/Triton, matmul vs CPU, bf16, NCCL,
 
 warmup: $(RT_DEPS_DATA) ## fill the inductor/Triton cache (python -m train warmup); a second warm-up reuses it
 	@echo "$(RT_LINE)"
-	$(call rt_py,-m train warmup --config $(CONFIG) $(ARGS))
+	$(call rt_py,-m train warmup --config $(CONFIG) compile.enabled=true $(ARGS))
 
 profile: $(RT_DEPS_DATA) ## profile real training steps: torch.profiler table + py-spy + nsys + GPU sampling (what is available) → runs/profile/profile/
 	@echo "$(RT_LINE)"

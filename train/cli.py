@@ -8,6 +8,8 @@
     python -m train compare RUN_A RUN_B ... [--out DIR]
     python -m train wandb-sync [--runs-dir DIR] [--all] [--dry-run]
     python -m train bench-tracking [--config FILE] [--rounds N] [--block-steps N] [--online-check] [section.key=value ...]
+    python -m train warmup  [--config FILE] [--run-id ID] [section.key=value ...]
+    python -m train bench-compile [--config FILE] [--run-id ID] [--steps N] [--rounds R] [section.key=value ...]
 
 Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
 """
@@ -89,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-steps", type=int, default=100, help="optimizer steps per block (default 100)")
     p.add_argument("--online-check", action="store_true", help="also time W&B forced online with no reachable server")
     p.add_argument("--out", default=None, help="result JSON (default: <output_dir>/bench-tracking/bench.json)")
+    p = sub.add_parser("warmup", help="compile and warm every batch shape of the run's bucket plan; write runs/<id>/warmup.json")
+    _common(p)
+    p.add_argument("--run-id", default=None, help="run directory name (default: a timestamp)")
+    p.add_argument("--buckets-force", action="store_true", help="use batching.boundaries_file even if its fingerprints differ")
+    p = sub.add_parser("bench-compile", help="time to first step with a cold vs warm compile cache (separate processes), "
+                       "compiled vs eager step time; write runs/<id>/bench-compile.json")
+    _common(p)
+    p.add_argument("--run-id", default=None, help="run directory name (default: bench-compile-<timestamp>)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (eager, compiled, eager, ...)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one first-step process → JSON file
     return parser
 
 
@@ -179,7 +192,7 @@ def cmd_buckets(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from train.bench import CONFIGS, run_bench
+    from train.bench import CONFIGS, markdown, run_bench
     from train.config import load_config
 
     overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
@@ -189,10 +202,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.configs.split(",")] if args.configs else list(CONFIGS)
     result = run_bench(cfg, names, args.warmup_steps, args.rounds, args.window, args.checkpoint, args.requests,
                        args.inference_batch_size, args.skip_inference)
-    from train.bench import markdown
-
     print(markdown(result))
     print(f"wrote {cfg.train.output_dir}/{cfg.train.run_id or '<timestamp>'}/bench/ (bench.json, bench.md, PNGs)")
+    return 0
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from train.config import load_config
+    from train.warmup import run_warmup
+
+    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
+    result = run_warmup(load_config(args.config, overrides), buckets_force=args.buckets_force)
+    t = result["totals"]
+    print(f"{t['shapes']} shapes ({t['train_shapes']} train, {t['eval_shapes']} eval) in {t['warmup_s']:.1f}s, "
+          f"{t['stable_shapes']} stable (CV ≤ {100 * result['criteria']['cv_threshold']:.0f}%); wrote {result['path']}")
+    return 0
+
+
+def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
+    from train.bench_compile import first_step_child, run_bench_compile
+    from train.config import load_config
+
+    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
+    cfg = load_config(args.config, overrides)
+    if args.child:
+        first_step_child(cfg, t_start, args.child)
+        return 0
+    if args.steps < 2 or args.rounds < 1:
+        raise UserError("bench-compile: --steps must be ≥ 2 and --rounds ≥ 1")
+    run_bench_compile(cfg, args.config, list(args.overrides), args.steps, args.rounds)
     return 0
 
 
@@ -261,6 +299,10 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
             return sync(args.runs_dir, args.all, args.dry_run)
         if args.command == "bench-tracking":
             return cmd_bench_tracking(args)
+        if args.command == "warmup":
+            return cmd_warmup(args)
+        if args.command == "bench-compile":
+            return cmd_bench_compile(args, t_start)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -63,3 +63,119 @@ def foreach_norm(tensors: list) -> list:
     if fn is not None:
         return list(fn(tensors))
     return [t.norm() for t in tensors]
+# --- torch.compile / dynamo (train/compilation.py) -------------------------------------------------
+# torch 2.1 and 2.13 both keep dynamo's counters in ``torch._dynamo.utils.counters`` (a
+# defaultdict of Counters) and ``guard_failures`` (code object → reason strings). The recompile
+# limit is ``config.cache_size_limit`` in 2.1 and ``config.recompile_limit`` (``cache_size_limit``
+# kept as an alias) in 2.13. The persistent FX-graph cache is opt-in in 2.1
+# (``inductor.config.fx_graph_cache``) and on by default later; AOTAutograd's cache exists only in
+# newer versions. The warning when the limit is hit comes from the ``torch._dynamo.convert_frame``
+# logger in both, starting "torch._dynamo hit config.".
+
+RECOMPILE_LIMIT_LOGGER = "torch._dynamo.convert_frame"
+RECOMPILE_LIMIT_MESSAGE = "torch._dynamo hit config."
+
+
+def dynamo_supported() -> tuple[bool, str]:
+    """(True, "") when torch.compile can run here, else (False, why)."""
+    try:
+        from torch._dynamo.eval_frame import is_dynamo_supported
+    except Exception as exc:  # pragma: no cover - very old or stripped builds
+        return False, f"torch._dynamo is not importable ({exc.__class__.__name__})"
+    if not is_dynamo_supported():
+        return False, f"torch.compile is not supported on this Python/platform with torch {torch.__version__}"
+    return True, ""
+
+
+def _dynamo_config() -> Any:
+    import torch._dynamo.config as cfg
+
+    return cfg
+
+
+def recompile_limit() -> int:
+    """dynamo's per-code-object limit on compiled variants (default 8)."""
+    cfg = _dynamo_config()
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+
+
+def set_recompile_limit(limit: int) -> None:
+    """Set the per-code-object limit (and raise the accumulated limit to at least ``limit``)."""
+    cfg = _dynamo_config()
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, int(limit))
+    for acc in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, acc):
+            setattr(cfg, acc, max(int(getattr(cfg, acc)), int(limit)))
+            break
+
+
+def compiled_graph_count() -> int:
+    """Graphs dynamo has compiled in this process so far (``counters["stats"]["unique_graphs"]``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compile_cache_counts() -> Optional[dict[str, int]]:
+    """Persistent-cache hits and misses so far: FX-graph cache (+ AOTAutograd cache where it exists).
+
+    None when this torch keeps no such counters (the hit/miss is then unknown).
+    """
+    from torch._dynamo.utils import counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    hits = inductor["fxgraph_cache_hit"] + aot["autograd_cache_hit"]
+    misses = inductor["fxgraph_cache_miss"] + aot["autograd_cache_miss"]
+    if not hasattr(_inductor_config(), "fx_graph_cache"):
+        return None
+    return {"hits": int(hits), "misses": int(misses)}
+
+
+def _inductor_config() -> Any:
+    import torch._inductor.config as cfg
+
+    return cfg
+
+
+def enable_persistent_graph_cache() -> None:
+    """Turn on inductor's on-disk FX-graph cache (opt-in in torch 2.1, default later)."""
+    cfg = _inductor_config()
+    if hasattr(cfg, "fx_graph_cache"):
+        cfg.fx_graph_cache = True
+
+
+def refresh_inductor_cache_dir() -> None:
+    """Make inductor re-read ``TORCHINDUCTOR_CACHE_DIR`` (torch 2.1 memoises ``cache_dir()``; 2.13 reads it each call)."""
+    try:
+        from torch._inductor import codecache
+    except Exception:  # pragma: no cover
+        return
+    fn = getattr(codecache, "cache_dir", None)
+    if fn is not None and hasattr(fn, "cache_clear"):
+        fn.cache_clear()
+
+
+def guard_failure_snapshot() -> dict[Any, int]:
+    """How many guard-failure reasons dynamo has recorded per code object so far."""
+    from torch._dynamo.utils import guard_failures
+
+    return {code: len(reasons) for code, reasons in guard_failures.items()}
+
+
+def guard_failures_since(snapshot: dict[Any, int]) -> list[str]:
+    """Guard-failure reasons recorded after ``snapshot`` (first line of each, compile id kept)."""
+    from torch._dynamo.utils import guard_failures
+
+    out = []
+    for code, reasons in guard_failures.items():
+        for reason in reasons[snapshot.get(code, 0):]:
+            out.append(str(reason).strip().splitlines()[0])
+    return out
+
+
+def enable_guard_failure_reporting() -> None:
+    """Make dynamo record guard-failure reasons in ``guard_failures`` (default on in 2.13, off in 2.1)."""
+    cfg = _dynamo_config()
+    if hasattr(cfg, "report_guard_failures"):
+        cfg.report_guard_failures = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ from train.shutdown import ShutdownRequest
 from train.tracking import NullLogger
 from train.tracking_setup import Tracking
 from train.trainer import Trainer, TrainStats, evaluate
+from train.warmup import start_compile, warm_up_for_run
 
 
 def seed_everything(seed: int) -> None:
@@ -275,6 +277,11 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
     train_loader = make_loader(bundle, "train", cfg, train=True, device=device, world_size=ws, rank=rk)
     val_loader = make_loader(bundle, "validation", cfg, train=False, device=device, world_size=ws, rank=rk)
     test_loader = make_loader(bundle, "test", cfg, train=False, device=device, world_size=ws, rank=rk)
+    compiled = start_compile(cfg, device, model, bundle.pad_to, train_loader, [val_loader, test_loader])
+    if compiled.enabled and ctx.enabled:
+        raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
+                        "with NPROC > 1, or compile a single-process run")
+    say(f"compile: {'on' if compiled.enabled else 'off'} ({compiled.reason})", flush=True)
     if state is not None:
         model.load_state_dict(state["model"])  # before DDP: its construction broadcasts rank 0's weights
         if ctx.is_main:
@@ -284,7 +291,7 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
     logger = tracking.attach(model, device) if tracking is not None else NullLogger()
     trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes,
                       grad_stats=tracking.grad_stats if tracking is not None else None,
-                      dist_ctx=ctx, train_model=wrap_model(model, ctx, device))
+                      dist_ctx=ctx, train_model=compiled.forward if compiled.enabled else wrap_model(model, ctx, device))
     say(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
         f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch per rank)", flush=True)
     if state is not None:
@@ -293,6 +300,7 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
             raise UserError(f"--resume {resume}: the checkpoint is at step {trainer.start_step} of {trainer.total_steps}; "
                             "nothing left to train (raise train.max_steps to train longer)")
         restore_rng(state, ctx)  # last: nothing may draw from the RNGs between here and the next step
+    warm_up_for_run(compiled, trainer, model, run_dir)
     for hook in hooks:
         hook.attach(trainer, run_dir)
     reset_peak(device)
@@ -341,6 +349,10 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
         report["clip"] = clip_report(cfg)
         if tracking is not None:
             report["tracking"] = tracking.report()
+        report["compile"] = compiled.report()
+        if ctx.is_main:
+            for line in compiled.loud_warnings():
+                print(line, file=sys.stderr, flush=True)
         report["resumed_from"] = None if state is None else {"checkpoint": str(ckpt_path), "step": state["step"]}
         if interrupted:
             report["status"] = "interrupted"
@@ -411,5 +423,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"first step after {f(p['time_to_first_step_s'], '.1f')} s; peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence lengths; "
         f"wall time {p['wall_time_s']:.0f} s",
+        *_compile_line(report.get("compile")),
         f"report: {os.path.join(report['run_dir'], 'report.json')}",
     ]
+
+
+def _compile_line(c: Optional[dict]) -> list[str]:
+    if not c or not c.get("enabled"):
+        return []
+    warm = "n/a" if c["warmup_s"] is None else f"{c['warmup_s']:.0f} s"
+    return [f"compile: {c['status']}; warm-up {warm}, recompiles after warm-up {c['recompiles_after_warmup']}, "
+            f"cache {c['cache_state']} ({c['cache_dir']})"]

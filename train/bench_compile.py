@@ -1,0 +1,196 @@
+"""``python -m train bench-compile``: what torch.compile costs and gives, measured side by side.
+
+1. Three separate processes run the same first training step (same data, seed, first batch):
+   eager; compiled with an empty compile cache (cold); compiled with the cache the previous process
+   filled (warm). Each reports ``time_to_first_step_s`` from its own start (before ``import torch``)
+   and ``first_step_s`` (the step alone: compilation included).
+2. In this process: steady-state step time, eager vs compiled, on real batches of the first batch's
+   shape, interleaved in rounds after both were warmed up, with synchronisation; medians and ratios.
+   Compiled steps after warm-up are checked for recompiles; a hit recompile limit voids the compiled figure.
+
+Writes ``runs/<id>/bench-compile.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from train import compat
+from train.compilation import CompileSession
+from train.errors import UserError, atomic_write_text
+from train.perf.timer import percentiles, synchronize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setup(cfg: Any) -> tuple:
+    from train.data import make_loader, prepare_data
+    from train.env import resolve_device
+    from train.precision import PrecisionPolicy
+    from train.run import build_model, seed_everything
+
+    device = resolve_device(cfg.train.device)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed)
+    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    t0 = time.perf_counter()
+    bundle = prepare_data(cfg, None, notice=lambda _msg: None)
+    data_s = time.perf_counter() - t0
+    model = build_model(cfg, bundle).to(device)
+    loader = make_loader(bundle, "train", cfg, train=True, device=device)
+    return device, policy, bundle, model, loader, data_s
+
+
+def first_step_child(cfg: Any, t_start: float, out: str) -> None:
+    """One process: set up like a run, do exactly one training step on the first batch, write timings to ``out``."""
+    from train.tracking import NullLogger
+    from train.trainer import Trainer, move
+
+    device, policy, bundle, model, loader, data_s = _setup(cfg)
+    session = CompileSession.create(cfg.compile, device, model, bundle.pad_to)
+    trainer = Trainer(cfg, session.forward, policy, device, loader, None, NullLogger(), bundle.num_classes)
+    batch = next(iter(loader))
+    ids, mask, labels = move(batch, device)
+    synchronize(device)
+    t0 = time.perf_counter()
+    trainer.train_step(ids, mask, labels)
+    synchronize(device)
+    t1 = time.perf_counter()
+    result = {"time_to_first_step_s": t1 - t_start, "first_step_s": t1 - t0, "setup_s": t0 - t_start,
+              "data_prep_s": data_s, "shape": list(ids.shape), "compile_enabled": session.enabled,
+              "compile_reason": session.reason, "cache_dir": session.cache.dir if session.cache else None,
+              "cache_state": session.cache.state if session.cache else None,
+              "cache_counts": compat.compile_cache_counts() if session.enabled else None,
+              "graphs_compiled": compat.compiled_graph_count()}
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+
+
+def _child(config: Optional[str], overrides: list[str], extra: list[str], out: Path) -> dict:
+    cmd = [sys.executable, "-m", "train", "bench-compile", *(["--config", config] if config else []), *overrides,
+           "train.progress=false", *extra, "--child", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench-compile child failed ({' '.join(extra)}), exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    result["process_wall_s"] = wall
+    return result
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
+    """Eager vs compiled step time on real batches of the first batch's shape, interleaved, after warm-up of both."""
+    from train.tracking import NullLogger
+    from train.trainer import Trainer, move
+    from train.warmup import planned_shapes, warm_up
+
+    device, policy, bundle, model, loader, _ = _setup(cfg)
+    session = CompileSession.create(cfg.compile, device, model, bundle.pad_to)
+    if not session.enabled:
+        raise UserError(f"bench-compile needs compile on: {session.reason}")
+    eager = Trainer(cfg, model, policy, device, loader, None, NullLogger(), bundle.num_classes)
+    compiled = Trainer(cfg, session.forward, policy, device, loader, None, NullLogger(), bundle.num_classes)
+    first = next(iter(loader))
+    key = ("train", *first["input_ids"].shape)
+    shape = planned_shapes(loader, "train", per_shape=steps)[key]
+    c = cfg.compile
+    warm = {name: warm_up(tr, model, fwd, {key: shape}, c.warmup_cv, c.warmup_window, c.warmup_max_steps,
+                          notice=lambda _m: None)
+            for name, tr, fwd in (("eager", eager, model), ("compiled", compiled, session.forward))}
+    session.monitor.end_warmup()
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    batches = [move(b, device) for b in shape.batches]
+    for r in range(rounds):
+        order = (("eager", eager), ("compiled", compiled)) if r % 2 == 0 else (("compiled", compiled), ("eager", eager))
+        for name, tr in order:
+            for i in range(steps):
+                synchronize(device)
+                t0 = time.perf_counter()
+                tr.train_step(*batches[i % len(batches)])
+                synchronize(device)
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    m = session.monitor
+    limit_hit = m.limit_hit or bool(m.eager_fallback_shapes)
+    eager_p, comp_p = percentiles(times["eager"]), percentiles(times["compiled"])
+    out = {"shape": list(key[1:]), "steps_per_round": steps, "rounds": rounds, "eager_step_ms": eager_p,
+           "compiled_step_ms": comp_p, "eager_step_ms_p50": eager_p["p50"],
+           "compiled_step_ms_p50": None if limit_hit else comp_p["p50"],
+           "recompiles_after_warmup": m.graphs_after_warmup, "recompile_events": m.events[:5],
+           "recompile_limit_hit": limit_hit,
+           "warmup": {name: w["shapes"][0] for name, w in warm.items()}}
+    if limit_hit:
+        out["compiled_step_ms_p50_unavailable_reason"] = "recompile limit hit: the 'compiled' steps ran eagerly"
+    out["speedup_eager_over_compiled_p50"] = _ratio(out["eager_step_ms_p50"], out["compiled_step_ms_p50"])
+    return out
+
+
+def run_bench_compile(cfg: Any, config: Optional[str], overrides: list[str], steps: int, rounds: int) -> dict[str, Any]:
+    """The whole benchmark; returns and writes ``runs/<id>/bench-compile.json``."""
+    from train.env import collect_env, resolve_device
+    from train.run import make_run_dir
+
+    cfg.train.run_id = cfg.train.run_id or time.strftime("bench-compile-%Y%m%d-%H%M%S", time.gmtime())
+    run_dir = make_run_dir(cfg)
+    cache = (run_dir / "inductor-cache").resolve()
+    shutil.rmtree(cache, ignore_errors=True)  # cold by construction
+    base = [o for o in overrides if not o.startswith(("compile.enabled=", "compile.cache_dir=", "train.run_id="))]
+    print(f"bench-compile: 3 processes (eager, compiled cold, compiled warm); cache {cache}", flush=True)
+    eager = _child(config, base, ["compile.enabled=false"], run_dir / "child-eager.json")
+    print(f"  eager: first step after {eager['time_to_first_step_s']:.1f}s", flush=True)
+    compiled_args = ["compile.enabled=true", f"compile.cache_dir={cache}"]
+    cold = _child(config, base, compiled_args, run_dir / "child-cold.json")
+    print(f"  compiled, cold cache: first step after {cold['time_to_first_step_s']:.1f}s", flush=True)
+    warm = _child(config, base, compiled_args, run_dir / "child-warm.json")
+    print(f"  compiled, warm cache: first step after {warm['time_to_first_step_s']:.1f}s", flush=True)
+    if cold["cache_state"] != "cold" or warm["cache_state"] != "warm":
+        raise RuntimeError(f"cache states were {cold['cache_state']}/{warm['cache_state']}, expected cold/warm")
+
+    cfg.compile.enabled, cfg.compile.cache_dir = "true", str(cache)
+    steady = steady_compare(cfg, steps, rounds)
+    ratio_warm_cold = _ratio(warm["time_to_first_step_s"], cold["time_to_first_step_s"])
+    result = {
+        "cold_time_to_first_step_s": cold["time_to_first_step_s"],
+        "warm_time_to_first_step_s": warm["time_to_first_step_s"],
+        "eager_time_to_first_step_s": eager["time_to_first_step_s"],
+        "warm_over_cold_time_to_first_step": ratio_warm_cold,
+        "cold_first_step_s": cold["first_step_s"], "warm_first_step_s": warm["first_step_s"],
+        "eager_first_step_s": eager["first_step_s"],
+        "warm_over_cold_first_step": _ratio(warm["first_step_s"], cold["first_step_s"]),
+        "recompiles_after_warmup": steady["recompiles_after_warmup"],
+        "compiled_step_ms_p50": steady["compiled_step_ms_p50"],
+        "eager_step_ms_p50": steady["eager_step_ms_p50"],
+        "compiled_over_eager_step_ms_p50": _ratio(steady["compiled_step_ms_p50"], steady["eager_step_ms_p50"]),
+        "speedup_eager_over_compiled_p50": steady["speedup_eager_over_compiled_p50"],
+        "targets": {"warm_time_to_first_step_le_25pct_of_cold": {
+            "value": ratio_warm_cold, "target": 0.25, "reached": ratio_warm_cold is not None and ratio_warm_cold <= 0.25}},
+        "processes": {"eager": eager, "cold": cold, "warm": warm},
+        "steady": steady,
+        "cache_dir": str(cache),
+        "config": config, "overrides": overrides,
+        "env": {**collect_env(resolve_device(cfg.train.device)), "num_threads": torch.get_num_threads()},
+        "note": ("time_to_first_step_s is from process start (before import torch) to the end of the first optimizer "
+                 "step: imports, data, tokenizer (cached), model, compilation. Ratios are from one invocation; on a "
+                 "machine shared with other work wall-clock numbers are noisy."),
+    }
+    atomic_write_text(run_dir / "bench-compile.json", json.dumps(result, indent=2) + "\n")
+    print(f"cold {result['cold_time_to_first_step_s']:.1f}s, warm {result['warm_time_to_first_step_s']:.1f}s "
+          f"(warm/cold {ratio_warm_cold:.2f}); step p50 eager {steady['eager_step_ms_p50']:.1f} ms, compiled "
+          f"{'n/a' if steady['compiled_step_ms_p50'] is None else format(steady['compiled_step_ms_p50'], '.1f')} ms; "
+          f"recompiles after warm-up {steady['recompiles_after_warmup']}; wrote {run_dir / 'bench-compile.json'}", flush=True)
+    return result
