@@ -419,6 +419,8 @@ class RunConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     clip: ClipConfig = field(default_factory=ClipConfig)
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def __post_init__(self) -> None:
         # optim.clip_norm is the old name of clip.max_norm: accept it, and keep it mirroring clip.max_norm.
@@ -431,8 +433,6 @@ class RunConfig:
                 raise UserError("optim.clip_norm must be > 0 (disable clipping with clip.method=none)")
             self.clip.max_norm = float(legacy)
         self.optim.clip_norm = self.clip.max_norm if self.clip.method == "global-norm" else None
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
