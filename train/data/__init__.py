@@ -66,8 +66,9 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
     if run_dir is not None:
         plan.save(run_dir / "buckets.json")
         source = str(run_dir / "buckets.json")
+    where = f"saved to {source}" if run_dir is not None else "not saved"
     notice(f"no batching.boundaries_file: fitted {b.method} buckets {plan.bounds} on the fly "
-           f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); saved to {source}")
+           f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); {where}")
     return plan.bounds, b.pad_to, plan, source
 
 
