@@ -20,13 +20,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from train.config import RunConfig, dump_config
+from train.config import RunConfig
 from train.data import make_loader, prepare_data
-from train.env import collect_env, resolve_device
+from train.env import collect_env
 from train.errors import atomic_write_text
 from train.perf.timer import synchronize
 from train.precision import PrecisionPolicy
-from train.run import build_model, make_run_dir, seed_everything
+from train.run import build_model, seed_everything, start_run
 from train.tracking import NullLogger
 from train.trainer import Trainer, evaluate, move
 
@@ -89,12 +89,7 @@ def run_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> d
     cfg.train.max_steps = steps  # same LR schedule in every row
     if cfg.train.run_id is None:
         cfg.train.run_id = "bench-precision-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    run_dir = make_run_dir(cfg)
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
-    device = resolve_device(cfg.train.device)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
+    run_dir, device = start_run(cfg)
     bundle = prepare_data(cfg, run_dir)
     loader = make_loader(bundle, "train", cfg, train=True, device=device)
     val_loader = make_loader(bundle, "validation", cfg, train=False, device=device)

@@ -74,6 +74,22 @@ def make_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
+def start_run(cfg: RunConfig) -> tuple[Path, torch.device]:
+    """Single-process command start: create the run directory, write ``config.yaml``, resolve the device,
+    apply ``train.num_threads`` and seed every RNG. Returns (run_dir, device).
+
+    Raises:
+        UserError: unwritable run directory or unavailable device.
+    """
+    run_dir = make_run_dir(cfg)
+    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    device = resolve_device(cfg.train.device)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed)
+    return run_dir, device
+
+
 def build_model(cfg: RunConfig, bundle: DataBundle) -> EncoderClassifier:
     m = cfg.model
     spec = resolve_spec(m.preset, bundle.vocab_size, bundle.num_classes, cfg.data.max_len, m.dropout, m.pooling,

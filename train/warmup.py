@@ -307,20 +307,13 @@ def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
     Compiles when ``compile.enabled`` resolves on (``make warmup`` passes ``compile.enabled=true``);
     otherwise warms the eager shapes and says why. Raises UserError for bad input.
     """
-    from train.config import dump_config
     from train.data import make_loader, prepare_data
-    from train.env import resolve_device
     from train.precision import PrecisionPolicy
-    from train.run import build_model, make_run_dir, seed_everything
+    from train.run import build_model, start_run
     from train.tracking import NullLogger
     from train.trainer import Trainer
 
-    run_dir = make_run_dir(cfg)
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
-    device = resolve_device(cfg.train.device)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
+    run_dir, device = start_run(cfg)
     policy = PrecisionPolicy.create(cfg.train.precision, device)
     bundle = prepare_data(cfg, run_dir, buckets_force)
     model = build_model(cfg, bundle).to(device)
