@@ -56,6 +56,31 @@ def _no_wandb_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_MODE", "disabled")
 
 
+@pytest.fixture(autouse=True)
+def _cpu_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test sees a CPU without native bf16 unless it asks for :func:`precision_branch`: ``precision=auto``
+    then picks fp32 by rule on every machine (AVX2-only or AVX512-BF16), never a measured, machine-dependent
+    choice. (Subprocesses do not inherit this; their tests compare runs on the same machine.)"""
+    monkeypatch.setattr("train.precision.cpu_native_bf16", lambda: False)
+
+
+@pytest.fixture(params=["cpu-without-native-bf16", "cpu-with-native-bf16"])
+def precision_branch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Both branches of ``precision=auto`` on a CPU, on any machine: the decision's inputs (native bf16 or not,
+    and the probe's fp32/bf16 timing: bf16 3x faster) are forced. Returns what ``auto`` must then decide."""
+    native = request.param == "cpu-with-native-bf16"
+    calls: list = []
+
+    def measured(probe, repeats=9):
+        calls.append(probe)
+        return {"fp32_ms": 3.0, "bf16_ms": 1.0, "ratio": 3.0, "repeats": repeats}
+
+    monkeypatch.setattr("train.precision.cpu_native_bf16", lambda: native)
+    monkeypatch.setattr("train.precision.measure_bf16_speedup", measured)
+    return {"native": native, "mode": "bf16" if native else "fp32", "source": "measured" if native else "rule",
+            "probe_calls": calls}
+
+
 @pytest.fixture
 def wndb(tmp_path: Path) -> Path:
     return write_wndb(tmp_path / "wn", synthetic_rows())

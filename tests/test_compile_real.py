@@ -95,6 +95,39 @@ def test_new_shape_after_warmup_is_a_recompile_and_warmup_restores_bit_exactly(t
     session.monitor.close()
 
 
+
+def test_blocks_context_argument_compiles_once_without_graph_break(compile_env: Path) -> None:
+    # the trainer passes ``policy.blocks_autocast`` (a bound method of a plain object) into the compiled
+    # forward; torch < 2.4 graph-broke on calling it and recompiled on every call (compat.traceable_callable)
+    from train.compilation import CompiledForward, RecompileMonitor
+    from train.config import CompileConfig
+    from train.model import EncoderClassifier
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.lin = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 3)
+
+        forward = EncoderClassifier.forward  # the real model's forward: with blocks_context(): encode
+
+        def encode(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x) * attention_mask[..., None]
+
+        def pool_and_classify(self, h: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return self.lin(h.mean(1))
+
+    monitor = RecompileMonitor()
+    fwd = CompiledForward(Tiny(), CompileConfig(enabled="true", backend="eager"), monitor)
+    policy = PrecisionPolicy.create("fp32", torch.device("cpu"))
+    ids, mask = torch.randint(0, 10, (4, 6)), torch.ones(4, 6, dtype=torch.bool)
+    fwd(ids, mask, policy.blocks_autocast)
+    assert monitor.graphs_warmup == 1  # one graph: no graph break at the blocks context
+    monitor.end_warmup()
+    for _ in range(3):
+        fwd(ids, mask, policy.blocks_autocast)
+    assert monitor.graphs_after_warmup == 0 and not monitor.events
+    monitor.close()
+
 @pytest.mark.slow
 def test_compiled_training_run_reports_zero_recompiles(tiny_cfg, compile_env: Path) -> None:
     cfg = tiny_cfg(*FEW_SHAPES, f"compile.cache_dir={compile_env}", "train.max_steps=12", "train.eval_every=6")

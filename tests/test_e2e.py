@@ -19,7 +19,9 @@ REQUIRED = {
 }
 
 
-def test_short_run_learns_and_reports(tiny_cfg) -> None:
+def test_short_run_learns_and_reports(tiny_cfg, precision_branch) -> None:
+    """Both ``precision=auto`` branches on a CPU (forced inputs): fp32 by rule without native bf16, bf16 when
+    the probe measures it faster; the run learns and reports either way."""
     cfg = tiny_cfg("train.max_steps=60")
     report = run_training(cfg, t_start=time.perf_counter())
     run_dir = Path(report["run_dir"])
@@ -31,7 +33,11 @@ def test_short_run_learns_and_reports(tiny_cfg) -> None:
     assert on_disk["data"]["name"] == "wordnet" and on_disk["data"]["num_classes"] == 45
     assert on_disk["batching"]["distinct_shapes"] <= 3  # static shapes: at most K sequence lengths
     assert 0 < on_disk["batching"]["token_efficiency"] <= 1
-    assert on_disk["perf"]["throughput_samples_per_s"] > 0 and on_disk["env"]["precision"] == "fp32"
+    assert on_disk["perf"]["throughput_samples_per_s"] > 0
+    assert on_disk["env"]["precision"] == precision_branch["mode"]
+    assert on_disk["env"]["precision_source"] == precision_branch["source"]
+    assert (on_disk["env"]["precision_measurement"] is not None) == precision_branch["native"]
+    assert len(precision_branch["probe_calls"]) == int(precision_branch["native"])  # measured once, when needed
     assert on_disk["perf"]["mfu"] > 0 and on_disk["perf"]["mfu_peak_source"] == "measured matmul"
     assert "energy_j_per_sample" in on_disk["perf"] and "p90" in on_disk["perf"]["step_time_ms"]
 
@@ -45,6 +51,7 @@ def test_short_run_learns_and_reports(tiny_cfg) -> None:
     assert (run_dir / "config.yaml").is_file() and (run_dir / "buckets.json").is_file()
     ckpt = load_state(str(run_dir / "checkpoint.pt"))  # weights_only=True
     assert ckpt["step"] == 60 and isinstance(ckpt["model"]["head.weight"], torch.Tensor)
+    assert ckpt["precision"]["mode"] == precision_branch["mode"]  # --resume continues in it
 
 
 def test_same_seed_same_result(tiny_cfg) -> None:

@@ -1,7 +1,9 @@
 """The precision policy: fp16 overflow kept out of the embeddings, no GradScaler for bf16,
 gradients unscaled before clipping."""
 
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,16 @@ from tests.test_numerics import batch, small_trainer
 from train.compat import make_grad_scaler
 from train.errors import UserError
 from train.model import EncoderClassifier, resolve_spec
-from train.precision import PrecisionPolicy
+from train.precision import (
+    BF16_MARGIN,
+    PROBE_MAX_TOKENS,
+    PrecisionPolicy,
+    ProbeShape,
+    decide,
+    machine_fingerprint,
+    measure_bf16_speedup,
+    probe_for,
+)
 
 CPU = torch.device("cpu")
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
@@ -103,3 +114,108 @@ def test_unscale_before_clip_norm_in_true_units() -> None:
     assert float(norm_ref) > 0.01  # clipping was active, so the threshold was compared in true units too
     for a, b in zip(ref.model.parameters(), scaled.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- precision=auto on a CPU: the rule, the measurement, the per-machine cache, resume ----------------------
+
+def _forced(monkeypatch: pytest.MonkeyPatch, native: bool, ratio: float) -> list:
+    calls: list = []
+
+    def measured(probe, repeats=9):
+        calls.append(probe)
+        return {"fp32_ms": ratio, "bf16_ms": 1.0, "ratio": ratio, "repeats": repeats}
+
+    monkeypatch.setattr("train.precision.cpu_native_bf16", lambda: native)
+    monkeypatch.setattr("train.precision.measure_bf16_speedup", measured)
+    return calls
+
+
+def test_auto_without_native_bf16_is_fp32_by_rule_and_measures_nothing(monkeypatch, tmp_path) -> None:
+    calls = _forced(monkeypatch, native=False, ratio=9.0)
+    d = decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path))
+    assert (d.mode, d.source, d.measurement) == ("fp32", "rule", None) and "no native bf16" in d.reason
+    assert calls == [] and not (tmp_path / "decisions").exists()
+
+
+@pytest.mark.parametrize(("ratio", "mode"), [(3.0, "bf16"), (BF16_MARGIN + 0.01, "bf16"), (BF16_MARGIN - 0.01, "fp32"),
+                                             (0.5, "fp32")])
+def test_auto_with_native_bf16_needs_the_margin(monkeypatch, tmp_path, ratio: float, mode: str) -> None:
+    _forced(monkeypatch, native=True, ratio=ratio)
+    d = decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path))
+    assert (d.mode, d.source) == (mode, "measured") and d.measurement["ratio"] == ratio
+    assert "[64x32]@[32x64]" in d.reason
+
+
+def test_measured_decision_is_cached_per_machine(monkeypatch, tmp_path) -> None:
+    calls = _forced(monkeypatch, native=True, ratio=3.0)
+    probe = ProbeShape(64, 32, 64)
+    first = decide("auto", CPU, probe, str(tmp_path))
+    again = [decide("auto", CPU, probe, str(tmp_path)) for _ in range(3)]
+    assert len(calls) == 1 and first.source == "measured" and first.cache_path
+    assert all((d.mode, d.source, d.cache_path) == ("bf16", "cached", first.cache_path) for d in again)
+    assert "cached" in again[0].reason and first.cache_path in again[0].reason
+    record = json.loads(Path(first.cache_path).read_text())
+    assert record["machine"] == machine_fingerprint(probe) and record["mode"] == "bf16"
+    # another probe shape (another model or token budget) or thread count is another machine state: measured anew
+    decide("auto", CPU, ProbeShape(128, 32, 64), str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        decide("auto", CPU, probe, str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 3
+    # without a cache directory nothing is written and every call measures
+    decide("auto", CPU, probe, None)
+    assert len(calls) == 4
+
+
+def test_corrupt_cache_entry_is_measured_again(monkeypatch, tmp_path) -> None:
+    calls = _forced(monkeypatch, native=True, ratio=3.0)
+    path = Path(decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path)).cache_path)
+    path.write_text("{not json")
+    assert decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path)).source == "measured" and len(calls) == 2
+
+
+def test_probe_is_the_runs_ffn_matmul_at_its_token_budget() -> None:
+    from train.config import load_config
+
+    assert probe_for(load_config(None, ["model.preset=tiny", "batching.max_tokens=1024"])) == ProbeShape(1024, 256, 1024)
+    assert probe_for(load_config(None, ["model.preset=small", "batching.max_tokens=null", "batching.batch_size=4",
+                                        "data.max_len=64"])) == ProbeShape(256, 512, 2048)
+    big = probe_for(load_config(None, ["model.hidden_size=96", "model.ffn_size=200", "batching.max_tokens=100000"]))
+    assert big == ProbeShape(PROBE_MAX_TOKENS, 96, 200)
+
+
+def test_real_probe_measures_both_dtypes() -> None:
+    m = measure_bf16_speedup(ProbeShape(32, 16, 32), repeats=3)
+    assert m["fp32_ms"] > 0 and m["bf16_ms"] > 0 and m["ratio"] == pytest.approx(m["fp32_ms"] / m["bf16_ms"])
+    assert m["repeats"] == 3  # which dtype is faster depends on the CPU: not asserted
+
+
+def test_resume_keeps_the_checkpoints_precision(monkeypatch, tmp_path) -> None:
+    from train.config import load_config
+
+    calls = _forced(monkeypatch, native=False, ratio=3.0)
+    cfg = load_config(None, [f"data.cache_dir={tmp_path}"])
+    saved = {"mode": "bf16", "reason": "auto: measured 3.00x", "source": "measured"}
+    p = PrecisionPolicy.for_resume(saved, cfg, CPU, "checkpoint c.pt")  # auto here would say fp32: bf16 it stays
+    assert (p.mode, p.source) == ("bf16", "checkpoint") and "measured 3.00x" in p.reason and calls == []
+    cfg.train.precision = "fp32"
+    with pytest.raises(UserError, match="trained in bf16 but train.precision=fp32"):
+        PrecisionPolicy.for_resume(saved, cfg, CPU, "checkpoint c.pt")
+    cfg.train.precision = "auto"
+    with pytest.raises(UserError, match="trained in fp16, which this device cannot continue"):
+        PrecisionPolicy.for_resume({"mode": "fp16", "reason": "x", "source": "rule"}, cfg, CPU, "checkpoint c.pt")
+    assert PrecisionPolicy.for_resume(None, cfg, CPU, "checkpoint c.pt").source == "rule"  # an older checkpoint
+
+
+def test_precision_command_reports_and_remeasures(monkeypatch, tmp_path, capsys) -> None:
+    from train.cli import main
+
+    calls = _forced(monkeypatch, native=True, ratio=2.0)
+    args = ["precision", f"data.cache_dir={tmp_path}", "model.hidden_size=32", "model.ffn_size=64"]
+    assert main(args) == 0 and main(args) == 0 and main(args + ["--remeasure"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[2] for line in out] == ["[measured]", "[cached]", "[measured]"] and len(calls) == 2
+    assert all(line.startswith("precision bf16 ") for line in out)

@@ -104,7 +104,7 @@ def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: fl
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-            last = max([json.loads(x)["step"] for x in lines if x.endswith("}")] or [0])
+            last = max([json.loads(x).get("step", 0) for x in lines if x.endswith("}")] or [0])  # system records: no step
         except (OSError, json.JSONDecodeError):
             pass
         if last >= step:

@@ -269,3 +269,12 @@ def test_run_jsonl_cadence_and_report(tiny_cfg, monkeypatch: pytest.MonkeyPatch)
     assert t["grad_stats_records"] == 2 and t["system_samples"] == len(system)
     assert t["gpu_metrics_unavailable_reason"] == "not a CUDA run"
     assert report["quality"]["final_train_loss"] is not None  # training finished
+
+
+def test_run_shorter_than_the_interval_still_has_system_records(tiny_cfg) -> None:
+    """One sample when the monitor starts and one when it stops: no race with the clock, on any machine."""
+    report = run_training(tiny_cfg("train.max_steps=2", "tracking.system_interval_s=3600"), time.perf_counter())
+    recs = [json.loads(x) for x in (Path(report["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    system = [r for r in recs if r.get("event") == "system"]
+    assert len(system) == 2 == report["tracking"]["system_samples"]
+    assert all(r["process_rss_bytes"] > 0 for r in system)

@@ -300,7 +300,7 @@ def run_bench(cfg: RunConfig, bc: BenchBatchingConfig, run_dir: Path, notice: Ca
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
-    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    policy = PrecisionPolicy.for_config(cfg, device)
     load_start = os.getloadavg()[0]
     bundle = prepare_data(cfg, None, notice=lambda _msg: None)
     lengths = bundle.splits["train"].lengths.astype(np.int64)

@@ -42,7 +42,7 @@ def _setup(cfg: Any) -> tuple:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
-    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    policy = PrecisionPolicy.for_config(cfg, device)
     t0 = time.perf_counter()
     bundle = prepare_data(cfg, None, notice=lambda _msg: None)
     data_s = time.perf_counter() - t0

@@ -25,7 +25,7 @@ from train.data import make_loader, prepare_data
 from train.env import collect_env
 from train.errors import atomic_write_text
 from train.perf.timer import synchronize
-from train.precision import PrecisionPolicy
+from train.precision import PrecisionPolicy, probe_for
 from train.run import build_model, seed_everything, start_run
 from train.tracking import NullLogger
 from train.trainer import Trainer, evaluate, move
@@ -48,7 +48,7 @@ def _rows(device: torch.device, steps: int, bf16_cpu_steps: int) -> list[tuple[s
 class _Row:
     def __init__(self, cfg: RunConfig, mode: str, steps: int, bundle: Any, device: torch.device, loader: Any) -> None:
         self.requested, self.steps = mode, steps
-        self.policy = PrecisionPolicy.create(mode, device)
+        self.policy = PrecisionPolicy.create(mode, device, probe_for(cfg), cfg.data.cache_dir)
         seed_everything(cfg.train.seed)
         model = build_model(cfg, bundle).to(device)  # same seed → same initial weights in every row
         self.trainer = Trainer(cfg, model, self.policy, device, loader, None, NullLogger(), bundle.num_classes)

@@ -47,7 +47,7 @@ def _setup(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
-    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    policy = PrecisionPolicy.for_config(cfg, device)
     bundle = prepare_data(cfg, run_dir)
     model = build_model(cfg, bundle).to(device)
     loader = make_loader(bundle, "train", cfg, train=True, device=device)

@@ -1,6 +1,7 @@
 """Command-line interface: argument parsing only; each command calls a function in its module.
 
     python -m train train   [--config FILE] [--run-id ID] [--buckets-force] [--resume RUN_DIR] [section.key=value ...]
+    python -m train precision [--config FILE] [--remeasure] [section.key=value ...]
     python -m train buckets [--config FILE] [--out FILE] [section.key=value ...]
     python -m train bench-batching [--config FILE] [--run-id ID] [--num-buckets K] [...] [section.key=value ...]
     python -m train profile [--config FILE] [--run-id ID] [--tools torch,pyspy,gpu,nsys] [section.key=value ...]
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue runs/<id> from its newest checkpoint (or a given checkpoint file) with the run's own "
                         "config.yaml (--config is ignored; overrides still apply)")
+    p = sub.add_parser("precision", help="what train.precision=auto picks on this machine for a config, and why")
+    _common(p)
+    p.add_argument("--remeasure", action="store_true", help="drop this machine's cached decision and measure again")
     p = sub.add_parser("buckets", help="fit bucket boundaries on the training split and save them as JSON")
     _common(p)
     p.add_argument("--out", default=None, help="output JSON (default: runs/buckets/<method>-<K>.json)")
@@ -165,24 +169,34 @@ def cmd_train(args: argparse.Namespace, t_start: float) -> int:
     return 0
 
 
+def cmd_precision(args: argparse.Namespace) -> int:
+    from train.config import load_config
+    from train.env import resolve_device
+    from train.precision import PrecisionPolicy, decision_cache_path, probe_for
+
+    cfg = load_config(args.config, list(args.overrides))
+    device = resolve_device(cfg.train.device)
+    if args.remeasure:
+        decision_cache_path(probe_for(cfg), cfg.data.cache_dir).unlink(missing_ok=True)
+    policy = PrecisionPolicy.for_config(cfg, device)
+    print(f"precision {policy.mode} [{policy.source}] {policy.reason}")
+    return 0
+
+
 def cmd_buckets(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from train.config import load_config
-    from train.data import BUCKETED
+    from train.data import BUCKETED, prepare_splits
     from train.data.buckets import BucketPlan
-    from train.data.sources import load_corpus
-    from train.data.tokenizer import encode, load_or_train, texts_fingerprint
 
     cfg = load_config(args.config, args.overrides)
     b = cfg.batching
     if b.method not in BUCKETED:
         raise UserError(f"batching.method={b.method!r} uses no buckets; choose one of {', '.join(BUCKETED)}")
-    corpus = load_corpus(cfg.data)
-    tok, info = load_or_train(corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
-    lengths = encode(tok, corpus.train.texts, corpus.train.labels, cfg.data.max_len).lengths
-    plan = BucketPlan.fit(lengths, b.num_buckets, b.method, b.round_to, cfg.data.max_len,
-                          texts_fingerprint(corpus.train.texts), info["fingerprint"])
+    prepared = prepare_splits(cfg)
+    plan = BucketPlan.fit(prepared.splits["train"].lengths, b.num_buckets, b.method, b.round_to, cfg.data.max_len,
+                          prepared.data_fingerprint, prepared.tokenizer_info["fingerprint"])
     out = Path(args.out or f"{cfg.train.output_dir}/buckets/{b.method}-{b.num_buckets}.json")
     plan.save(out)
     print(f"{b.method} K={b.num_buckets}: bounds {plan.bounds}, counts {plan.counts}, "
@@ -281,6 +295,8 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
     try:
         if args.command == "train":
             return cmd_train(args, t_start)
+        if args.command == "precision":
+            return cmd_precision(args)
         if args.command == "buckets":
             return cmd_buckets(args)
         if args.command == "bench":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -179,3 +181,42 @@ def enable_guard_failure_reporting() -> None:
     cfg = _dynamo_config()
     if hasattr(cfg, "report_guard_failures"):
         cfg.report_guard_failures = True
+
+
+# --- callables passed into compiled code (train/compilation.py CompiledForward) -----------------------
+# The model takes its encoder-block context as a callable argument (``policy.blocks_autocast``, a bound
+# method of a plain object). Dynamo before torch 2.4 cannot call a bound method of a non-Module object
+# that arrives as an argument (it is a ``UserDefinedObjectVariable``; pytorch/pytorch#123399 added this
+# in 2.4): it graph-breaks at ``with blocks_context():`` and hands the returned context manager to the
+# resume function as ``___stack0``, guarded by its id (``___check_obj_id``). That object is new on every
+# call and its death invalidates the compiled code, so torch 2.1 recompiles ``<resume in forward>`` on
+# every call ("triggered by the following guard failure: ___guarded_code.valid") until the recompile
+# limit sends it to eager. A plain function that calls the method is traced (inlined) in every version.
+
+BOUND_METHOD_ARGS_TRACEABLE = torch_version() >= (2, 4)
+
+
+def traceable_callable(fn: Any, cache: dict) -> Any:
+    """``fn`` as something dynamo can call inside the graph.
+
+    On torch < 2.4 a bound method of a non-Module object becomes a plain function calling it; the one
+    made for a given (object, method) is kept in ``cache`` (with the object, so its id stays unique) and
+    reused, so dynamo's guard on the function's identity holds from call to call. Anything else, and
+    everything on torch ≥ 2.4, is returned as is.
+    """
+    if BOUND_METHOD_ARGS_TRACEABLE or not isinstance(fn, types.MethodType) or isinstance(fn.__self__, torch.nn.Module):
+        return fn
+    obj, func = fn.__self__, fn.__func__
+    key = (id(obj), func)
+    hit = cache.get(key)
+    if hit is None or hit[0] is not obj:
+        hit = cache[key] = (obj, _call_bound(obj, func))
+    return hit[1]
+
+
+def _call_bound(obj: Any, func: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return func(obj, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = getattr(func, "__name__", "call")
+    return call

@@ -36,11 +36,12 @@ from train.errors import UserError
 
 DEFAULT_CACHE_DIR = ".cache/inductor"
 
-# What `auto` says on CPU. Measured with `python -m train bench-compile --config configs/cpu-tiny.yaml`
-# on the 2-core AVX2 development machine (numbers in README "torch.compile").
-CPU_AUTO_REASON = ("auto: off on CPU: for the tiny model on a 2-core AVX2 CPU torch.compile measured no steady-state "
-                   "speedup over eager while a cold compile costs tens of seconds per batch shape; "
-                   "set compile.enabled=true to compile anyway, or re-measure with `python -m train bench-compile`")
+# What `auto` says on CPU: a rule, stated as one (no measurement is taken in the run). It rests on
+# `python -m train bench-compile` results recorded in docs (compiled slower than eager at p50 for the tiny
+# model on the 2-core development CPUs); a user can measure their own machine with the same command.
+CPU_AUTO_REASON = ("auto: off on CPU by rule (auto compiles only on CUDA, where static bucket shapes also allow CUDA "
+                   "graphs; a cold compile costs tens of seconds per batch shape); set compile.enabled=true to compile "
+                   "here, and `python -m train bench-compile` measures whether it pays on this machine")
 
 
 class CacheDirWarning(UserWarning):
@@ -234,10 +235,14 @@ class CompiledForward(nn.Module):
             kwargs["mode"] = cfg.mode
         object.__setattr__(self, "compiled", torch.compile(model, **kwargs))  # not a submodule: no duplicate state
         object.__setattr__(self, "monitor", monitor)
+        object.__setattr__(self, "_traceable", {})  # compat.traceable_callable's cache
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         b, s = input_ids.shape
         key = ("train" if self.model.training and torch.is_grad_enabled() else "eval", b, s)
+        # callables (the blocks context) in a form dynamo traces without a graph break (torch < 2.4)
+        args = tuple(compat.traceable_callable(a, self._traceable) for a in args)
+        kwargs = {k: compat.traceable_callable(v, self._traceable) for k, v in kwargs.items()}
         before = compat.compiled_graph_count()
         out = self.compiled(input_ids, attention_mask, *args, **kwargs)
         self.monitor.record(key, compat.compiled_graph_count() - before)

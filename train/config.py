@@ -49,7 +49,10 @@ class DataConfig:
     tokenizer_path: Optional[str] = None
     """A user-supplied ``tokenizer.json`` (Hugging Face tokenizers format); None = train WordPiece and cache it."""
     cache_dir: str = ".cache/deep-model-perf"
-    """Where trained tokenizers (and later other derived artefacts) are cached, keyed by fingerprint."""
+    """Where trained tokenizers, prepared (tokenized) data and per-machine decisions are cached, keyed by fingerprint."""
+    cache_prepared: bool = True
+    """Reuse the split, tokenized data from ``<cache_dir>/data/`` when the source's content and the settings match
+    (train/data/cache.py); false = read and tokenize the source on every run."""
     num_workers: int = 0
     """DataLoader worker processes (0 = load in the training process)."""
 

@@ -5,51 +5,186 @@ runs its embeddings, pooling, head and the loss in fp32 and only its encoder blo
 :meth:`PrecisionPolicy.blocks_autocast` (see ``EncoderClassifier.forward``). fp16 gets a GradScaler;
 bf16 never does (its exponent range equals fp32's).
 
-``auto`` chooses: CUDA with bf16 → bf16; CUDA without → fp16 + GradScaler; CPU → bf16 only when
-the CPU has native bf16 instructions (AVX512-BF16 or AMX) *and* a short in-process matmul check
-shows bf16 faster than fp32; otherwise fp32. The choice and its reason go into report.json.
+``auto`` chooses:
+
+* CUDA with bf16 → bf16; CUDA without → fp16 + GradScaler (rules, from the device's capability);
+* CPU without native bf16 instructions (no AVX512-BF16 / AMX in ``/proc/cpuinfo``) → fp32 (a rule:
+  bf16 autocast would be emulated);
+* CPU with native bf16 → a measurement on the run's own shape: the FFN's first matmul
+  ``[tokens, hidden] @ [hidden, ffn]`` at the run's token budget (:class:`ProbeShape`), fp32 against
+  bf16 autocast, interleaved, median of :data:`PROBE_REPEATS` repeats; bf16 only when it is at least
+  :data:`BF16_MARGIN` × faster, so a ratio near 1 does not flip the decision from run to run.
+  The measured decision is cached per machine (CPU model + flags, torch version, torch threads,
+  probe shape) in ``<data.cache_dir>/decisions/``: later runs reuse it and say so.
+
+The choice, its reason and its source (``requested``, ``rule``, ``measured``, ``cached``,
+``checkpoint``) go into report.json; a resumed run continues in its checkpoint's precision.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import statistics
 import time
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from train.compat import make_grad_scaler
-from train.errors import UserError
+from train.errors import UserError, atomic_write_text
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BF16_MARGIN = 1.25
+"""bf16 must run the probe at least this many times faster than fp32 for ``auto`` to pick it on a CPU."""
+PROBE_REPEATS = 9
+PROBE_MAX_TOKENS = 2048
+DECISION_FORMAT = 1
+
+
+def _cpuinfo() -> tuple[str, str]:
+    """(model name, flags line) of the first processor in /proc/cpuinfo; ("", "") where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "", ""
+    name = flags = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not name:
+            name = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = value.strip()
+        if name and flags:
+            break
+    return name, flags
 
 
 def cpu_native_bf16() -> bool:
     """True when /proc/cpuinfo lists avx512_bf16 or amx_bf16 (Linux; False elsewhere)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = set(_cpuinfo()[1].split())
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _matmul_seconds(dtype: torch.dtype, n: int = 512, reps: int = 5) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    a @ b  # warm-up
-    times = []
-    for _ in range(reps):
+@dataclass(frozen=True)
+class ProbeShape:
+    """The matmul ``auto`` times on a CPU: ``[tokens, hidden] @ [hidden, ffn]`` (the FFN's first linear layer)."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+
+    def __str__(self) -> str:
+        return f"[{self.tokens}x{self.hidden}]@[{self.hidden}x{self.ffn}]"
+
+
+def probe_for(cfg) -> ProbeShape:
+    """The probe for a run config: its model's hidden/FFN sizes at its token budget (``batching.max_tokens``,
+    else ``batch_size × data.max_len``), capped at :data:`PROBE_MAX_TOKENS` tokens to keep the check short."""
+    from train.model import PRESETS
+
+    sizes = dict(PRESETS[cfg.model.preset])
+    for key in ("hidden_size", "ffn_size"):
+        if getattr(cfg.model, key) is not None:
+            sizes[key] = getattr(cfg.model, key)
+    budget = cfg.batching.max_tokens or cfg.batching.batch_size * cfg.data.max_len
+    return ProbeShape(tokens=int(min(budget, PROBE_MAX_TOKENS)), hidden=sizes["hidden_size"], ffn=sizes["ffn_size"])
+
+
+def measure_bf16_speedup(probe: ProbeShape, repeats: int = PROBE_REPEATS) -> dict[str, Any]:
+    """Time ``F.linear`` at ``probe`` in fp32 and under CPU bf16 autocast (casts included, as in training).
+
+    One untimed call of each first; then ``repeats`` rounds, each timing one fp32 call and one bf16 call
+    in alternating order. Returns ``fp32_ms`` and ``bf16_ms`` (medians, milliseconds), ``ratio``
+    (fp32_ms / bf16_ms: > 1 means bf16 is faster) and ``repeats``.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(probe.tokens, probe.hidden, generator=gen)
+    w = torch.randn(probe.ffn, probe.hidden, generator=gen) / probe.hidden ** 0.5
+    b = torch.zeros(probe.ffn)
+
+    def run(dtype: str) -> float:
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
         t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        with ctx:
+            torch.nn.functional.linear(x, w, b)
+        return (time.perf_counter() - t0) * 1e3
+
+    run("fp32"), run("bf16")  # warm-up: allocations, kernel selection
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    for i in range(repeats):
+        for dtype in (("fp32", "bf16") if i % 2 == 0 else ("bf16", "fp32")):
+            times[dtype].append(run(dtype))
+    fp32_ms, bf16_ms = statistics.median(times["fp32"]), statistics.median(times["bf16"])
+    return {"fp32_ms": fp32_ms, "bf16_ms": bf16_ms, "ratio": fp32_ms / bf16_ms, "repeats": repeats}
 
 
-def resolve_precision(mode: str, device: torch.device) -> tuple[str, str]:
-    """Resolve ``mode`` (auto|fp32|bf16|fp16) on ``device`` to (mode, reason).
+def machine_fingerprint(probe: ProbeShape) -> dict[str, Any]:
+    """What a cached CPU decision is valid for: CPU model and flags, torch version, torch threads, probe shape."""
+    name, flags = _cpuinfo()
+    return {"cpu": name or os.uname().machine, "flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16],
+            "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(), "probe": str(probe)}
+
+
+@dataclass
+class Decision:
+    """A resolved precision: ``mode`` (fp32|bf16|fp16), ``reason`` (one sentence), ``source``
+    (requested|rule|measured|cached|checkpoint), and the ``measurement`` behind a measured/cached one."""
+
+    mode: str
+    reason: str
+    source: str
+    measurement: Optional[dict[str, Any]] = None
+    cache_path: Optional[str] = None
+
+
+def decision_cache_path(probe: ProbeShape, cache_dir: str) -> Path:
+    """Where the measured CPU decision for this machine and probe is cached under ``cache_dir``."""
+    key = hashlib.sha256(json.dumps([DECISION_FORMAT, machine_fingerprint(probe)], sort_keys=True).encode()).hexdigest()
+    return Path(cache_dir) / "decisions" / f"precision-cpu-{key[:16]}.json"
+
+
+def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> Decision:
+    machine = machine_fingerprint(probe)
+    path = decision_cache_path(probe, cache_dir) if cache_dir else None
+    if path is not None and path.is_file():
+        try:
+            cached = json.loads(path.read_text(encoding="utf-8"))
+            if cached.get("machine") == machine and cached.get("mode") in ("fp32", "bf16"):
+                return Decision(cached["mode"], cached["reason"] + f" (cached {cached['decided_at']} in {path})",
+                                "cached", cached["measurement"], str(path))
+        except (OSError, ValueError, KeyError):
+            pass  # an unreadable cache entry is measured again
+    m = measure_bf16_speedup(probe)
+    mode = "bf16" if m["ratio"] >= BF16_MARGIN else "fp32"
+    verdict = (f"ran {m['ratio']:.2f}x faster in bf16" if m["ratio"] >= 1 else f"ran {1 / m['ratio']:.2f}x slower in bf16")
+    reason = (f"auto: CPU has native bf16 and the FFN matmul {probe} {verdict} "
+              f"(median of {m['repeats']}: fp32 {m['fp32_ms']:.2f} ms, bf16 {m['bf16_ms']:.2f} ms; "
+              f"bf16 needs >= {BF16_MARGIN}x)")
+    decision = Decision(mode, reason, "measured", m, None)
+    if path is not None:
+        record = {"mode": mode, "reason": reason, "measurement": m, "machine": machine,
+                  "decided_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
+        try:
+            atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+            decision.cache_path = str(path)
+        except OSError:
+            pass  # an unwritable cache costs a measurement next time, nothing more
+    return decision
+
+
+def decide(mode: str, device: torch.device, probe: Optional[ProbeShape] = None,
+           cache_dir: Optional[str] = None) -> Decision:
+    """Resolve ``mode`` (auto|fp32|bf16|fp16) on ``device`` (see the module docstring for ``auto``).
+
+    ``probe`` (default: the ``tiny`` model at 2,048 tokens) and ``cache_dir`` matter only for ``auto`` on a
+    CPU with native bf16; without ``cache_dir`` nothing is cached.
 
     Raises:
         UserError: fp16 requested on CPU, or bf16 on a CUDA device without bf16 support.
@@ -58,38 +193,85 @@ def resolve_precision(mode: str, device: torch.device) -> tuple[str, str]:
         bf16_ok = torch.cuda.is_bf16_supported()
         if mode == "auto":
             if bf16_ok:
-                return "bf16", "auto: CUDA device supports bf16 (no loss scaling needed)"
-            return "fp16", "auto: CUDA device without bf16 support: fp16 with GradScaler"
+                return Decision("bf16", "auto: CUDA device supports bf16 (no loss scaling needed)", "rule")
+            return Decision("fp16", "auto: CUDA device without bf16 support: fp16 with GradScaler", "rule")
         if mode == "bf16" and not bf16_ok:
             raise UserError(f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16 support; use fp16 or auto")
-        return mode, "requested"
+        return Decision(mode, "requested", "requested")
     if mode == "fp16":
         raise UserError("train.precision=fp16 needs a CUDA device (fp16 autocast on CPU is slow or unsupported); use fp32 or auto")
-    if mode == "auto":
-        if not cpu_native_bf16():
-            return "fp32", ("auto: this CPU has no native bf16 (no AVX512-BF16/AMX), so bf16 autocast is emulated "
-                            "and slower than fp32 (measured 20-70x on an AVX2 EPYC)")
-        fp32_s, bf16_s = _matmul_seconds(torch.float32), _matmul_seconds(torch.bfloat16)
-        if bf16_s < fp32_s:
-            return "bf16", f"auto: CPU has native bf16 and a 512x512 matmul ran {fp32_s / bf16_s:.2f}x faster in bf16"
-        return "fp32", f"auto: CPU has native bf16 but a 512x512 matmul was {bf16_s / fp32_s:.2f}x slower in bf16"
-    return mode, "requested"
+    if mode != "auto":
+        return Decision(mode, "requested", "requested")
+    if not cpu_native_bf16():
+        return Decision("fp32", "auto: this CPU has no native bf16 (no AVX512-BF16/AMX in /proc/cpuinfo), so bf16 "
+                                "autocast would be emulated: fp32 by rule", "rule")
+    return _cpu_measured(probe or ProbeShape(PROBE_MAX_TOKENS, 256, 1024), cache_dir)
+
+
+def resolve_precision(mode: str, device: torch.device) -> tuple[str, str]:
+    """(mode, reason) of :func:`decide` without a cache. Raises UserError as :func:`decide`."""
+    d = decide(mode, device)
+    return d.mode, d.reason
 
 
 @dataclass
 class PrecisionPolicy:
-    """Resolved precision for one run. Build with :meth:`create`."""
+    """Resolved precision for one run. Build with :meth:`create`, :meth:`for_config` or :meth:`for_resume`."""
 
     mode: str
     reason: str
     device: torch.device
     scaler: Optional[Any] = None
+    source: str = "requested"
+    measurement: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, mode: str, device: torch.device) -> "PrecisionPolicy":
-        resolved, reason = resolve_precision(mode, device)
-        scaler = make_grad_scaler(device.type) if resolved == "fp16" else None
-        return cls(mode=resolved, reason=reason, device=device, scaler=scaler)
+    def from_decision(cls, d: Decision, device: torch.device) -> "PrecisionPolicy":
+        scaler = make_grad_scaler(device.type) if d.mode == "fp16" else None
+        return cls(mode=d.mode, reason=d.reason, device=device, scaler=scaler, source=d.source, measurement=d.measurement)
+
+    @classmethod
+    def create(cls, mode: str, device: torch.device, probe: Optional[ProbeShape] = None,
+               cache_dir: Optional[str] = None) -> "PrecisionPolicy":
+        """Raises UserError as :func:`decide`."""
+        return cls.from_decision(decide(mode, device, probe, cache_dir), device)
+
+    @classmethod
+    def for_config(cls, cfg, device: torch.device) -> "PrecisionPolicy":
+        """``train.precision`` of a run config, probed on its model and token budget, cached under ``data.cache_dir``."""
+        return cls.create(cfg.train.precision, device, probe_for(cfg), cfg.data.cache_dir)
+
+    @classmethod
+    def for_resume(cls, saved: Optional[dict[str, Any]], cfg, device: torch.device, where: str) -> "PrecisionPolicy":
+        """The precision a resumed run continues in: the checkpoint's (``saved``: its ``precision`` entry), so
+        ``auto`` cannot pick another one on another machine. ``saved`` None (an older checkpoint): as
+        :meth:`for_config`.
+
+        Raises:
+            UserError: the config asks for another explicit precision, or this device cannot run the saved one.
+        """
+        if not saved:
+            return cls.for_config(cfg, device)
+        mode, asked = saved["mode"], cfg.train.precision
+        if asked not in ("auto", mode):
+            raise UserError(f"{where} was trained in {mode} but train.precision={asked}; resume with train.precision=auto "
+                            f"(or {mode}), or start a new run to change precision")
+        try:
+            decide(mode, device)
+        except UserError as exc:
+            raise UserError(f"{where} was trained in {mode}, which this device cannot continue ({exc}); resume on a "
+                            f"device with {mode} support or start a new run") from None
+        return cls.from_decision(Decision(mode, f"resumed in the checkpoint's precision ({saved.get('reason', mode)})",
+                                          "checkpoint", saved.get("measurement")), device)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint records (plain values): mode, reason, source."""
+        return {"mode": self.mode, "reason": self.reason, "source": self.source}
+
+    def report(self) -> dict[str, Any]:
+        """report.json ``env`` fields: ``precision``, ``precision_reason``, ``precision_source``, ``precision_measurement``."""
+        return {"precision": self.mode, "precision_reason": self.reason, "precision_source": self.source,
+                "precision_measurement": self.measurement}
 
     def blocks_autocast(self) -> ContextManager:
         """Context for the encoder blocks: autocast to the policy dtype, or nothing for fp32."""

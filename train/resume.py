@@ -9,7 +9,8 @@ so ``torch.load(weights_only=True)`` reads it:
 * ``ranks[r]``: rank r's RNG states (Python, NumPy, torch CPU, CUDA) and its open logging window
   and counters, so each rank's dropout stream and metrics continue exactly;
 * ``world_size``, ``spec``, ``label_names``, ``data_fingerprint``, ``tokenizer_fingerprint``,
-  ``config``, ``format``: what the resume checks against.
+  ``precision`` (the resolved mode, its reason and source), ``config``, ``format``: what the resume checks
+  against (a resumed run continues in the checkpoint's precision, with the checkpoint's tokenizer).
 
 Resuming restores all of it and the RNG states last, right before the next step, so on CPU a
 resumed run's parameters and losses equal an uninterrupted run's bit for bit (tested).
@@ -82,7 +83,7 @@ def full_state(trainer, model: torch.nn.Module, bundle, cfg, ctx: DistContext) -
     return {"format": FORMAT, **trainer.state_dict(), "model": model.state_dict(), "ranks": ranks,
             "world_size": ctx.world_size, "spec": asdict(model.spec), "label_names": list(bundle.corpus.label_names),
             "data_fingerprint": bundle.data_fingerprint, "tokenizer_fingerprint": bundle.tokenizer_info["fingerprint"],
-            "config": cfg.to_dict()}
+            "precision": trainer.policy.state(), "config": cfg.to_dict()}
 
 
 def write_state(path: Path, state: Optional[dict], ctx: DistContext, keep: Optional[int] = None) -> None:
@@ -147,18 +148,27 @@ def find_resume_checkpoint(target: str) -> tuple[Path, Path]:
     return p, found[-1]
 
 
-def load_resume_state(path: Path, ctx: DistContext, bundle, spec) -> dict[str, Any]:
-    """Load ``path`` (weights_only) and check that it fits this run.
+def read_resume_state(path: Path) -> dict[str, Any]:
+    """Load ``path`` (weights_only) and check it is a resumable checkpoint of this format.
 
     Raises:
-        UserError: corrupt/truncated/pickled-object checkpoint, another format, another world size,
-            another model shape (e.g. ``data.max_len`` above the checkpoint's position table),
-            other labels or other training data.
+        UserError: corrupt/truncated/pickled-object checkpoint, or another format.
     """
     state = load_checkpoint(path)
-    where = f"checkpoint {path}"
     if not isinstance(state, dict) or state.get("format") != FORMAT or "ranks" not in state:
-        raise UserError(f"{where} is not a resumable checkpoint of this version (format {FORMAT}); start a new run")
+        raise UserError(f"checkpoint {path} is not a resumable checkpoint of this version (format {FORMAT}); start a new run")
+    return state
+
+
+def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bundle, spec) -> dict[str, Any]:
+    """Check that ``state`` (from :func:`read_resume_state`) fits this run; returns it.
+
+    Raises:
+        UserError: another world size, another model shape (e.g. ``data.max_len`` above the checkpoint's
+            position table), other labels, other training data, or another tokenizer (token ids would mean
+            other tokens).
+    """
+    where = f"checkpoint {path}"
     if state["world_size"] != ctx.world_size:
         raise UserError(f"{where} was written by {state['world_size']} processes, this run has {ctx.world_size}; "
                         f"resume with the same NPROC x NNODES (the data order depends on it)")
@@ -168,6 +178,14 @@ def load_resume_state(path: Path, ctx: DistContext, bundle, spec) -> dict[str, A
     if state["data_fingerprint"] != bundle.data_fingerprint:
         raise UserError(f"{where}: trained on other data (fingerprint {state['data_fingerprint']}, this data's is "
                         f"{bundle.data_fingerprint}); resume with the same data.source and split settings")
+    have_tok = bundle.tokenizer_info["fingerprint"]
+    if state.get("tokenizer_fingerprint") not in (None, have_tok):
+        run_dir = path.parent.parent if path.parent.name == CHECKPOINT_DIR else path.parent
+        own = run_dir / "tokenizer.json"
+        fix = f"data.tokenizer_path={own}" if own.is_file() else "data.tokenizer_path=<the run's tokenizer.json>"
+        raise UserError(f"{where}: trained with tokenizer {state['tokenizer_fingerprint']} but this run's tokenizer is "
+                        f"{have_tok} ({bundle.tokenizer_info.get('path')}); resume with the run's own tokenizer, "
+                        f"{fix}, or start a new run")
     want = asdict(spec)
     for key, have in state["spec"].items():
         if want.get(key) != have:
@@ -176,6 +194,11 @@ def load_resume_state(path: Path, ctx: DistContext, bundle, spec) -> dict[str, A
                                 f"set data.max_len={have}")
             raise UserError(f"{where}: model {key}={have} but this config gives {want.get(key)}; resume with the run's own config")
     return state
+
+
+def load_resume_state(path: Path, ctx: DistContext, bundle, spec) -> dict[str, Any]:
+    """:func:`read_resume_state` then :func:`check_resume_state`. Raises UserError as both."""
+    return check_resume_state(read_resume_state(path), path, ctx, bundle, spec)
 
 
 def restore_rng(state: dict[str, Any], ctx: DistContext) -> None:

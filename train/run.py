@@ -21,7 +21,7 @@ import torch
 from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader, prepare_data
 from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
-from train.env import collect_env, resolve_device
+from train.env import collect_env, device_name, resolve_device
 from train.errors import UserError, atomic_write_text
 from train.model import EncoderClassifier, resolve_spec
 from train.numerics import NumericsAbort
@@ -29,12 +29,13 @@ from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.flops import StepFlops
 from train.perf.memory import peak_memory, reset_peak
-from train.precision import PrecisionPolicy
+from train.precision import Decision, PrecisionPolicy
 from train.resume import (
     Checkpointer,
+    check_resume_state,
     find_resume_checkpoint,
     full_state,
-    load_resume_state,
+    read_resume_state,
     restore_rng,
     truncate_metrics,
     write_state,
@@ -155,6 +156,7 @@ def build_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, stats: Train
             "max_train_length": int(train_split.lengths.max()),
             "data_fingerprint": bundle.data_fingerprint,
             "tokenizer": bundle.tokenizer_info,
+            **bundle.cache,
         },
         "batching": {
             "method": cfg.batching.method,
@@ -198,6 +200,59 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
         teardown(ctx)
 
 
+def _precision_policy(cfg: RunConfig, device: torch.device, ctx: DistContext, state: Optional[dict],
+                      ckpt_path: Optional[Path]) -> PrecisionPolicy:
+    """The run's precision: the checkpoint's when resuming, else ``train.precision`` (``auto`` measured or cached).
+    Under DDP rank 0 decides and every rank follows, so a measurement cannot split the job.
+
+    Raises:
+        UserError: the device cannot run the requested (or the checkpoint's) precision.
+    """
+    def decide() -> Optional[PrecisionPolicy]:
+        if not ctx.is_main:
+            return None
+        if state is not None:
+            return PrecisionPolicy.for_resume(state.get("precision"), cfg, device, f"checkpoint {ckpt_path}")
+        return PrecisionPolicy.for_config(cfg, device)
+
+    policy = agreed(decide, ctx)
+    if not ctx.enabled:
+        return policy
+    mine = broadcast_from_main((policy.mode, policy.reason, policy.source, policy.measurement) if ctx.is_main else None,
+                               ctx)
+    return policy if ctx.is_main else PrecisionPolicy.from_decision(Decision(*mine), device)
+
+
+def keep_tokenizer(bundle: DataBundle, run_dir: Path) -> None:
+    """Copy the run's tokenizer to ``<run_dir>/tokenizer.json`` (what ``--resume`` needs if caches are cleared);
+    ``data.tokenizer.run_copy`` names it. A missing source file is skipped."""
+    src = Path(bundle.tokenizer_info.get("path") or "")
+    if src.is_file():
+        atomic_write_text(run_dir / "tokenizer.json", src.read_text(encoding="utf-8"))
+        bundle.tokenizer_info["run_copy"] = str(run_dir / "tokenizer.json")
+
+
+def decision_lines(device: torch.device, policy: PrecisionPolicy, compiled, bundle: DataBundle,
+                   cfg: RunConfig) -> list[str]:
+    """The block every run prints before training: what was decided automatically, and why (or from which cache)."""
+    b = bundle.cache
+    data = {"hit": f"cache hit ({b.get('cache_dir')})", "miss": f"cache miss, prepared and stored in {b.get('cache_dir')}",
+            "off": f"not cached ({b.get('cache_unavailable_reason')})"}.get(b.get("cache", "off"), "not cached")
+    if b.get("cache") == "miss" and b.get("cache_unavailable_reason"):
+        data = f"cache miss ({b['cache_unavailable_reason']})"
+    if bundle.plan is not None:
+        buckets = (f"{cfg.batching.method}, {len(bundle.bounds)} buckets {bundle.bounds} ({bundle.plan_source}; predicted "
+                   f"token efficiency {bundle.plan.predicted_token_efficiency:.3f})")
+    else:
+        buckets = f"{cfg.batching.method}: {bundle.plan_source}"
+    return ["decisions:",
+            f"  device     {device_name(device)}",
+            f"  precision  {policy.mode} [{policy.source}] {policy.reason}",
+            f"  compile    {'on' if compiled.enabled else 'off'}: {compiled.reason}",
+            f"  buckets    {buckets}",
+            f"  data       {data}; tokenizer {bundle.tokenizer_info['source']}"]
+
+
 def _reduce_stats(stats: TrainStats, ctx: DistContext) -> None:
     """Turn this rank's counters into job totals (sums over ranks; shapes: union). No-op single-process."""
     if not ctx.enabled:
@@ -215,10 +270,10 @@ def _reduce_stats(stats: TrainStats, ctx: DistContext) -> None:
 def _prepare_data(cfg: RunConfig, run_dir: Path, buckets_force: bool, ctx: DistContext, say) -> DataBundle:
     """``prepare_data`` on every rank, consistently.
 
-    Rank 0 goes first (it may train and cache the tokenizer); the other ranks then load rank 0's
-    tokenizer, because WordPiece training is not deterministic across processes (tie-breaking
-    follows hash-map order), so ranks training their own would tokenize differently. Finally every
-    rank checks that it holds rank 0's data, tokenizer and bucket bounds.
+    Rank 0 goes first (it may train and cache the tokenizer and the prepared data); the other ranks then
+    load rank 0's tokenizer rather than train their own (training is deterministic, see
+    train/data/tokenizer.py, but a per-node cache may hold an older entry). Finally every rank checks that
+    it holds rank 0's data, tokenizer and bucket bounds.
 
     Raises:
         UserError: bad input on any rank, or ranks that disagree (e.g. a per-node data copy that differs).
@@ -270,23 +325,28 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     seed_everything(cfg.train.seed)
-    policy = PrecisionPolicy.create(cfg.train.precision, device)
-    say(f"run {run_dir}: device {device}, precision {policy.mode} ({policy.reason})"
-        + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""), flush=True)
+    state, ckpt_path = None, None
+    if resume is not None:
+        _, ckpt_path = find_resume_checkpoint(resume)
+        state = agreed(lambda: read_resume_state(ckpt_path), ctx)
+    policy = _precision_policy(cfg, device, ctx, state, ckpt_path)
+    say(f"run {run_dir}: device {device}" + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""),
+        flush=True)
 
     t_data = time.perf_counter()
     bundle = _prepare_data(cfg, run_dir, buckets_force, ctx, say)
     data_s = time.perf_counter() - t_data
     say(f"data: {bundle.corpus.name}, {len(bundle.splits['train'])} train / {len(bundle.splits['validation'])} val / "
         f"{len(bundle.splits['test'])} test, {bundle.num_classes} classes, vocab {bundle.vocab_size} "
-        f"(tokenizer {bundle.tokenizer_info['source']}), {data_s:.1f}s", flush=True)
+        f"(tokenizer {bundle.tokenizer_info['source']}, prepared data {bundle.cache.get('cache', 'off')}), {data_s:.1f}s",
+        flush=True)
 
     model = agreed(lambda: build_model(cfg, bundle), ctx).to(device)
-    state = None
-    if resume is not None:
-        _, ckpt_path = find_resume_checkpoint(resume)
-        state = agreed(lambda: load_resume_state(ckpt_path, ctx, bundle, model.spec), ctx)
+    if state is not None:
+        state = agreed(lambda: check_resume_state(state, ckpt_path, ctx, bundle, model.spec), ctx)
         say(f"resuming from {ckpt_path} (step {state['step']})", flush=True)
+    if ctx.is_main:  # after the resume checks: a refused resume leaves the run's own tokenizer copy alone
+        keep_tokenizer(bundle, run_dir)
     if ctx.rank:  # distinct dropout streams per rank; rank 0 keeps the single-process stream
         torch.manual_seed(cfg.train.seed + ctx.rank)
     ws, rk = ctx.world_size, ctx.rank
@@ -297,7 +357,8 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
     if compiled.enabled and ctx.enabled:
         raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
                         "with NPROC > 1, or compile a single-process run")
-    say(f"compile: {'on' if compiled.enabled else 'off'} ({compiled.reason})", flush=True)
+    for line in decision_lines(device, policy, compiled, bundle, cfg):
+        say(line, flush=True)
     if state is not None:
         model.load_state_dict(state["model"])  # before DDP: its construction broadcasts rank 0's weights
         if ctx.is_main:
@@ -349,9 +410,8 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
                                                                       device, ctx)
             test_eval = evaluate(model, test_loader, policy, bundle.num_classes, device, ctx)
         memory = peak_memory(device)
-        env = {**collect_env(device), "precision": policy.mode, "precision_reason": policy.reason,
-               "num_threads": torch.get_num_threads(), "world_size": ctx.world_size,
-               "distributed_backend": ctx.backend}
+        env = {**collect_env(device), **policy.report(), "num_threads": torch.get_num_threads(),
+               "world_size": ctx.world_size, "distributed_backend": ctx.backend}
         report = build_report(cfg, run_dir, bundle, stats, trainer.timer.summary(), trainer.timer.first_ms,
                               sum(trainer.timer.steady_ms), final_eval, test_eval, env, memory, sampler_counts, t_start,
                               time.perf_counter() - t_start)
@@ -407,8 +467,7 @@ def write_aborted_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, trai
     """report.json for a run the numerics guard stopped: status ``aborted-numerics``, the diagnosis under
     ``numerics``, no evaluation, and throughput figures null (``perf.throughput_valid`` false)."""
     sampler = trainer.train_loader.batch_sampler
-    env = {**collect_env(device), "precision": policy.mode, "precision_reason": policy.reason,
-           "num_threads": torch.get_num_threads()}
+    env = {**collect_env(device), **policy.report(), "num_threads": torch.get_num_threads()}
     report = build_report(cfg, run_dir, bundle, trainer.stats, trainer.timer.summary(), trainer.timer.first_ms,
                           sum(trainer.timer.steady_ms), {}, {}, env, peak_memory(device),
                           {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}, t_start,

@@ -1,6 +1,6 @@
 """System metrics sampled by a background thread: CPU %, process RSS, and on CUDA NVML GPU figures.
 
-Every ``tracking.system_interval_s`` seconds the thread logs ``{"event": "system", ...}``:
+At start, every ``tracking.system_interval_s`` seconds, and once more at stop, the monitor logs ``{"event": "system", ...}``:
 
 * ``cpu_percent`` (all cores, 0–100) and ``process_cpu_percent`` (this process; 100 = one core busy),
   ``process_rss_bytes``, ``system_memory_used_bytes`` — from psutil.
@@ -112,26 +112,32 @@ class SystemMonitor:
             rec["gpu_metrics_unavailable_reason"] = self.gpu_reason
         return rec
 
+    def _log_one(self) -> None:
+        try:
+            self.logger.log(self.sample())
+            self.samples += 1
+        except Exception as exc:  # never let monitoring take the run down
+            if not self._failed:
+                warnings.warn(f"system metrics: sampling failed ({exc}); continuing without them", stacklevel=1)
+            self._failed = True
+
     def _run(self) -> None:
-        failed = False
+        self._log_one()  # one sample at the start, so even a run shorter than interval_s has a record
         while not self._stop.wait(self.interval_s):
-            try:
-                self.logger.log(self.sample())
-                self.samples += 1
-            except Exception as exc:  # never let monitoring take the run down
-                if not failed:
-                    warnings.warn(f"system metrics: sampling failed ({exc}); continuing without them", stacklevel=1)
-                failed = True
+            self._log_one()
 
     def start(self) -> None:
+        self._failed = False
         self._thread = threading.Thread(target=self._run, name="system-metrics", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (waits at most one sample's duration) and shut NVML down."""
+        """Stop the thread (waits at most one sample's duration), take one last sample (the end state) and
+        shut NVML down."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            self._log_one()
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()

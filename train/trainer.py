@@ -19,7 +19,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from tqdm import tqdm
 
 from train.clipping import clip_gradients
@@ -80,6 +79,8 @@ def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPoli
     Under DDP each rank evaluates its shard (``loader`` from ``make_loader(..., world_size, rank)``):
     torchmetrics all-gathers its states in ``compute()``; the loss sum and count are all-reduced.
     """
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score  # here: its import costs ~1 s of start-up
+
     ctx = dist_ctx or DistContext()
     was_training = model.training
     model.eval()

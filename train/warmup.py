@@ -314,7 +314,7 @@ def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
     from train.trainer import Trainer
 
     run_dir, device = start_run(cfg)
-    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    policy = PrecisionPolicy.for_config(cfg, device)
     bundle = prepare_data(cfg, run_dir, buckets_force)
     model = build_model(cfg, bundle).to(device)
     loaders = [make_loader(bundle, split, cfg, train=split == "train", device=device)

@@ -104,7 +104,7 @@ def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer
     truth = [bundle.corpus.label_names[int(split.labels[i % len(split)])] for i in range(num_requests + 1)]
     t0 = time.perf_counter()
     model, label_names, source = load_model(cfg, bundle, device, checkpoint)
-    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    policy = PrecisionPolicy.for_config(cfg, device)
     clf = Classifier(model, tokenizer, bundle, label_names, policy, device, cfg.data.max_len)
     t_first = time.perf_counter()
     first = clf(texts[:1])

@@ -107,7 +107,7 @@ def _build_arm(name: str, description: str, cfg: RunConfig, base_bundle: DataBun
     bundle = dataclasses.replace(base_bundle, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source)
     _seed(cfg.train.seed)
     model = build_model(cfg, bundle).to(device)
-    policy = PrecisionPolicy.create(cfg.train.precision, device)
+    policy = PrecisionPolicy.for_config(cfg, device)
     loader = make_loader(bundle, "train", cfg, train=True, device=device)
     trainer = Trainer(cfg, model, policy, device, loader, None, NullLogger(), bundle.num_classes)
     arm = _Arm(name=name, description=description, cfg=cfg, bundle=bundle, trainer=trainer, batches=_endless(loader),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from train.config import RunConfig
+from train.data import cache
 from train.data.buckets import BucketPlan
 from train.data.collate import PadCollate, TokenDataset
 from train.data.grouping import LengthGroupedBatchSampler
@@ -37,6 +38,8 @@ class DataBundle:
     plan: Optional[BucketPlan]
     plan_source: str
     data_fingerprint: str
+    cache: dict = field(default_factory=dict)
+    """report.json ``data.cache`` facts: ``cache`` (hit|miss|off), ``cache_dir`` or ``cache_unavailable_reason``."""
 
     @property
     def num_classes(self) -> int:
@@ -85,20 +88,59 @@ def check_token_budget(max_tokens: Optional[int], bounds: list[int], max_len: in
                         f"raise batching.max_tokens to at least {max(bounds)} or lower data.max_len")
 
 
-def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: bool = False,
-                 notice: Callable[[str], None] = print) -> DataBundle:
-    """Load, split, tokenize and plan the buckets. Raises UserError for any bad input."""
+def _build(cfg: RunConfig) -> cache.Prepared:
+    """Read, split and tokenize the configured source (no cache)."""
     corpus = load_corpus(cfg.data)
     tok, tok_info = load_or_train(corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
     splits = {name: encode(tok, corpus.split(name).texts, corpus.split(name).labels, cfg.data.max_len)
               for name in ("train", "validation", "test")}
-    data_fp = texts_fingerprint(corpus.train.texts)
-    bounds, pad_to, plan, source = bucket_plan(cfg, splits["train"].lengths, data_fp, tok_info["fingerprint"],
-                                               run_dir, buckets_force, notice)
+    return cache.Prepared(corpus=corpus, splits=splits, tokenizer_info=tok_info, vocab_size=tok.get_vocab_size(),
+                          pad_id=pad_id(tok), data_fingerprint=texts_fingerprint(corpus.train.texts))
+
+
+def prepare_splits(cfg: RunConfig) -> cache.Prepared:
+    """The corpus and its tokenized splits: from the prepared-data cache when an entry exists for this source
+    content and these settings (train/data/cache.py), else built and stored. ``data.cache_prepared=false``
+    always builds. Raises UserError for any bad input."""
+    d = cfg.data
+    if not d.cache_prepared:
+        return _with_cache(_build(cfg), {"cache": "off", "cache_unavailable_reason": "data.cache_prepared=false"})
+    source_sha, why = cache.source_fingerprint(d)
+    user_tok = cache.user_tokenizer_fingerprint(d.tokenizer_path)
+    if d.tokenizer_path is not None and user_tok is None:
+        why = why or f"data.tokenizer_path={d.tokenizer_path!r} cannot be read"
+    if why is not None:
+        return _with_cache(_build(cfg), {"cache": "off", "cache_unavailable_reason": why})
+    entry = Path(d.cache_dir) / "data" / cache.cache_key(d, source_sha, user_tok)
+    hit = cache.load(entry)
+    if hit is not None:
+        if hit.tokenizer_info.get("source") == "trained":
+            hit.tokenizer_info = {**hit.tokenizer_info, "source": "cache-hit"}
+        return _with_cache(hit, {"cache": "hit", "cache_dir": str(entry)})
+    built = _build(cfg)
+    facts: dict = {"cache": "miss", "cache_dir": str(entry)}
+    try:
+        cache.save(entry, built)
+    except OSError as exc:  # an unwritable cache costs a rebuild next time, nothing more
+        facts["cache_unavailable_reason"] = f"not written: {exc.strerror or exc}"
+    return _with_cache(built, facts)
+
+
+def _with_cache(p: cache.Prepared, facts: dict) -> cache.Prepared:
+    p.cache = facts
+    return p
+
+
+def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: bool = False,
+                 notice: Callable[[str], None] = print) -> DataBundle:
+    """Load (or reuse), split, tokenize and plan the buckets. Raises UserError for any bad input."""
+    p = prepare_splits(cfg)
+    bounds, pad_to, plan, source = bucket_plan(cfg, p.splits["train"].lengths, p.data_fingerprint,
+                                               p.tokenizer_info["fingerprint"], run_dir, buckets_force, notice)
     check_token_budget(cfg.batching.max_tokens, bounds, cfg.data.max_len)
-    return DataBundle(corpus=corpus, splits=splits, tokenizer_info=tok_info, vocab_size=tok.get_vocab_size(),
-                      pad_id=pad_id(tok), bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source,
-                      data_fingerprint=data_fp)
+    return DataBundle(corpus=p.corpus, splits=p.splits, tokenizer_info=p.tokenizer_info, vocab_size=p.vocab_size,
+                      pad_id=p.pad_id, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source,
+                      data_fingerprint=p.data_fingerprint, cache=p.cache)
 
 
 def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, device: torch.device,

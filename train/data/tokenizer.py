@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from train.errors import UserError, atomic_path
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
-FORMAT_VERSION = 1  # bump when the training recipe changes, so old cache entries are not reused
+FORMAT_VERSION = 2  # bump when the training recipe changes, so old cache entries are not reused
 
 
 @dataclass
@@ -57,14 +57,48 @@ def tokenizer_fingerprint(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()[:16]
 
 
+def continuing_alphabet(texts: list[str], normalizer: normalizers.Normalizer) -> list[str]:
+    """Every character that can follow another inside a word after ``normalizer``, sorted: the normalised
+    alphabet less whitespace and BERT punctuation (which BertPreTokenizer splits off as words of their own).
+
+    A superset is harmless (at most a few unused ``##c`` tokens); normalising each distinct character alone
+    is exact because the BERT normalizer works character by character.
+    """
+    chars: set[str] = set()
+    for ch in set().union(*map(set, texts)) if texts else ():
+        chars.update(normalizer.normalize_str(ch))
+    return sorted(c for c in chars if not c.isspace() and not _is_punctuation(c))
+
+
+def _is_punctuation(ch: str) -> bool:
+    """BERT's definition (Rust ``is_bert_punc``): ASCII punctuation or a Unicode ``P*`` category."""
+    import unicodedata
+
+    return (ch.isascii() and not ch.isalnum() and ch.isprintable() and not ch.isspace()) \
+        or unicodedata.category(ch).startswith("P")
+
+
 def train_wordpiece(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Train a BERT-style WordPiece tokenizer on ``texts`` (deterministic for equal input)."""
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+    """Train a BERT-style WordPiece tokenizer on ``texts``; the same texts give the same tokenizer in every process.
+
+    ``tokenizers``' trainer is not deterministic across processes on its own (huggingface/tokenizers#1794):
+    it assigns ids to continuing-subword tokens (``##c``) in hash-map iteration order, and those ids break
+    ties between merges of equal count. So every ``##c`` of the alphabet is given an id up front, in sorted
+    order (passed as extra special tokens, which the trainer numbers first), and the trained vocabulary is
+    then rebuilt into a tokenizer whose only special tokens are :data:`SPECIAL_TOKENS`.
+    """
+    normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True, clean_text=True)
+    seeded = [f"##{c}" for c in continuing_alphabet(texts, normalizer)]
+    draft = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+    draft.normalizer = normalizer
+    draft.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + seeded,
+                                        min_frequency=2, show_progress=False)
+    draft.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok = Tokenizer(models.WordPiece(vocab=draft.get_vocab(), unk_token="[UNK]", max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True, clean_text=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                        min_frequency=2, show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok.add_special_tokens(SPECIAL_TOKENS)
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
