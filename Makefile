@@ -167,7 +167,7 @@ bad-runtime:
 
 verify-gpu: $(RT_DEPS) ## driver, CUDA, torch/Triton, matmul vs CPU, bf16, NCCL, /dev/shm, cache, ptrace, nsys: a pass/fail table
 	@echo "$(RT_LINE)"
-	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) python -m train.verify_gpu $(ARGS),PY=$(PY) scripts/verify_gpu.sh $(ARGS))
+	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) python -m train.tools.verify_gpu $(ARGS),PY=$(PY) scripts/verify_gpu.sh $(ARGS))
 
 warmup: $(RT_DEPS_DATA) ## fill the inductor/Triton cache (python -m train warmup); a second warm-up reuses it
 	@echo "$(RT_LINE)"

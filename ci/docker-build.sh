@@ -14,7 +14,7 @@ fi
 make build
 img=$(make -s --no-print-directory print-image)
 "$DOCKER" run --rm --entrypoint python "$img" -m pip check
-"$DOCKER" run --rm --entrypoint python "$img" -m train.preflight
+"$DOCKER" run --rm --entrypoint python "$img" -m train.tools.preflight
 "$DOCKER" run --rm --entrypoint nsys "$img" --version
 size=$("$DOCKER" image inspect -f '{{.Size}}' "$img")
 echo "image $img: $((size / 1024 / 1024)) MiB"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Image entrypoint: preflight checks (train/preflight.py), a cache fallback, then exec the command.
+# Image entrypoint: preflight checks (train/tools/preflight.py), a cache fallback, then exec the command.
 # DMP_PREFLIGHT=0 skips the checks.
 set -euo pipefail
 cache=${TORCHINDUCTOR_CACHE_DIR:-/cache/inductor}
@@ -11,6 +11,6 @@ if ! mkdir -p "$cache" 2>/dev/null || ! touch "$cache/.writable" 2>/dev/null; th
          HYPOTHESIS_STORAGE_DIRECTORY=$fallback/hypothesis
 fi
 if [ "${DMP_PREFLIGHT:-1}" != "0" ]; then
-  python -m train.preflight "$@"
+  python -m train.tools.preflight "$@"
 fi
 exec "$@"

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_cli import assert_clean_error, run_cli
-from train.bench_batching import BenchBatchingConfig, Method, build_methods, epoch_stats, run_bench, summarize
+from train.bench.batching import BenchBatchingConfig, Method, build_methods, epoch_stats, run_bench, summarize
 from train.data.buckets import fit_boundaries, token_efficiency
 from train.data.grouping import length_grouped_batches, length_grouped_indices
 from train.errors import UserError

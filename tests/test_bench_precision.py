@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from train.bench_precision import run_bench
+from train.bench.precision import run_bench
 
 
 def test_bench_precision_small(tiny_cfg) -> None:

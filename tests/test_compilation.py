@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from train.compilation import CPU_AUTO_REASON, CacheDirWarning, resolve_compile, setup_cache_dir
+from train.compiling.session import CPU_AUTO_REASON, CacheDirWarning, resolve_compile, setup_cache_dir
+from train.compiling.warmup import ShapeBatches, StabilityDetector, time_shape
 from train.config import CompileConfig, load_config
 from train.errors import UserError
-from train.warmup import ShapeBatches, StabilityDetector, time_shape
 
 
 @pytest.fixture

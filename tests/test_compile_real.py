@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from train.compiling.warmup import start_compile, warm_up_for_run
 from train.data import make_loader, prepare_data
 from train.precision import PrecisionPolicy
-from train.run import build_model, run_training, seed_everything
-from train.tracking import NullLogger
+from train.run import run_training
+from train.setup import build_model, seed_everything
+from train.tracking.loggers import NullLogger
 from train.trainer import Trainer
-from train.warmup import start_compile, warm_up_for_run
 
 # One bucket and a batch larger than the training split: one training shape, two evaluation shapes.
 FEW_SHAPES = ["batching.num_buckets=1", "batching.batch_size=512", "compile.enabled=true", "compile.warmup_window=3",
@@ -99,7 +100,7 @@ def test_new_shape_after_warmup_is_a_recompile_and_warmup_restores_bit_exactly(t
 def test_blocks_context_argument_compiles_once_without_graph_break(compile_env: Path) -> None:
     # the trainer passes ``policy.blocks_autocast`` (a bound method of a plain object) into the compiled
     # forward; torch < 2.4 graph-broke on calling it and recompiled on every call (compat.traceable_callable)
-    from train.compilation import CompiledForward, RecompileMonitor
+    from train.compiling.session import CompiledForward, RecompileMonitor
     from train.config import CompileConfig
     from train.model import EncoderClassifier
 

@@ -20,7 +20,8 @@ from train.data import make_loader, prepare_data
 from train.distributed import compile_cache_dirs
 from train.errors import UserError
 from train.precision import PrecisionPolicy
-from train.run import build_model, run_training
+from train.run import run_training
+from train.setup import build_model
 from train.trainer import evaluate
 
 ROOT = Path(__file__).resolve().parent.parent

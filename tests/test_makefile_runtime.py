@@ -22,7 +22,7 @@ CONTAINER_COMMANDS = {
     "profile-pyspy": "python -m train profile --tools pyspy",
     "profile-nsys": "python -m train profile --tools nsys",
     "bench": "python -m train bench",
-    "verify-gpu": "python -m train.verify_gpu",
+    "verify-gpu": "python -m train.tools.verify_gpu",
     "test": "python -m pytest",
     "shell": "bash",
 }

@@ -18,7 +18,7 @@ from train.model import EncoderClassifier, resolve_spec
 from train.numerics import NumericsAbort, NumericsGuard
 from train.precision import PrecisionPolicy
 from train.run import run_training
-from train.tracking import NullLogger
+from train.tracking.loggers import NullLogger
 from train.trainer import Trainer
 
 CPU = torch.device("cpu")

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from train.config import TrackingConfig
-from train.gradstats import GradStats, grad_table
 from train.run import run_training
-from train.sysmetrics import SystemMonitor
-from train.tracking import JsonlLogger
-from train.tracking_wandb import WandbLogger, resolve_mode, to_wandb
+from train.tracking.gradstats import GradStats, grad_table
+from train.tracking.loggers import JsonlLogger
+from train.tracking.system import SystemMonitor
+from train.tracking.wandb_logger import WandbLogger, resolve_mode, to_wandb
 
 
 class ListLogger:

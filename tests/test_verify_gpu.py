@@ -9,12 +9,12 @@ from importlib import metadata
 
 import pytest
 
-from train import preflight, verify_gpu
-from train.verify_gpu import Check
+from train.tools import preflight, verify_gpu
+from train.tools.verify_gpu import Check
 
 
 def test_verify_gpu_runs_natively_and_reports_the_device_it_has(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "train.verify_gpu", "--json", str(tmp_path / "v.json")],
+    out = subprocess.run([sys.executable, "-m", "train.tools.verify_gpu", "--json", str(tmp_path / "v.json")],
                          capture_output=True, text=True, timeout=120)
     report = json.loads((tmp_path / "v.json").read_text())
     names = [c["name"] for c in report["checks"]]

@@ -65,7 +65,7 @@ def foreach_norm(tensors: list) -> list:
     if fn is not None:
         return list(fn(tensors))
     return [t.norm() for t in tensors]
-# --- torch.compile / dynamo (train/compilation.py) -------------------------------------------------
+# --- torch.compile / dynamo (train/compiling/session.py) -------------------------------------------------
 # torch 2.1 and 2.13 both keep dynamo's counters in ``torch._dynamo.utils.counters`` (a
 # defaultdict of Counters) and ``guard_failures`` (code object → reason strings). The recompile
 # limit is ``config.cache_size_limit`` in 2.1 and ``config.recompile_limit`` (``cache_size_limit``
@@ -183,7 +183,7 @@ def enable_guard_failure_reporting() -> None:
         cfg.report_guard_failures = True
 
 
-# --- callables passed into compiled code (train/compilation.py CompiledForward) -----------------------
+# --- callables passed into compiled code (train/compiling/session.py CompiledForward) -----------------------
 # The model takes its encoder-block context as a callable argument (``policy.blocks_autocast``, a bound
 # method of a plain object). Dynamo before torch 2.4 cannot call a bound method of a non-Module object
 # that arrives as an argument (it is a ``UserDefinedObjectVariable``; pytorch/pytorch#123399 added this

@@ -15,21 +15,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
+from train.compiling.warmup import start_compile, warm_up_for_run
 from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader, prepare_data
 from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
 from train.env import collect_env, device_name, resolve_device
 from train.errors import UserError, atomic_write_text
-from train.model import EncoderClassifier, resolve_spec
 from train.numerics import NumericsAbort
-from train.perf.devices import mfu_fields
-from train.perf.energy import EnergyMeter, per_unit
-from train.perf.flops import StepFlops
+from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
 from train.precision import Decision, PrecisionPolicy
+from train.report import ReportInputs, build_report, clip_report, efficiency_fields, sampler_counts, write_aborted_report
 from train.resume import (
     Checkpointer,
     check_resume_state,
@@ -40,143 +38,11 @@ from train.resume import (
     truncate_metrics,
     write_state,
 )
+from train.setup import apply_threads_and_seed, build_model, make_run_dir
 from train.shutdown import ShutdownRequest
-from train.tracking import NullLogger
-from train.tracking_setup import Tracking
+from train.tracking.loggers import NullLogger
+from train.tracking.setup import Tracking
 from train.trainer import Trainer, TrainStats, evaluate
-from train.warmup import start_compile, warm_up_for_run
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices)."""
-    import random
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def make_run_dir(cfg: RunConfig) -> Path:
-    """Create ``<output_dir>/<run_id>`` (run_id defaults to a UTC timestamp).
-
-    Raises:
-        UserError: the directory cannot be created or written.
-    """
-    run_id = cfg.train.run_id or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    run_dir = Path(cfg.train.output_dir) / run_id
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write the run directory {run_dir} ({exc.strerror}); "
-                        "set train.output_dir to a writable place") from None
-    return run_dir
-
-
-def start_run(cfg: RunConfig) -> tuple[Path, torch.device]:
-    """Single-process command start: create the run directory, write ``config.yaml``, resolve the device,
-    apply ``train.num_threads`` and seed every RNG. Returns (run_dir, device).
-
-    Raises:
-        UserError: unwritable run directory or unavailable device.
-    """
-    run_dir = make_run_dir(cfg)
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
-    device = resolve_device(cfg.train.device)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
-    return run_dir, device
-
-
-def build_model(cfg: RunConfig, bundle: DataBundle) -> EncoderClassifier:
-    m = cfg.model
-    spec = resolve_spec(m.preset, bundle.vocab_size, bundle.num_classes, cfg.data.max_len, m.dropout, m.pooling,
-                        num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, ffn_size=m.ffn_size)
-    if spec.hidden_size % spec.num_heads:
-        raise UserError(f"model: hidden_size {spec.hidden_size} is not divisible by num_heads {spec.num_heads}")
-    if max(bundle.bounds) > spec.max_len:
-        raise UserError(f"bucket bound {max(bundle.bounds)} exceeds data.max_len={spec.max_len} (the position table); "
-                        "refit the buckets or raise data.max_len")
-    return EncoderClassifier(spec)
-
-
-def _ratio(a: float, b: float) -> Optional[float]:
-    return a / b if b else None
-
-
-def build_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, stats: TrainStats, timer_summary: dict,
-                 first_step_ms: Optional[float], steady_ms_total: float, final_eval: dict, test_eval: dict,
-                 env: dict, memory: dict, sampler_counts: dict, t_start: float, wall_s: float) -> dict[str, Any]:
-    """The run's report.json (keys are a contract: add, never rename)."""
-    train_split = bundle.splits["train"]
-    test_labels = bundle.splits["test"].labels
-    majority = float(np.bincount(test_labels).max() / len(test_labels)) if len(test_labels) else None
-    steady_s = steady_ms_total / 1e3
-    perf = {
-        "throughput_samples_per_s": _ratio(stats.steady_samples, steady_s),
-        "throughput_tokens_per_s": _ratio(stats.steady_real_tokens, steady_s),
-        "time_to_first_step_s": (stats.first_step_end - t_start) if stats.first_step_end else None,
-        "first_step_ms": first_step_ms,
-        "step_time_ms": timer_summary,
-        "steps": stats.steps,
-        "train_samples_seen": stats.samples,
-        "wall_time_s": wall_s,
-        **memory,
-    }
-    if stats.steps < 2:
-        perf["throughput_unavailable_reason"] = "fewer than 2 steps: no steady-state steps after the first (cold) one"
-    return {
-        "status": "completed",
-        "run_id": run_dir.name,
-        "run_dir": str(run_dir),
-        "quality": {
-            "eval_accuracy": final_eval.get("accuracy"),
-            "eval_macro_f1": final_eval.get("macro_f1"),
-            "eval_loss": final_eval.get("loss"),
-            "final_train_loss": stats.final_train_loss,
-            "test_accuracy": test_eval.get("accuracy"),
-            "test_macro_f1": test_eval.get("macro_f1"),
-            "test_majority_class_accuracy": majority,
-            "evals": stats.evals,
-        },
-        "data": {
-            "name": bundle.corpus.name,
-            "source": cfg.data.source,
-            "train_samples": len(train_split),
-            "validation_samples": len(bundle.splits["validation"]),
-            "test_samples": len(bundle.splits["test"]),
-            "num_classes": bundle.num_classes,
-            "label_names": bundle.corpus.label_names,
-            "truncated_samples": sum(s.truncated for s in bundle.splits.values()),
-            "truncated_train_samples": train_split.truncated,
-            "mean_train_length": float(train_split.lengths.mean()),
-            "max_train_length": int(train_split.lengths.max()),
-            "data_fingerprint": bundle.data_fingerprint,
-            "tokenizer": bundle.tokenizer_info,
-            **bundle.cache,
-        },
-        "batching": {
-            "method": cfg.batching.method,
-            "num_buckets": len(bundle.bounds) if bundle.plan is not None else None,
-            "bucket_bounds": bundle.bounds,
-            "boundaries_source": bundle.plan_source,
-            "predicted_token_efficiency": bundle.plan.predicted_token_efficiency if bundle.plan else None,
-            "token_efficiency": _ratio(stats.real_tokens, stats.padded_tokens),
-            "padding_ratio": 1 - stats.real_tokens / stats.padded_tokens if stats.padded_tokens else None,
-            "distinct_shapes": len(stats.seq_lens),
-            "distinct_batch_shapes": len(stats.batch_shapes),
-            "batch_size": cfg.batching.batch_size,
-            "max_tokens": cfg.batching.max_tokens,
-            "dropped_samples": sampler_counts["dropped"],
-            "repeated_samples": sampler_counts["repeated"],
-            "truncated_in_collate": stats.truncated_in_collate,
-        },
-        "perf": perf,
-        "env": env,
-    }
 
 
 def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
@@ -314,17 +180,15 @@ def _prepare_data(cfg: RunConfig, run_dir: Path, buckets_force: bool, ctx: DistC
 def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
                   device: torch.device, hooks: tuple = ()) -> dict[str, Any]:
     say = print if ctx.is_main else (lambda *a, **k: None)
-    if ctx.enabled and cfg.train.run_id is None:  # one timestamp for all ranks
-        cfg.train.run_id = broadcast_from_main(time.strftime("%Y%m%d-%H%M%S", time.gmtime()), ctx)
-    run_dir = agreed(lambda: make_run_dir(cfg) if ctx.is_main else Path(cfg.train.output_dir) / cfg.train.run_id, ctx)
+    run_dir = agreed(lambda: make_run_dir(cfg) if ctx.is_main else None, ctx)  # rank 0 draws a unique run id
+    cfg.train.run_id = broadcast_from_main(cfg.train.run_id, ctx)
+    run_dir = run_dir or Path(cfg.train.output_dir) / cfg.train.run_id
     if ctx.is_main:
         atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
         if resume is None:
             for stale in ("report.json", "metrics.jsonl"):
                 (run_dir / stale).unlink(missing_ok=True)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
+    apply_threads_and_seed(cfg)
     state, ckpt_path = None, None
     if resume is not None:
         _, ckpt_path = find_resume_checkpoint(resume)
@@ -401,111 +265,34 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
         if not interrupted:  # the final state, resumable and loadable (weights_only)
             write_state(run_dir / "checkpoint.pt", full_state(trainer, model, bundle, cfg, ctx), ctx)
         _reduce_stats(stats, ctx)
-        sampler = train_loader.batch_sampler
-        sampler_counts = {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
         if interrupted:  # bounded shutdown: no extra evaluation
             final_eval, test_eval = (stats.evals[-1] if stats.evals else {}), {}
         else:
             final_eval = stats.evals[-1] if stats.evals else evaluate(model, val_loader, policy, bundle.num_classes,
                                                                       device, ctx)
             test_eval = evaluate(model, test_loader, policy, bundle.num_classes, device, ctx)
-        memory = peak_memory(device)
         env = {**collect_env(device), **policy.report(), "num_threads": torch.get_num_threads(),
                "world_size": ctx.world_size, "distributed_backend": ctx.backend}
-        report = build_report(cfg, run_dir, bundle, stats, trainer.timer.summary(), trainer.timer.first_ms,
-                              sum(trainer.timer.steady_ms), final_eval, test_eval, env, memory, sampler_counts, t_start,
-                              time.perf_counter() - t_start)
-        report["perf"]["data_prep_s"] = data_s
-        report["perf"].update(efficiency_fields(model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device,
-                                                policy.mode))
+        sections = {"numerics": trainer.guard.report(), "clip": clip_report(cfg)}
+        if tracking is not None:
+            sections["tracking"] = tracking.report()
+        sections["compile"] = compiled.report()
+        sections["resumed_from"] = None if state is None else {"checkpoint": str(ckpt_path), "step": state["step"]}
+        report = build_report(ReportInputs(
+            cfg, run_dir, bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),
+            sampler_counts(train_loader), t_start, time.perf_counter() - t_start, data_prep_s=data_s,
+            efficiency={**efficiency_fields(model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device,
+                                            policy.mode), "throughput_valid": True},
+            sections=sections,
+            interrupted=None if not interrupted else {
+                "signal": shutdown.signal_name, "step": trainer.stopped_at, "total_steps": trainer.total_steps,
+                "checkpoint": str(checkpointer.last_path), "resume_command": f"make train ARGS=\"--resume {run_dir}\""}))
         for hook in hooks:
             hook.finish(report)
-        report["numerics"] = trainer.guard.report()
-        report["perf"]["throughput_valid"] = True
-        report["clip"] = clip_report(cfg)
-        if tracking is not None:
-            report["tracking"] = tracking.report()
-        report["compile"] = compiled.report()
         if ctx.is_main:
             for line in compiled.loud_warnings():
                 print(line, file=sys.stderr, flush=True)
-        report["resumed_from"] = None if state is None else {"checkpoint": str(ckpt_path), "step": state["step"]}
-        if interrupted:
-            report["status"] = "interrupted"
-            report["interrupted"] = {
-                "signal": shutdown.signal_name, "step": trainer.stopped_at, "total_steps": trainer.total_steps,
-                "checkpoint": str(checkpointer.last_path), "resume_command": f"make train ARGS=\"--resume {run_dir}\""}
-            report["quality"]["test_unavailable_reason"] = "interrupted before the final evaluation"
-        if ctx.is_main:
             atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
 
 
-def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: float, energy: dict,
-                      device: torch.device, precision: str) -> dict[str, Any]:
-    """perf.mfu (+ both peaks) from FLOPs counted per steady-state step shape, and energy per step/sample/token."""
-    step_flops = StepFlops(model.spec)
-    steady_flops = sum(step_flops(b, s) * n for (b, s), n in stats.steady_shape_counts.items())
-    achieved = steady_flops / steady_s if steady_s > 0 and steady_flops else None
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    out = {"flops_per_step_mean": steady_flops / max(1, sum(stats.steady_shape_counts.values())),
-           **mfu_fields(achieved, device, name, precision)}
-    out.update(per_unit(energy, stats.steps, stats.samples, stats.real_tokens))
-    return out
-
-
-def clip_report(cfg: RunConfig) -> dict[str, Any]:
-    """report.json ``clip``: the method and its parameters."""
-    c = cfg.clip
-    params = {"global-norm": {"max_norm": c.max_norm}, "per-layer-std": {"std_k": c.std_k},
-              "agc": {"agc_lambda": c.agc_lambda, "agc_eps": c.agc_eps}, "none": {}}[c.method]
-    return {"method": c.method, **params}
-
-
-def write_aborted_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, trainer: Trainer, abort: NumericsAbort,
-                         device: torch.device, policy: PrecisionPolicy, t_start: float) -> None:
-    """report.json for a run the numerics guard stopped: status ``aborted-numerics``, the diagnosis under
-    ``numerics``, no evaluation, and throughput figures null (``perf.throughput_valid`` false)."""
-    sampler = trainer.train_loader.batch_sampler
-    env = {**collect_env(device), **policy.report(), "num_threads": torch.get_num_threads()}
-    report = build_report(cfg, run_dir, bundle, trainer.stats, trainer.timer.summary(), trainer.timer.first_ms,
-                          sum(trainer.timer.steady_ms), {}, {}, env, peak_memory(device),
-                          {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}, t_start,
-                          time.perf_counter() - t_start)
-    report["status"] = "aborted-numerics"
-    report["error"] = str(abort)
-    report["numerics"] = {**abort.diagnosis, "aborted": True}
-    report["clip"] = clip_report(cfg)
-    perf = report["perf"]
-    perf["throughput_valid"] = False
-    for key in ("throughput_samples_per_s", "throughput_tokens_per_s"):
-        perf[key] = None
-    perf["throughput_unavailable_reason"] = "run aborted by the numerics guard: steps were skipped, not trained"
-    atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
-
-
-def summary_lines(report: dict[str, Any]) -> list[str]:
-    q, p, b = report["quality"], report["perf"], report["batching"]
-
-    def f(x: Optional[float], fmt: str) -> str:
-        return "n/a" if x is None else format(x, fmt)
-
-    return [
-        f"test accuracy {f(q['test_accuracy'], '.4f')} (majority class {f(q['test_majority_class_accuracy'], '.4f')}), "
-        f"test macro-F1 {f(q['test_macro_f1'], '.4f')}, eval accuracy {f(q['eval_accuracy'], '.4f')}",
-        f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, {f(p['throughput_tokens_per_s'], '.0f')} tokens/s; "
-        f"step p50 {f(p['step_time_ms']['p50'], '.1f')} ms, p99 {f(p['step_time_ms']['p99'], '.1f')} ms; "
-        f"first step after {f(p['time_to_first_step_s'], '.1f')} s; peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
-        f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence lengths; "
-        f"wall time {p['wall_time_s']:.0f} s",
-        *_compile_line(report.get("compile")),
-        f"report: {os.path.join(report['run_dir'], 'report.json')}",
-    ]
-
-
-def _compile_line(c: Optional[dict]) -> list[str]:
-    if not c or not c.get("enabled"):
-        return []
-    warm = "n/a" if c["warmup_s"] is None else f"{c['warmup_s']:.0f} s"
-    return [f"compile: {c['status']}; warm-up {warm}, recompiles after warm-up {c['recompiles_after_warmup']}, "
-            f"cache {c['cache_state']} ({c['cache_dir']})"]

@@ -26,13 +26,13 @@ from train.compat import fused_adamw_supported
 from train.config import RunConfig
 from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
-from train.gradstats import GradStats
 from train.model import EncoderClassifier, param_groups
 from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
 from train.profiling.ranges import null_ranges
-from train.tracking import MetricLogger
+from train.tracking.gradstats import GradStats
+from train.tracking.loggers import MetricLogger
 
 
 def linear_warmup_decay(total_steps: int, warmup_steps: int):
@@ -116,7 +116,7 @@ class Trainer:
         self.cfg, self.model, self.policy, self.device = cfg, model, policy, device
         self.dist = dist_ctx or DistContext()
         self.train_model = train_model or model  # the DDP wrapper under torchrun; evaluation uses ``model``
-        self.grad_stats = grad_stats  # per-layer gradient norm/std records (train/gradstats.py), or None
+        self.grad_stats = grad_stats  # per-layer gradient norm/std records (train/tracking/gradstats.py), or None
         self.train_loader, self.eval_loader, self.logger = train_loader, eval_loader, logger
         self.num_classes = num_classes
         batches_per_epoch = len(train_loader)

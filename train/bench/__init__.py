@@ -19,19 +19,18 @@ from train.bench.training import CONFIGS, add_ratios, run_training_bench
 from train.config import RunConfig
 from train.data import prepare_data
 from train.data.tokenizer import load_or_train
-from train.env import collect_env, resolve_device
+from train.env import collect_env
 from train.errors import atomic_path, atomic_write_text
-from train.run import make_run_dir, seed_everything
+from train.setup import start_run
 
 
 def run_bench(cfg: RunConfig, names: list[str], warmup_steps: int, rounds: int, window: int,
               checkpoint: Optional[str], num_requests: int, inference_batch_size: int, skip_inference: bool,
               notice: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the training (and inference) benchmarks and write ``<run_dir>/bench/``. Returns bench.json's dict."""
-    run_dir = make_run_dir(cfg)
+    start = start_run(cfg, prefix="bench-")
+    run_dir, device = start.run_dir, start.device
     out_dir = run_dir / "bench"
-    device = resolve_device(cfg.train.device)
-    seed_everything(cfg.train.seed)
     bundle = prepare_data(cfg, None, notice=notice)
     t0 = time.perf_counter()
     rows = run_training_bench(cfg, bundle, device, names, warmup_steps, rounds, window, notice)

@@ -26,9 +26,9 @@ from train.errors import UserError
 from train.model import EncoderClassifier, EncoderSpec
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.memory import WindowPeakMemory
-from train.perf.timer import percentiles, synchronize
+from train.perf.timer import Timed, percentiles
 from train.precision import PrecisionPolicy
-from train.run import build_model
+from train.setup import build_model
 
 
 class Classifier:
@@ -77,10 +77,9 @@ def _measure(answer: Callable[[list[str]], list[str]], groups: list[list[str]], 
     latencies: list[float] = []
     t_all = time.perf_counter()
     for group in groups:
-        t0 = time.perf_counter()
-        answer(group)
-        synchronize(device)
-        latencies.append((time.perf_counter() - t0) * 1e3)
+        with Timed(device) as t:
+            answer(group)
+        latencies.append(t.ms)
     total_s = time.perf_counter() - t_all
     energy = meter.stop()
     requests = sum(len(g) for g in groups)
@@ -106,10 +105,9 @@ def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer
     model, label_names, source = load_model(cfg, bundle, device, checkpoint)
     policy = PrecisionPolicy.for_config(cfg, device)
     clf = Classifier(model, tokenizer, bundle, label_names, policy, device, cfg.data.max_len)
-    t_first = time.perf_counter()
-    first = clf(texts[:1])
-    synchronize(device)
-    t_done = time.perf_counter()
+    with Timed(device) as t:
+        first = clf(texts[:1])
+    t_first, t_done = t.start, t.end
     notice(f"bench: inference model {source}; first response after {t_done - t0:.2f} s")
     single = _measure(clf, [[t] for t in texts[1:]], device)
     batched = _measure(clf, [texts[1 + i : 1 + i + batch_size] for i in range(0, num_requests, batch_size)], device)

@@ -143,6 +143,21 @@ def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: 
                       data_fingerprint=p.data_fingerprint, cache=p.cache)
 
 
+def fit_bucket_plan(cfg: RunConfig) -> BucketPlan:
+    """Fit ``batching.num_buckets`` bounds with ``batching.method`` on the training split's lengths, offline
+    (``python -m train buckets``); the plan carries the data and tokenizer fingerprints it was fitted on.
+
+    Raises:
+        UserError: a batching method without buckets, or bad data.
+    """
+    b = cfg.batching
+    if b.method not in BUCKETED:
+        raise UserError(f"batching.method={b.method!r} uses no buckets; choose one of {', '.join(BUCKETED)}")
+    p = prepare_splits(cfg)
+    return BucketPlan.fit(p.splits["train"].lengths, b.num_buckets, b.method, b.round_to, cfg.data.max_len,
+                          p.data_fingerprint, p.tokenizer_info["fingerprint"])
+
+
 def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, device: torch.device,
                 world_size: int = 1, rank: int = 0) -> DataLoader:
     """A DataLoader over ``split`` with a :class:`BucketBatchSampler` and :class:`PadCollate`.

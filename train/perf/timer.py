@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Optional
 
 import numpy as np
@@ -14,6 +14,27 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued device work. On CUDA this is a host-device sync point; on CPU a no-op."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Timed:
+    """``with Timed(device) as t: work()`` then ``t.ms`` (milliseconds) and ``t.start``/``t.end``
+    (``time.perf_counter()`` seconds): the duration between two synchronised clock readings, so queued
+    device work is inside it. On CUDA both ends are host-device sync points (benchmarks, not the loop)."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.device, self.clock = device, clock
+        self.start = self.end = 0.0
+        self.ms = float("nan")
+
+    def __enter__(self) -> "Timed":
+        synchronize(self.device)
+        self.start = self.clock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synchronize(self.device)
+        self.end = self.clock()
+        self.ms = (self.end - self.start) * 1e3
 
 
 def percentiles(values: Iterable[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, Optional[float]]:

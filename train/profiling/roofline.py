@@ -9,24 +9,21 @@ device is listed, and are always also measured in-run: a large matmul (FLOP/s) a
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 import torch
 
 from train.perf.devices import DEVICE_TABLE
-from train.perf.timer import synchronize
+from train.perf.timer import Timed
 
 
 def _median_seconds(fn, device: torch.device, reps: int) -> float:
     fn()  # warm-up
-    synchronize(device)
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)  # CUDA: host-device sync so the kernel is inside the timing
-        times.append(time.perf_counter() - t0)
+        with Timed(device) as t:  # CUDA: host-device syncs so the kernel is inside the timing
+            fn()
+        times.append(t.ms / 1e3)
     return sorted(times)[len(times) // 2]
 
 

@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from train import compat
-from train.compilation import CompileSession, _delta, resolve_compile
+from train.compiling.session import CompileSession, _delta, resolve_compile
 from train.errors import UserError, atomic_write_text
-from train.perf.timer import synchronize
+from train.perf.timer import Timed
 
 
 class StabilityDetector:
@@ -156,11 +156,9 @@ def time_shape(step: Callable[[dict], Any], shape: ShapeBatches, detector: Stabi
     graphs0 = compat.compiled_graph_count()
 
     def timed(batch: dict) -> float:
-        synchronize(device)
-        t0 = clock()
-        step(batch)
-        synchronize(device)
-        return (clock() - t0) * 1e3
+        with Timed(device, clock) as t:
+            step(batch)
+        return t.ms
 
     first_ms = timed(shape.batches[0])
     graphs_first = compat.compiled_graph_count() - graphs0
@@ -308,13 +306,12 @@ def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
     otherwise warms the eager shapes and says why. Raises UserError for bad input.
     """
     from train.data import make_loader, prepare_data
-    from train.precision import PrecisionPolicy
-    from train.run import build_model, start_run
-    from train.tracking import NullLogger
+    from train.setup import build_model, start_run
+    from train.tracking.loggers import NullLogger
     from train.trainer import Trainer
 
-    run_dir, device = start_run(cfg)
-    policy = PrecisionPolicy.for_config(cfg, device)
+    start = start_run(cfg)
+    run_dir, device, policy = start.run_dir, start.device, start.policy
     bundle = prepare_data(cfg, run_dir, buckets_force)
     model = build_model(cfg, bundle).to(device)
     loaders = [make_loader(bundle, split, cfg, train=split == "train", device=device)

@@ -33,21 +33,17 @@ import torch
 
 from train.config import RunConfig
 from train.errors import atomic_write_text
-from train.tracking import JsonlLogger, NullLogger
-from train.tracking_setup import Tracking
+from train.perf.timer import Timed
+from train.tracking.loggers import JsonlLogger, NullLogger
+from train.tracking.setup import Tracking
 
 
 def _setup(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
     from train.data import make_loader, prepare_data
-    from train.env import resolve_device
-    from train.precision import PrecisionPolicy
-    from train.run import build_model, seed_everything
+    from train.setup import build_model, start_run
 
-    device = resolve_device(cfg.train.device)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
-    policy = PrecisionPolicy.for_config(cfg, device)
+    start = start_run(cfg, run_dir=False)
+    device, policy = start.device, start.policy
     bundle = prepare_data(cfg, run_dir)
     model = build_model(cfg, bundle).to(device)
     loader = make_loader(bundle, "train", cfg, train=True, device=device)
@@ -79,11 +75,10 @@ def _block(cfg: RunConfig, env: dict[str, Any], steps: int, logger: Any, grad_st
     block_cfg = replace(cfg, train=replace(cfg.train, max_steps=steps, progress=False))
     trainer = Trainer(block_cfg, env["model"], env["policy"], env["device"], env["loader"], None, logger,
                       env["bundle"].num_classes, grad_stats=grad_stats)
-    c0, t0 = _cpu_s(), time.perf_counter()
-    trainer.fit()
-    if env["device"].type == "cuda":
-        torch.cuda.synchronize(env["device"])
-    wall = (time.perf_counter() - t0) * 1e3 / steps
+    c0 = _cpu_s()
+    with Timed(env["device"]) as t:
+        trainer.fit()
+    wall = t.ms / steps
     if cpu is not None:
         cpu.append((_cpu_s() - c0) * 1e3 / steps)
     return wall

@@ -1,6 +1,6 @@
 """Container preflight, run by the image's entrypoint before the command (docker/entrypoint.sh).
 
-    python -m train.preflight [COMMAND ...]
+    python -m train.tools.preflight [COMMAND ...]
 
 Checks, cheapest first, without importing torch:
 

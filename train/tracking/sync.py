@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from train.errors import UserError
-from train.tracking_wandb import _has_api_key
+from train.tracking.wandb_logger import _has_api_key
 
 
 def offline_runs(runs_root: str | Path, include_synced: bool = False) -> list[Path]:

@@ -15,10 +15,10 @@ from typing import Any, Optional
 import torch
 
 from train.config import RunConfig
-from train.gradstats import GradStats
-from train.sysmetrics import SystemMonitor
-from train.tracking import FanOut, JsonlLogger, MetricLogger
-from train.tracking_wandb import WandbLogger, resolve_mode
+from train.tracking.gradstats import GradStats
+from train.tracking.loggers import FanOut, JsonlLogger, MetricLogger
+from train.tracking.system import SystemMonitor
+from train.tracking.wandb_logger import WandbLogger, resolve_mode
 
 
 class Tracking:

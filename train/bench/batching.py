@@ -25,7 +25,6 @@ shuffled epoch plan, so it costs what an average stretch of that epoch costs.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from train.data.grouping import length_grouped_batches
 from train.data.packing import PackCollate, packed_batches, packed_forward
 from train.data.sampler import BucketBatchSampler
 from train.errors import UserError
-from train.perf.timer import synchronize
+from train.perf.timer import Timed
 
 BASELINE = "pad-to-max"
 
@@ -198,17 +197,15 @@ def time_methods(methods: list[Method], dataset: TokenDataset, pad_id: int, step
         shift = r % len(methods)
         for m in methods[shift:] + methods[:shift]:
             w = {"samples": 0, "real_tokens": 0, "padded_tokens": 0}
-            synchronize(device)
-            t0 = time.perf_counter()
-            while w["samples"] < bc.window_samples:
-                batch = load(m, next(streams[m.name]))
-                b, s = batch["input_ids"].shape
-                step({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
-                w["samples"] += len(batch["labels"])
-                w["real_tokens"] += batch["real_tokens"]
-                w["padded_tokens"] += b * s
-            synchronize(device)
-            w["seconds"] = time.perf_counter() - t0
+            with Timed(device) as t:
+                while w["samples"] < bc.window_samples:
+                    batch = load(m, next(streams[m.name]))
+                    b, s = batch["input_ids"].shape
+                    step({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
+                    w["samples"] += len(batch["labels"])
+                    w["real_tokens"] += batch["real_tokens"]
+                    w["padded_tokens"] += b * s
+            w["seconds"] = t.ms / 1e3
             if r >= bc.warmup_windows:
                 out[m.name].append(w)
         kind = "warm-up" if r < bc.warmup_windows else "timed"
@@ -291,16 +288,12 @@ def run_bench(cfg: RunConfig, bc: BenchBatchingConfig, run_dir: Path, notice: Ca
         UserError: bad data/config (as for training).
     """
     from train.data import prepare_data
-    from train.env import collect_env, resolve_device
+    from train.env import collect_env
     from train.model import param_groups
-    from train.precision import PrecisionPolicy
-    from train.run import build_model, seed_everything
+    from train.setup import build_model, start_run
 
-    device = resolve_device(cfg.train.device)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
-    policy = PrecisionPolicy.for_config(cfg, device)
+    start = start_run(cfg, run_dir=False)
+    device, policy = start.device, start.policy
     load_start = os.getloadavg()[0]
     bundle = prepare_data(cfg, None, notice=lambda _msg: None)
     lengths = bundle.splits["train"].lengths.astype(np.int64)
@@ -334,7 +327,7 @@ def run_bench(cfg: RunConfig, bc: BenchBatchingConfig, run_dir: Path, notice: Ca
         "env": {**collect_env(device), "precision": policy.mode, "num_threads": torch.get_num_threads(),
                 "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]},
     }
-    from train.bench_batching_report import write_outputs
+    from train.bench.batching_report import write_outputs
 
     write_outputs(result, run_dir)
     return result

@@ -9,7 +9,7 @@
 * :class:`CompiledForward` wraps ``torch.compile(model, dynamic=False)``: it is what the trainer and
   evaluation call, and it counts every graph dynamo compiles (``counters["stats"]["unique_graphs"]``)
   against the input shape that caused it, with dynamo's guard-failure reason. After warm-up
-  (:mod:`train.warmup`) every new graph is a *recompile*; the target is 0. Hitting dynamo's recompile
+  (:mod:`train.compiling.warmup`) every new graph is a *recompile*; the target is 0. Hitting dynamo's recompile
   limit (after which dynamo silently runs that code eagerly) is caught from dynamo's warning and
   reported loudly, so eager speed is never reported as compiled speed.
 
@@ -262,7 +262,7 @@ class CompileSession:
     recompile_limit: Optional[int] = None
     warmup: Optional[dict] = None  # warmup.json content when warm-up ran
     warmup_skipped_reason: Optional[str] = None
-    shapes: Optional[dict] = None  # planned (phase, batch, length) → real batches (train.warmup)
+    shapes: Optional[dict] = None  # planned (phase, batch, length) → real batches (train.compiling.warmup)
     cache_counts_start: Optional[dict] = None
     t_created: float = field(default_factory=time.perf_counter)
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from train.compat import foreach_norm
-from train.tracking import MetricLogger
+from train.tracking.loggers import MetricLogger
 
 
 def grad_table(named_params: list[tuple[str, torch.Tensor]], clip_scale: Optional[torch.Tensor] = None

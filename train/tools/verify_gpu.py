@@ -1,6 +1,6 @@
 """``make verify-gpu``: is this machine (or container) ready to train and profile on a GPU?
 
-    python -m train.verify_gpu [--json PATH]
+    python -m train.tools.verify_gpu [--json PATH]
 
 Prints a table of checks — driver and ``nvidia-smi``, ``torch.cuda.is_available()``, torch/CUDA/cuDNN/
 Triton versions, device name and compute capability, a matmul checked against the CPU result, bf16
@@ -201,7 +201,7 @@ def format_table(rows: Sequence[Check]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.verify_gpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m train.tools.verify_gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None, help="also write the checks and the verdict to this JSON file")
     args = parser.parse_args(argv)
     rows = run_checks()

@@ -13,7 +13,6 @@ Writes ``bench_precision.json`` and ``bench_precision.md`` into the run director
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,10 +23,10 @@ from train.config import RunConfig
 from train.data import make_loader, prepare_data
 from train.env import collect_env
 from train.errors import atomic_write_text
-from train.perf.timer import synchronize
+from train.perf.timer import Timed
 from train.precision import PrecisionPolicy, probe_for
-from train.run import build_model, seed_everything, start_run
-from train.tracking import NullLogger
+from train.setup import build_model, seed_everything, start_run
+from train.tracking.loggers import NullLogger
 from train.trainer import Trainer, evaluate, move
 
 ACCURACY_PARITY_POINTS = 1.0  # target: low-precision eval accuracy within 1.0 point of fp32 (CUDA)
@@ -64,11 +63,9 @@ class _Row:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng, device)
             torch.cuda.reset_peak_memory_stats(device)
-        synchronize(device)
-        t0 = time.perf_counter()
-        loss, _ = self.trainer.train_step(ids, mask, labels)
-        synchronize(device)
-        self.ms.append((time.perf_counter() - t0) * 1e3)
+        with Timed(device) as t:
+            loss, _ = self.trainer.train_step(ids, mask, labels)
+        self.ms.append(t.ms)
         self.losses.append(float(loss))  # sync point (a benchmark, not the training loop)
         self.rng = torch.get_rng_state()
         if self.cuda_rng is not None:
@@ -87,9 +84,8 @@ def _gap(a: list[float], b: list[float]) -> dict[str, Optional[float]]:
 def run_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> dict[str, Any]:
     """Train every row for its steps in lockstep, evaluate, write JSON + markdown. Returns the JSON dict."""
     cfg.train.max_steps = steps  # same LR schedule in every row
-    if cfg.train.run_id is None:
-        cfg.train.run_id = "bench-precision-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    run_dir, device = start_run(cfg)
+    start = start_run(cfg, prefix="bench-precision-")
+    run_dir, device = start.run_dir, start.device
     bundle = prepare_data(cfg, run_dir)
     loader = make_loader(bundle, "train", cfg, train=True, device=device)
     val_loader = make_loader(bundle, "validation", cfg, train=False, device=device)

@@ -18,7 +18,7 @@ import time
 import warnings
 from typing import Any, Optional
 
-from train.tracking import MetricLogger
+from train.tracking.loggers import MetricLogger
 
 
 def _nvml_handle(device_index: int) -> tuple[Any, Any, Optional[str]]:

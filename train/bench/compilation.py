@@ -25,24 +25,19 @@ from typing import Any, Optional
 import torch
 
 from train import compat
-from train.compilation import CompileSession
+from train.compiling.session import CompileSession
 from train.errors import UserError, atomic_write_text
-from train.perf.timer import percentiles, synchronize
+from train.perf.timer import Timed, percentiles
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _setup(cfg: Any) -> tuple:
     from train.data import make_loader, prepare_data
-    from train.env import resolve_device
-    from train.precision import PrecisionPolicy
-    from train.run import build_model, seed_everything
+    from train.setup import build_model, start_run
 
-    device = resolve_device(cfg.train.device)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    seed_everything(cfg.train.seed)
-    policy = PrecisionPolicy.for_config(cfg, device)
+    start = start_run(cfg, run_dir=False)
+    device, policy = start.device, start.policy
     t0 = time.perf_counter()
     bundle = prepare_data(cfg, None, notice=lambda _msg: None)
     data_s = time.perf_counter() - t0
@@ -53,7 +48,7 @@ def _setup(cfg: Any) -> tuple:
 
 def first_step_child(cfg: Any, t_start: float, out: str) -> None:
     """One process: set up like a run, do exactly one training step on the first batch, write timings to ``out``."""
-    from train.tracking import NullLogger
+    from train.tracking.loggers import NullLogger
     from train.trainer import Trainer, move
 
     device, policy, bundle, model, loader, data_s = _setup(cfg)
@@ -61,11 +56,9 @@ def first_step_child(cfg: Any, t_start: float, out: str) -> None:
     trainer = Trainer(cfg, session.forward, policy, device, loader, None, NullLogger(), bundle.num_classes)
     batch = next(iter(loader))
     ids, mask, labels = move(batch, device)
-    synchronize(device)
-    t0 = time.perf_counter()
-    trainer.train_step(ids, mask, labels)
-    synchronize(device)
-    t1 = time.perf_counter()
+    with Timed(device) as t:
+        trainer.train_step(ids, mask, labels)
+    t0, t1 = t.start, t.end
     result = {"time_to_first_step_s": t1 - t_start, "first_step_s": t1 - t0, "setup_s": t0 - t_start,
               "data_prep_s": data_s, "shape": list(ids.shape), "compile_enabled": session.enabled,
               "compile_reason": session.reason, "cache_dir": session.cache.dir if session.cache else None,
@@ -96,9 +89,9 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     """Eager vs compiled step time on real batches of the first batch's shape, interleaved, after warm-up of both."""
-    from train.tracking import NullLogger
+    from train.compiling.warmup import planned_shapes, warm_up
+    from train.tracking.loggers import NullLogger
     from train.trainer import Trainer, move
-    from train.warmup import planned_shapes, warm_up
 
     device, policy, bundle, model, loader, _ = _setup(cfg)
     session = CompileSession.create(cfg.compile, device, model, bundle.pad_to)
@@ -120,11 +113,9 @@ def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
         order = (("eager", eager), ("compiled", compiled)) if r % 2 == 0 else (("compiled", compiled), ("eager", eager))
         for name, tr in order:
             for i in range(steps):
-                synchronize(device)
-                t0 = time.perf_counter()
-                tr.train_step(*batches[i % len(batches)])
-                synchronize(device)
-                times[name].append((time.perf_counter() - t0) * 1e3)
+                with Timed(device) as t:
+                    tr.train_step(*batches[i % len(batches)])
+                times[name].append(t.ms)
     m = session.monitor
     limit_hit = m.limit_hit or bool(m.eager_fallback_shapes)
     eager_p, comp_p = percentiles(times["eager"]), percentiles(times["compiled"])
@@ -143,10 +134,9 @@ def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
 def run_bench_compile(cfg: Any, config: Optional[str], overrides: list[str], steps: int, rounds: int) -> dict[str, Any]:
     """The whole benchmark; returns and writes ``runs/<id>/bench-compile.json``."""
     from train.env import collect_env, resolve_device
-    from train.run import make_run_dir
+    from train.setup import make_run_dir
 
-    cfg.train.run_id = cfg.train.run_id or time.strftime("bench-compile-%Y%m%d-%H%M%S", time.gmtime())
-    run_dir = make_run_dir(cfg)
+    run_dir = make_run_dir(cfg, prefix="bench-compile-")
     cache = (run_dir / "inductor-cache").resolve()
     shutil.rmtree(cache, ignore_errors=True)  # cold by construction
     base = [o for o in overrides if not o.startswith(("compile.enabled=", "compile.cache_dir=", "train.run_id="))]

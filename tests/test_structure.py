@@ -1,0 +1,152 @@
+"""The package's shape, kept: no import cycle, no module over 400 lines, one timer, no repeated blocks.
+
+All read from the source (AST and text); nothing is imported or run.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "train"
+MAX_LINES = 400
+DUPLICATE_LINES = 10
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name → file, for every module of ``train/``."""
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module → the ``train`` modules it imports anywhere in its body (function-level imports included:
+    a lazy import still ties two modules together). ``from train.x import y`` points at ``train.x.y`` when
+    that is a module, else at ``train.x``."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    graph[name].add(t)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    mods = modules()
+    graph = import_graph(mods)
+    assert graph["train.run"] >= {"train.setup", "train.compiling.warmup"}  # the graph is really read
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_no_module_over_400_lines() -> None:
+    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
+
+
+def hand_timed_functions(path: Path) -> list[str]:
+    """Functions that both synchronise the device and read ``perf_counter`` themselves (nested functions
+    counted on their own)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = set()
+            for sub in ast.walk(node):
+                if sub is not node and isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                if isinstance(sub, ast.Attribute):
+                    names.add(sub.attr)
+                elif isinstance(sub, ast.Name):
+                    names.add(sub.id)
+            if "synchronize" in names and "perf_counter" in names:
+                found.append(f"{path.name}:{node.lineno} {node.name}")
+    return found
+
+
+def test_device_timing_goes_through_perf_timer() -> None:
+    """``synchronize → perf_counter → synchronize`` is written once, in train/perf/ (``Timed``, ``StepTimer``)."""
+    outside = [f for p in PKG.rglob("*.py") if "perf" not in p.relative_to(PKG).parts[:1]
+               for f in hand_timed_functions(p)]
+    assert not outside, f"use train.perf.timer.Timed instead: {outside}"
+    assert hand_timed_functions(PKG / "perf" / "timer.py")  # the check sees the real thing
+
+
+def repeated_blocks(files: list[Path], size: int = DUPLICATE_LINES) -> list[str]:
+    """Places where ``size`` consecutive non-blank, non-comment lines (whitespace-normalised) occur twice."""
+    seen: dict[tuple[str, ...], str] = {}
+    out = []
+    for path in files:
+        lines = [(i + 1, re.sub(r"\s+", " ", line.strip())) for i, line in enumerate(path.read_text().splitlines())]
+        lines = [(n, text) for n, text in lines if text and not text.startswith("#")]
+        last_hit = -size
+        for k in range(len(lines) - size + 1):
+            block = tuple(text for _, text in lines[k:k + size])
+            where = f"{path.relative_to(PKG.parent)}:{lines[k][0]}"
+            if block in seen and k - last_hit >= size:
+                out.append(f"{where} repeats {seen[block]}")
+                last_hit = k
+            seen.setdefault(block, where)
+    return out
+
+
+def test_no_block_of_10_lines_is_repeated(tmp_path: Path) -> None:
+    assert not repeated_blocks(sorted(PKG.rglob("*.py"))), repeated_blocks(sorted(PKG.rglob("*.py")))
+    body = "".join(f"x{i} = {i}\n" for i in range(12))
+    (tmp_path / "a.py").write_text(body)
+    (tmp_path / "b.py").write_text("y = 0\n" + body)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(__import__(__name__), "PKG", tmp_path)
+        assert len(repeated_blocks([tmp_path / "a.py", tmp_path / "b.py"])) == 1

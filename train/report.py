@@ -1,0 +1,224 @@
+"""report.json: built from one :class:`ReportInputs` (keys are a contract: add, never rename), the
+efficiency fields (MFU, energy), and the summary lines a run prints at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from train.config import RunConfig
+from train.data import DataBundle
+from train.env import collect_env
+from train.errors import atomic_write_text
+from train.model import EncoderClassifier
+from train.numerics import NumericsAbort
+from train.perf.devices import mfu_fields
+from train.perf.energy import per_unit
+from train.perf.flops import StepFlops
+from train.perf.memory import peak_memory
+from train.perf.timer import StepTimer
+from train.precision import PrecisionPolicy
+from train.trainer import Trainer, TrainStats
+
+
+@dataclass
+class ReportInputs:
+    """Everything report.json is built from.
+
+    Attributes:
+        timer: the loop's step timer (first step, steady-state steps, percentiles in ms).
+        final_eval, test_eval: ``evaluate()`` results (empty dicts when not evaluated).
+        env: report ``env`` (environment facts and the precision policy's fields).
+        memory: ``peak_memory(device)``; sampler_counts: ``{"dropped", "repeated"}`` per epoch.
+        t_start: ``time.perf_counter()`` at command start; wall_s: seconds since then.
+        data_prep_s: data loading + tokenization seconds; efficiency: :func:`efficiency_fields`.
+        sections: whole top-level sections (``numerics``, ``clip``, ``tracking``, ``compile``, ``resumed_from``).
+        interrupted: the ``interrupted`` section after SIGTERM/SIGINT, else None.
+    """
+
+    cfg: RunConfig
+    run_dir: Path
+    bundle: DataBundle
+    stats: TrainStats
+    timer: StepTimer
+    final_eval: dict
+    test_eval: dict
+    env: dict
+    memory: dict
+    sampler_counts: dict
+    t_start: float
+    wall_s: float
+    data_prep_s: Optional[float] = None
+    efficiency: dict = field(default_factory=dict)
+    sections: dict = field(default_factory=dict)
+    interrupted: Optional[dict] = None
+
+
+def sampler_counts(loader) -> dict[str, int]:
+    """Per-epoch ``dropped`` (drop_last) and ``repeated`` (evening out ranks) samples of a training loader."""
+    sampler = loader.batch_sampler
+    return {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
+
+
+def _ratio(a: float, b: float) -> Optional[float]:
+    return a / b if b else None
+
+
+def build_report(r: ReportInputs) -> dict[str, Any]:
+    """The run's report.json (keys are a contract: add, never rename) from one :class:`ReportInputs`."""
+    cfg, bundle, stats, run_dir = r.cfg, r.bundle, r.stats, r.run_dir
+    final_eval, test_eval, sampler_counts = r.final_eval, r.test_eval, r.sampler_counts
+    train_split = bundle.splits["train"]
+    test_labels = bundle.splits["test"].labels
+    majority = float(np.bincount(test_labels).max() / len(test_labels)) if len(test_labels) else None
+    steady_s = sum(r.timer.steady_ms) / 1e3
+    perf = {
+        "throughput_samples_per_s": _ratio(stats.steady_samples, steady_s),
+        "throughput_tokens_per_s": _ratio(stats.steady_real_tokens, steady_s),
+        "time_to_first_step_s": (stats.first_step_end - r.t_start) if stats.first_step_end else None,
+        "first_step_ms": r.timer.first_ms,
+        "step_time_ms": r.timer.summary(),
+        "steps": stats.steps,
+        "train_samples_seen": stats.samples,
+        "wall_time_s": r.wall_s,
+        **r.memory,
+    }
+    if stats.steps < 2:
+        perf["throughput_unavailable_reason"] = "fewer than 2 steps: no steady-state steps after the first (cold) one"
+    report = {
+        "status": "completed",
+        "run_id": run_dir.name,
+        "run_dir": str(run_dir),
+        "quality": {
+            "eval_accuracy": final_eval.get("accuracy"),
+            "eval_macro_f1": final_eval.get("macro_f1"),
+            "eval_loss": final_eval.get("loss"),
+            "final_train_loss": stats.final_train_loss,
+            "test_accuracy": test_eval.get("accuracy"),
+            "test_macro_f1": test_eval.get("macro_f1"),
+            "test_majority_class_accuracy": majority,
+            "evals": stats.evals,
+        },
+        "data": {
+            "name": bundle.corpus.name,
+            "source": cfg.data.source,
+            "train_samples": len(train_split),
+            "validation_samples": len(bundle.splits["validation"]),
+            "test_samples": len(bundle.splits["test"]),
+            "num_classes": bundle.num_classes,
+            "label_names": bundle.corpus.label_names,
+            "truncated_samples": sum(s.truncated for s in bundle.splits.values()),
+            "truncated_train_samples": train_split.truncated,
+            "mean_train_length": float(train_split.lengths.mean()),
+            "max_train_length": int(train_split.lengths.max()),
+            "data_fingerprint": bundle.data_fingerprint,
+            "tokenizer": bundle.tokenizer_info,
+            **bundle.cache,
+        },
+        "batching": {
+            "method": cfg.batching.method,
+            "num_buckets": len(bundle.bounds) if bundle.plan is not None else None,
+            "bucket_bounds": bundle.bounds,
+            "boundaries_source": bundle.plan_source,
+            "predicted_token_efficiency": bundle.plan.predicted_token_efficiency if bundle.plan else None,
+            "token_efficiency": _ratio(stats.real_tokens, stats.padded_tokens),
+            "padding_ratio": 1 - stats.real_tokens / stats.padded_tokens if stats.padded_tokens else None,
+            "distinct_shapes": len(stats.seq_lens),
+            "distinct_batch_shapes": len(stats.batch_shapes),
+            "batch_size": cfg.batching.batch_size,
+            "max_tokens": cfg.batching.max_tokens,
+            "dropped_samples": sampler_counts["dropped"],
+            "repeated_samples": sampler_counts["repeated"],
+            "truncated_in_collate": stats.truncated_in_collate,
+        },
+        "perf": perf,
+        "env": r.env,
+    }
+    if r.data_prep_s is not None:
+        perf["data_prep_s"] = r.data_prep_s
+    perf.update(r.efficiency)
+    report.update(r.sections)
+    if r.interrupted is not None:
+        report["status"] = "interrupted"
+        report["interrupted"] = r.interrupted
+        report["quality"]["test_unavailable_reason"] = "interrupted before the final evaluation"
+    return report
+
+
+
+def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: float, energy: dict,
+                      device: torch.device, precision: str) -> dict[str, Any]:
+    """perf.mfu (+ both peaks) from FLOPs counted per steady-state step shape, and energy per step/sample/token."""
+    step_flops = StepFlops(model.spec)
+    steady_flops = sum(step_flops(b, s) * n for (b, s), n in stats.steady_shape_counts.items())
+    achieved = steady_flops / steady_s if steady_s > 0 and steady_flops else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out = {"flops_per_step_mean": steady_flops / max(1, sum(stats.steady_shape_counts.values())),
+           **mfu_fields(achieved, device, name, precision)}
+    out.update(per_unit(energy, stats.steps, stats.samples, stats.real_tokens))
+    return out
+
+
+
+def clip_report(cfg: RunConfig) -> dict[str, Any]:
+    """report.json ``clip``: the method and its parameters."""
+    c = cfg.clip
+    params = {"global-norm": {"max_norm": c.max_norm}, "per-layer-std": {"std_k": c.std_k},
+              "agc": {"agc_lambda": c.agc_lambda, "agc_eps": c.agc_eps}, "none": {}}[c.method]
+    return {"method": c.method, **params}
+
+
+
+def write_aborted_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, trainer: Trainer, abort: NumericsAbort,
+                         device: torch.device, policy: PrecisionPolicy, t_start: float) -> None:
+    """report.json for a run the numerics guard stopped: status ``aborted-numerics``, the diagnosis under
+    ``numerics``, no evaluation, and throughput figures null (``perf.throughput_valid`` false)."""
+    env = {**collect_env(device), **policy.report(), "num_threads": torch.get_num_threads()}
+    report = build_report(ReportInputs(cfg, run_dir, bundle, trainer.stats, trainer.timer, {}, {}, env,
+                                       peak_memory(device), sampler_counts(trainer.train_loader), t_start,
+                                       time.perf_counter() - t_start,
+                                       sections={"numerics": {**abort.diagnosis, "aborted": True},
+                                                 "clip": clip_report(cfg)}))
+    report["status"] = "aborted-numerics"
+    report["error"] = str(abort)
+    perf = report["perf"]
+    perf["throughput_valid"] = False
+    for key in ("throughput_samples_per_s", "throughput_tokens_per_s"):
+        perf[key] = None
+    perf["throughput_unavailable_reason"] = "run aborted by the numerics guard: steps were skipped, not trained"
+    atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
+
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    q, p, b = report["quality"], report["perf"], report["batching"]
+
+    def f(x: Optional[float], fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    return [
+        f"test accuracy {f(q['test_accuracy'], '.4f')} (majority class {f(q['test_majority_class_accuracy'], '.4f')}), "
+        f"test macro-F1 {f(q['test_macro_f1'], '.4f')}, eval accuracy {f(q['eval_accuracy'], '.4f')}",
+        f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, {f(p['throughput_tokens_per_s'], '.0f')} tokens/s; "
+        f"step p50 {f(p['step_time_ms']['p50'], '.1f')} ms, p99 {f(p['step_time_ms']['p99'], '.1f')} ms; "
+        f"first step after {f(p['time_to_first_step_s'], '.1f')} s; peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
+        f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence lengths; "
+        f"wall time {p['wall_time_s']:.0f} s",
+        *_compile_line(report.get("compile")),
+        f"report: {os.path.join(report['run_dir'], 'report.json')}",
+    ]
+
+
+def _compile_line(c: Optional[dict]) -> list[str]:
+    if not c or not c.get("enabled"):
+        return []
+    warm = "n/a" if c["warmup_s"] is None else f"{c['warmup_s']:.0f} s"
+    return [f"compile: {c['status']}; warm-up {warm}, recompiles after warm-up {c['recompiles_after_warmup']}, "
+            f"cache {c['cache_state']} ({c['cache_dir']})"]

@@ -1,0 +1,122 @@
+"""How every command starts, in one place: the run directory (a unique run id), the resolved ``config.yaml``,
+the device, torch threads, seeds and the precision policy; and the model built from a config and its data.
+
+    start = start_run(cfg, prefix="bench-precision-")   # run_dir, device, policy
+    model = build_model(cfg, bundle).to(start.device)
+
+``python -m train train`` starts through the same pieces in :mod:`train.run`, where under torchrun rank 0
+creates the directory and every rank follows.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from train.config import RunConfig, dump_config
+from train.env import resolve_device
+from train.errors import UserError, atomic_write_text
+from train.model import EncoderClassifier, resolve_spec
+from train.precision import PrecisionPolicy
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def apply_threads_and_seed(cfg: RunConfig) -> None:
+    """``train.num_threads`` (when set) and :func:`seed_everything` with ``train.seed``."""
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    seed_everything(cfg.train.seed)
+
+
+def new_run_id(prefix: str = "") -> str:
+    """``<prefix><UTC yyyymmdd-HHMMSS>-<4 random hex>``: unique without coordination between processes."""
+    return f"{prefix}{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+def make_run_dir(cfg: RunConfig, prefix: str = "") -> Path:
+    """Create ``<train.output_dir>/<train.run_id>`` and return it.
+
+    Without ``train.run_id`` a new id (:func:`new_run_id`) is created exclusively (a directory that exists
+    already is never shared: another id is drawn) and written back to ``cfg.train.run_id``. An explicit
+    ``train.run_id`` may name an existing directory (``--resume``, reruns into the same place).
+
+    Raises:
+        UserError: the directory cannot be created or written.
+    """
+    out = Path(cfg.train.output_dir)
+    try:
+        if cfg.train.run_id:
+            run_dir = out / cfg.train.run_id
+            run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            while True:
+                run_dir = out / new_run_id(prefix)
+                try:
+                    run_dir.mkdir()
+                    break
+                except FileExistsError:
+                    continue
+            cfg.train.run_id = run_dir.name
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write the run directory {out / (cfg.train.run_id or '')} ({exc.strerror}); "
+                        "set train.output_dir to a writable place") from None
+    return run_dir
+
+
+@dataclass
+class RunStart:
+    """What :func:`start_run` set up: ``run_dir`` (None when not asked for), ``device``, ``policy``."""
+
+    run_dir: Optional[Path]
+    device: torch.device
+    policy: PrecisionPolicy
+
+
+def start_run(cfg: RunConfig, prefix: str = "", run_dir: bool = True) -> RunStart:
+    """A single-process command's start: the run directory with ``config.yaml`` (unless ``run_dir=False``),
+    the device, ``train.num_threads``, every RNG seeded, and the precision policy (``train.precision``).
+
+    Raises:
+        UserError: unwritable run directory, unavailable device, or a precision the device cannot run.
+    """
+    directory = None
+    if run_dir:
+        directory = make_run_dir(cfg, prefix)
+        atomic_write_text(directory / "config.yaml", dump_config(cfg))
+    device = resolve_device(cfg.train.device)
+    apply_threads_and_seed(cfg)
+    return RunStart(run_dir=directory, device=device, policy=PrecisionPolicy.for_config(cfg, device))
+
+
+def build_model(cfg: RunConfig, bundle) -> EncoderClassifier:
+    """The model for ``cfg.model`` sized to ``bundle`` (vocabulary, classes); weights from torch's RNG.
+
+    Raises:
+        UserError: ``hidden_size`` not divisible by ``num_heads``, or a bucket bound beyond ``data.max_len``.
+    """
+    m = cfg.model
+    spec = resolve_spec(m.preset, bundle.vocab_size, bundle.num_classes, cfg.data.max_len, m.dropout, m.pooling,
+                        num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, ffn_size=m.ffn_size)
+    if spec.hidden_size % spec.num_heads:
+        raise UserError(f"model: hidden_size {spec.hidden_size} is not divisible by num_heads {spec.num_heads}")
+    if max(bundle.bounds) > spec.max_len:
+        raise UserError(f"bucket bound {max(bundle.bounds)} exceeds data.max_len={spec.max_len} (the position table); "
+                        "refit the buckets or raise data.max_len")
+    return EncoderClassifier(spec)
