@@ -21,7 +21,6 @@ from train.data import make_loader, prepare_data
 from train.precision import PrecisionPolicy
 from train.run import run_training
 from train.setup import build_model, seed_everything
-from train.tracking.loggers import NullLogger
 from train.trainer import Trainer
 
 # One bucket and a batch larger than the training split: one training shape, two evaluation shapes.
@@ -55,7 +54,8 @@ def test_new_shape_after_warmup_is_a_recompile_and_warmup_restores_bit_exactly(t
     session = start_compile(cfg, device, model, bundle.pad_to, loaders[0], loaders[1:])
     assert session.enabled and session.cache.dir == str(compile_env.resolve())
     policy = PrecisionPolicy.create("fp32", device)
-    trainer = Trainer(cfg, session.forward, policy, device, loaders[0], loaders[1], NullLogger(), bundle.num_classes)
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders[0], eval_loader=loaders[1],
+                      num_classes=bundle.num_classes, train_model=session.forward)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
 

@@ -18,7 +18,6 @@ from train.model import EncoderClassifier, resolve_spec
 from train.numerics import NumericsAbort, NumericsGuard
 from train.precision import PrecisionPolicy
 from train.run import run_training
-from train.tracking.loggers import NullLogger
 from train.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -44,7 +43,7 @@ def small_trainer(*overrides: str, policy: PrecisionPolicy | None = None) -> Tra
     torch.manual_seed(0)
     model = EncoderClassifier(resolve_spec("tiny", 50, 5, 16, 0.0, num_layers=1, hidden_size=16, num_heads=2, ffn_size=32))
     policy = policy or PrecisionPolicy(mode="fp32", reason="test", device=CPU)
-    return Trainer(cfg, model, policy, CPU, [None], None, NullLogger(), 5)
+    return Trainer(cfg=cfg, model=model, policy=policy, device=CPU, train_loader=[None], num_classes=5)
 
 
 def batch(seed: int = 0):

@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 from train.profiling import attribution as A
 from train.profiling.nsys import StaleExportError, check_fresh, export_stats, nsys_available, parse_stats_csv
 from train.profiling.ops import OpRecord, bytes_moved, estimated_flops
-from train.profiling.pyspy import ptrace_preflight
+from train.profiling.pyspy import PySpyPhase, ptrace_preflight
 from train.profiling.ranges import null_ranges
 from train.profiling.session import ProfileSession, run_profile
+from train.profiling.window import TorchProfileWindow
 from train.run import run_training
 
 PROFILE = ["profile.wait=1", "profile.warmup=1", "profile.active=3", "profile.top_k=40"]
@@ -40,7 +41,8 @@ def test_attribution_on_real_trace_bucketed_vs_pad_to_max(tiny_cfg, tmp_path: Pa
         cfg = tiny_cfg(f"batching.method={method}", f"train.run_id={method}", "train.max_steps=6", "train.eval_every=6", *PROFILE, *extra)
         session = ProfileSession(cfg, ["torch", "pyspy"], proc_root=proc)
         report = run_training(cfg, time.perf_counter(), hooks=(session,))
-        assert session.trainer.ranges is null_ranges and not session.trainer.step_hooks  # profiler detached
+        assert session.trainer.ranges is null_ranges  # profiler detached: its ranges and its callbacks
+        assert not [cb for cb in session.trainer.callbacks if isinstance(cb, (TorchProfileWindow, PySpyPhase))]
         out = Path(report["run_dir"]) / "profile"
         s = json.loads((out / "summary.json").read_text())
         on_disk = json.loads((Path(report["run_dir"]) / "report.json").read_text())

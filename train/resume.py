@@ -27,6 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from train.callbacks import Callback
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.distributed import DistContext, agreed, any_rank, gather_to_main
 from train.errors import UserError, atomic_write_text
@@ -98,8 +99,9 @@ def write_state(path: Path, state: Optional[dict], ctx: DistContext, keep: Optio
     agreed(write, ctx)
 
 
-class Checkpointer:
-    """The loop's ``on_step_end`` hook: periodic checkpoints, and a checkpoint then stop after a signal.
+class Checkpointer(Callback):
+    """A loop callback (``on_step_end``): periodic checkpoints, and a checkpoint then stop after a signal
+    (``shutdown``: the run's :class:`~train.shutdown.ShutdownRequest`).
 
     Under DDP the stop flag is OR-ed over ranks every step (one tiny CPU all-reduce), so all ranks
     stop after the same step even when the signal reaches them at different moments.
@@ -110,7 +112,7 @@ class Checkpointer:
         self.shutdown = shutdown
         self.last_path: Optional[Path] = None
 
-    def __call__(self, step: int) -> bool:
+    def on_step_end(self, step: int, step_ms: float) -> bool:
         stop = any_rank(self.shutdown is not None and self.shutdown.requested, self.ctx)
         if step >= self.trainer.total_steps:
             return False  # the last step: finish normally (final checkpoint and report)

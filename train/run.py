@@ -40,6 +40,7 @@ from train.resume import (
 )
 from train.setup import apply_threads_and_seed, build_model, make_run_dir
 from train.shutdown import ShutdownRequest
+from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import NullLogger
 from train.tracking.setup import Tracking
 from train.trainer import Trainer, TrainStats, evaluate
@@ -230,9 +231,11 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
     # rank 0: metrics.jsonl (+ W&B on its own thread, bounded, never blocking); other ranks log nothing
     tracking = Tracking(cfg, run_dir) if ctx.is_main else None
     logger = tracking.attach(model, device) if tracking is not None else NullLogger()
-    trainer = Trainer(cfg, model, policy, device, train_loader, val_loader, logger, bundle.num_classes,
-                      grad_stats=tracking.grad_stats if tracking is not None else None,
-                      dist_ctx=ctx, train_model=compiled.forward if compiled.enabled else wrap_model(model, ctx, device))
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=train_loader,
+                      eval_loader=val_loader, logger=logger, num_classes=bundle.num_classes, dist_ctx=ctx,
+                      train_model=compiled.forward if compiled.enabled else wrap_model(model, ctx, device))
+    if tracking is not None and tracking.grad_stats is not None:
+        trainer.add_callback(GradStatsCallback(tracking.grad_stats, trainer))
     say(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
         f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch per rank)", flush=True)
     if state is not None:
@@ -248,7 +251,7 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
     energy_meter = EnergyMeter(device)
     with ShutdownRequest(cfg.train.shutdown_timeout_s) as shutdown:
         checkpointer = Checkpointer(run_dir, cfg, trainer, model, bundle, ctx, shutdown)
-        trainer.on_step_end = checkpointer
+        trainer.add_callback(checkpointer)
         energy_meter.start()
         try:
             stats = trainer.fit()

@@ -12,7 +12,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from train.callbacks import Callback
 from train.clipping import clip_gradients
 from train.compat import fused_adamw_supported
 from train.config import RunConfig
@@ -31,8 +32,7 @@ from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
 from train.profiling.ranges import null_ranges
-from train.tracking.gradstats import GradStats
-from train.tracking.loggers import MetricLogger
+from train.tracking.loggers import MetricLogger, NullLogger
 
 
 def linear_warmup_decay(total_steps: int, warmup_steps: int):
@@ -107,17 +107,35 @@ def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPoli
 
 
 class Trainer:
-    """Runs ``total_steps`` optimizer steps over ``train_loader``, cycling epochs as needed."""
+    """Runs ``total_steps`` optimizer steps over ``train_loader``, cycling epochs as needed.
 
-    def __init__(self, cfg: RunConfig, model: EncoderClassifier, policy: PrecisionPolicy, device: torch.device,
-                 train_loader: DataLoader, eval_loader: Optional[DataLoader], logger: MetricLogger,
-                 num_classes: int, grad_stats: Optional[GradStats] = None, dist_ctx: Optional[DistContext] = None,
-                 train_model: Optional[torch.nn.Module] = None) -> None:
+    Built with keyword arguments only:
+
+    Args:
+        cfg: the run config (``train``, ``optim``, ``clip``, ``numerics`` sections are read here).
+        model: the plain module: its parameters are optimised, evaluation and checkpoints use it.
+        policy: the precision policy (autocast for the blocks, GradScaler for fp16).
+        device: where batches go.
+        train_loader: yields padded batches (``input_ids`` [B, S], ``attention_mask`` [B, S], ``labels`` [B]).
+        num_classes: for evaluation metrics.
+        eval_loader: periodic evaluation every ``train.eval_every`` steps, or None.
+        logger: receives one record every ``train.log_every`` steps (default: a NullLogger).
+        callbacks: :class:`~train.callbacks.Callback` objects, called in order (more with :meth:`add_callback`).
+        dist_ctx: the torchrun/DDP context (default: single process).
+        train_model: what a training step calls, when it is not ``model`` itself: the DDP wrapper or the
+            compiled forward (``train.compiling.session.CompiledForward``).
+    """
+
+    def __init__(self, *, cfg: RunConfig, model: EncoderClassifier, policy: PrecisionPolicy, device: torch.device,
+                 train_loader: DataLoader, num_classes: int, eval_loader: Optional[DataLoader] = None,
+                 logger: Optional[MetricLogger] = None, callbacks: Iterable[Callback] = (),
+                 dist_ctx: Optional[DistContext] = None, train_model: Optional[torch.nn.Module] = None) -> None:
         self.cfg, self.model, self.policy, self.device = cfg, model, policy, device
         self.dist = dist_ctx or DistContext()
-        self.train_model = train_model or model  # the DDP wrapper under torchrun; evaluation uses ``model``
-        self.grad_stats = grad_stats  # per-layer gradient norm/std records (train/tracking/gradstats.py), or None
-        self.train_loader, self.eval_loader, self.logger = train_loader, eval_loader, logger
+        self.train_model = train_model or model
+        self.callbacks: list[Callback] = list(callbacks)
+        self.train_loader, self.eval_loader = train_loader, eval_loader
+        self.logger: MetricLogger = logger if logger is not None else NullLogger()
         self.num_classes = num_classes
         batches_per_epoch = len(train_loader)
         if batches_per_epoch == 0:
@@ -136,15 +154,27 @@ class Trainer:
         self.timer = StepTimer(device)
         self.stats = TrainStats()
         self.epoch = 0
-        # Profiling (train/profiling) swaps in record_function/NVTX ranges and adds per-step hooks;
-        # by default a range is a shared no-op context and there are no hooks.
+        # the stage ranges (train/profiling/ranges.py): a shared no-op context unless a profiler sets its own
         self.ranges = null_ranges
-        self.step_hooks: list = []  # callables hook(step: int, step_ms: float), called at the end of each step
         self.batches_in_epoch = 0  # consumed by the loop (the DataLoader prefetches ahead of the sampler)
         self.start_step = 0  # > 0 after resuming from a checkpoint
-        self.on_step_end: Optional[Callable[[int], bool]] = None  # after each step; True = stop now
-        self.stopped_at: Optional[int] = None  # the step the loop stopped at when on_step_end said so
+        self.stopped_at: Optional[int] = None  # the step the loop stopped at when a callback asked
+        self.last_grad_norm: Optional[torch.Tensor] = None  # the last step's pre-clip global norm (device tensor)
         self.reset_window()
+
+    def add_callback(self, callback: Callback) -> None:
+        """Call ``callback`` from the next event on (after the ones already there)."""
+        self.callbacks.append(callback)
+
+    def remove_callback(self, callback: Callback) -> None:
+        """Stop calling ``callback`` (a no-op when it is not there); safe from inside an event."""
+        if callback in self.callbacks:
+            self.callbacks.remove(callback)
+
+    def set_ranges(self, ranges) -> None:
+        """Use ``ranges(name)`` contexts around the step's stages (a profiler's record_function/NVTX ranges);
+        :data:`~train.profiling.ranges.null_ranges` turns them off again."""
+        self.ranges = ranges
 
     def reset_window(self) -> None:
         """Start a new logging window (loss/norm accumulate on the device in ``self.guard`` until the next record)."""
@@ -197,11 +227,13 @@ class Trainer:
         batches = self._batches()
         for step in range(self.start_step + 1, self.total_steps + 1):
             window = self.window
+            for cb in tuple(self.callbacks):
+                cb.on_step_start(step)
             self.timer.start()
             with self.ranges("data_wait"):
                 batch = next(batches)  # data wait is part of the step time
                 ids, mask, labels = move(batch, self.device)
-            loss, grad_norm = self.train_step(ids, mask, labels)
+            loss, self.last_grad_norm = self.train_step(ids, mask, labels)
             ms = self.timer.stop()
             if step == self.start_step + 1:
                 s.first_step_end = time.perf_counter()
@@ -228,8 +260,8 @@ class Trainer:
                     self.guard.diagnose_batch(functools.partial(self._diagnostic_pass, ids, mask, labels))
                     bar.close()
                     raise self.guard.abort(step)
-                if self.grad_stats is not None:  # this step's gradients are still in .grad
-                    self.grad_stats.after_log(step, self.model, grad_norm, self.logger)
+                for cb in tuple(self.callbacks):  # this step's gradients are still in .grad
+                    cb.on_log(record)
                 s.final_train_loss = record["loss"]
                 bar.set_postfix(loss="n/a" if record["loss"] is None else f"{record['loss']:.3f}", samples_s=f"{record['samples_per_s']:.0f}",
                                 pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
@@ -244,12 +276,15 @@ class Trainer:
                 elif self.dist.is_main:
                     print(msg, flush=True)
             bar.update(1)
-            for hook in tuple(self.step_hooks):  # a hook may remove itself
-                hook(step, ms)
-            if self.on_step_end is not None and self.on_step_end(step):
+            stop = False
+            for cb in tuple(self.callbacks):  # every callback sees every step; one may remove itself
+                stop = cb.on_step_end(step, ms) or stop
+            if stop:
                 self.stopped_at = step
                 break
         bar.close()
+        for cb in tuple(self.callbacks):
+            cb.on_fit_end(s)
         return s
 
     def _log_record(self, step: int, window: dict) -> dict[str, Any]:

@@ -48,12 +48,12 @@ def _setup(cfg: Any) -> tuple:
 
 def first_step_child(cfg: Any, t_start: float, out: str) -> None:
     """One process: set up like a run, do exactly one training step on the first batch, write timings to ``out``."""
-    from train.tracking.loggers import NullLogger
     from train.trainer import Trainer, move
 
     device, policy, bundle, model, loader, data_s = _setup(cfg)
     session = CompileSession.create(cfg.compile, device, model, bundle.pad_to)
-    trainer = Trainer(cfg, session.forward, policy, device, loader, None, NullLogger(), bundle.num_classes)
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader,
+                      num_classes=bundle.num_classes, train_model=session.forward)
     batch = next(iter(loader))
     ids, mask, labels = move(batch, device)
     with Timed(device) as t:
@@ -90,15 +90,14 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     """Eager vs compiled step time on real batches of the first batch's shape, interleaved, after warm-up of both."""
     from train.compiling.warmup import planned_shapes, warm_up
-    from train.tracking.loggers import NullLogger
     from train.trainer import Trainer, move
 
     device, policy, bundle, model, loader, _ = _setup(cfg)
     session = CompileSession.create(cfg.compile, device, model, bundle.pad_to)
     if not session.enabled:
         raise UserError(f"bench-compile needs compile on: {session.reason}")
-    eager = Trainer(cfg, model, policy, device, loader, None, NullLogger(), bundle.num_classes)
-    compiled = Trainer(cfg, session.forward, policy, device, loader, None, NullLogger(), bundle.num_classes)
+    common = dict(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader, num_classes=bundle.num_classes)
+    eager, compiled = Trainer(**common), Trainer(**common, train_model=session.forward)
     first = next(iter(loader))
     key = ("train", *first["input_ids"].shape)
     shape = planned_shapes(loader, "train", per_shape=steps)[key]

@@ -26,7 +26,6 @@ from train.errors import atomic_write_text
 from train.perf.timer import Timed
 from train.precision import PrecisionPolicy, probe_for
 from train.setup import build_model, seed_everything, start_run
-from train.tracking.loggers import NullLogger
 from train.trainer import Trainer, evaluate, move
 
 ACCURACY_PARITY_POINTS = 1.0  # target: low-precision eval accuracy within 1.0 point of fp32 (CUDA)
@@ -50,7 +49,8 @@ class _Row:
         self.policy = PrecisionPolicy.create(mode, device, probe_for(cfg), cfg.data.cache_dir)
         seed_everything(cfg.train.seed)
         model = build_model(cfg, bundle).to(device)  # same seed → same initial weights in every row
-        self.trainer = Trainer(cfg, model, self.policy, device, loader, None, NullLogger(), bundle.num_classes)
+        self.trainer = Trainer(cfg=cfg, model=model, policy=self.policy, device=device, train_loader=loader,
+                               num_classes=bundle.num_classes)
         self.trainer.model.train()
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None

@@ -34,6 +34,7 @@ import torch
 from train.config import RunConfig
 from train.errors import atomic_write_text
 from train.perf.timer import Timed
+from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import JsonlLogger, NullLogger
 from train.tracking.setup import Tracking
 
@@ -73,8 +74,10 @@ def _block(cfg: RunConfig, env: dict[str, Any], steps: int, logger: Any, grad_st
     from train.trainer import Trainer
 
     block_cfg = replace(cfg, train=replace(cfg.train, max_steps=steps, progress=False))
-    trainer = Trainer(block_cfg, env["model"], env["policy"], env["device"], env["loader"], None, logger,
-                      env["bundle"].num_classes, grad_stats=grad_stats)
+    trainer = Trainer(cfg=block_cfg, model=env["model"], policy=env["policy"], device=env["device"],
+                      train_loader=env["loader"], logger=logger, num_classes=env["bundle"].num_classes)
+    if grad_stats is not None:
+        trainer.add_callback(GradStatsCallback(grad_stats, trainer))
     c0 = _cpu_s()
     with Timed(env["device"]) as t:
         trainer.fit()

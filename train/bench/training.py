@@ -30,7 +30,6 @@ from train.perf.memory import WindowPeakMemory
 from train.perf.timer import StepTimer, percentiles
 from train.precision import PrecisionPolicy
 from train.setup import build_model
-from train.tracking.loggers import NullLogger
 from train.trainer import Trainer, move
 
 # name → (description, config overrides on top of the base config). "naive" comes first: ratios use it.
@@ -109,7 +108,7 @@ def _build_arm(name: str, description: str, cfg: RunConfig, base_bundle: DataBun
     model = build_model(cfg, bundle).to(device)
     policy = PrecisionPolicy.for_config(cfg, device)
     loader = make_loader(bundle, "train", cfg, train=True, device=device)
-    trainer = Trainer(cfg, model, policy, device, loader, None, NullLogger(), bundle.num_classes)
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader, num_classes=bundle.num_classes)
     arm = _Arm(name=name, description=description, cfg=cfg, bundle=bundle, trainer=trainer, batches=_endless(loader),
                flops=StepFlops(model.spec), policy=policy)
     arm.first_step_s = -t0  # completed after the first step

@@ -307,7 +307,6 @@ def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
     """
     from train.data import make_loader, prepare_data
     from train.setup import build_model, start_run
-    from train.tracking.loggers import NullLogger
     from train.trainer import Trainer
 
     start = start_run(cfg)
@@ -320,7 +319,8 @@ def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
     if not session.enabled:
         print(f"compile is off ({session.reason}); warming the eager shapes only", flush=True)
         session.shapes = plan_all_shapes(loaders[0], loaders[1:] if cfg.compile.warmup_eval else ())
-    trainer = Trainer(cfg, session.forward, policy, device, loaders[0], loaders[1], NullLogger(), bundle.num_classes)
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders[0], eval_loader=loaders[1],
+                      num_classes=bundle.num_classes, train_model=session.forward)
     result = warm_up_for_run(session, trainer, model, run_dir, force=True)
     if result is None:
         raise UserError(f"nothing to warm up: {session.warmup_skipped_reason}")

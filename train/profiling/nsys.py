@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from train.callbacks import Callback
 from train.profiling.ranges import ProfilerRanges, null_ranges
 
 REPORTS = {"kernels": ("cuda_gpu_kern_sum", "gpukernsum"), "memcpy": ("cuda_gpu_mem_time_sum", "gpumemtimesum")}
@@ -106,7 +107,7 @@ def export_stats(nsys: str, rep: Path, started_at: float, top: int = 10, run=sub
     raise RuntimeError(f"nsys stats failed: {last}")
 
 
-class NsysCapture:
+class NsysCapture(Callback):
     """Child-side hook: cudaProfilerStart before step ``first_step``, Stop after ``first_step + n - 1``."""
 
     def __init__(self, first_step: int, n: int) -> None:
@@ -115,19 +116,20 @@ class NsysCapture:
 
     def attach(self, trainer) -> None:
         self._trainer = trainer
-        trainer.step_hooks.append(self.hook)
+        trainer.add_callback(self)
         if self.first_step == 1:
             self._begin()
 
     def _begin(self) -> None:
-        self._trainer.ranges = ProfilerRanges(nvtx=True)
+        self._trainer.set_ranges(ProfilerRanges(nvtx=True))
         torch.cuda.profiler.start()
 
-    def hook(self, step: int, step_ms: float) -> None:
+    def on_step_end(self, step: int, step_ms: float) -> bool:
         if step + 1 == self.first_step:
             self._begin()
         if step == self.last_step:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
-            self._trainer.ranges = null_ranges
-            self._trainer.step_hooks.remove(self.hook)
+            self._trainer.set_ranges(null_ranges)
+            self._trainer.remove_callback(self)
+        return False

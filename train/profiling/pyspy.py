@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from train.callbacks import Callback
 from train.config import ProfileConfig
 
 CAP_SYS_PTRACE = 19
@@ -120,7 +121,7 @@ def allow_tracer() -> bool:
         return False
 
 
-class PySpyPhase:
+class PySpyPhase(Callback):
     """Windows of ``cfg.pyspy_steps`` steps from training step ``first_step``: off, on, off, on, off."""
 
     WINDOWS = ("off", "flamegraph", "off", "speedscope", "off")
@@ -146,10 +147,10 @@ class PySpyPhase:
 
     def attach(self, trainer) -> None:
         self._trainer = trainer
-        trainer.step_hooks.append(self.hook)
+        trainer.add_callback(self)
         allow_tracer()
 
-    def hook(self, step: int, step_ms: float) -> None:
+    def on_step_end(self, step: int, step_ms: float) -> bool:
         w = self.window_of(step)
         if w is not None:
             i, kind = w
@@ -162,7 +163,8 @@ class PySpyPhase:
             self._start(nxt[1])
         if step >= self.last_step:
             self._stop()
-            self._trainer.step_hooks.remove(self.hook)
+            self._trainer.remove_callback(self)
+        return False
 
     def _start(self, kind: str) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)

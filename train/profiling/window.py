@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 from torch.profiler import ProfilerActivity
 
+from train.callbacks import Callback
 from train.compat import event_device_total_us
 from train.config import ProfileConfig
 from train.errors import atomic_path
@@ -32,7 +33,7 @@ def gzip_file(src: Path, dst: Path) -> int:
     return dst.stat().st_size
 
 
-class TorchProfileWindow:
+class TorchProfileWindow(Callback):
     """Profiles training steps ``wait + warmup + 1 … wait + warmup + active`` (1-based).
 
     After the window: ``ops`` (list of :class:`OpRecord`), ``step_us`` (wall µs per active step),
@@ -60,15 +61,15 @@ class TorchProfileWindow:
         cuda = self.device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self._trainer = trainer
-        trainer.ranges = ProfilerRanges(nvtx=cuda)
+        trainer.set_ranges(ProfilerRanges(nvtx=cuda))
         self._prof = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=self.cfg.wait, warmup=self.cfg.warmup, active=self.cfg.active, repeat=1),
             record_shapes=True, with_flops=True, profile_memory=True, on_trace_ready=self._ready)
         self._prof.start()
-        trainer.step_hooks.append(self.hook)
+        trainer.add_callback(self)
 
-    def hook(self, step: int, step_ms: float) -> None:
+    def on_step_end(self, step: int, step_ms: float) -> bool:
         s = self._trainer.stats
         if step == self.first_active - 1:
             self._tok0 = (s.real_tokens, s.padded_tokens)
@@ -78,6 +79,7 @@ class TorchProfileWindow:
         if step >= self.last_step:
             self.tokens = {"real_tokens": s.real_tokens - self._tok0[0], "padded_tokens": s.padded_tokens - self._tok0[1]}
             self.close()
+        return False
 
     def close(self) -> None:
         """Stop the profiler (idempotent) and restore the no-op ranges."""
@@ -85,9 +87,8 @@ class TorchProfileWindow:
             self._prof.stop()
             self._prof = None
         if self._trainer is not None:
-            self._trainer.ranges = null_ranges
-            if self.hook in self._trainer.step_hooks:
-                self._trainer.step_hooks.remove(self.hook)
+            self._trainer.set_ranges(null_ranges)
+            self._trainer.remove_callback(self)
         self.done = True
 
     def _ready(self, prof: torch.profiler.profile) -> None:

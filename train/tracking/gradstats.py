@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from train.callbacks import Callback
 from train.compat import foreach_norm
 from train.tracking.loggers import MetricLogger
 
@@ -45,6 +46,18 @@ def grad_table(named_params: list[tuple[str, torch.Tensor]], clip_scale: Optiona
         table = table / clip_scale.float().clamp_min(1e-12)
     values = table.tolist()  # host-device sync: once per grad_stats record
     return {name: {"norm": values[0][i], "std": values[1][i], "numel": grads[i].numel()} for i, name in enumerate(names)}
+
+
+class GradStatsCallback(Callback):
+    """Plugs :class:`GradStats` into the loop: ``on_log`` hands it the trainer's model, the step's pre-clip
+    norm and logger (the gradients are still in ``.grad`` then)."""
+
+    def __init__(self, stats: "GradStats", trainer) -> None:
+        self.stats, self.trainer = stats, trainer
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        t = self.trainer
+        self.stats.after_log(record["step"], t.model, t.last_grad_norm, t.logger)
 
 
 class GradStats:

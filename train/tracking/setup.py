@@ -3,7 +3,8 @@ plus the system-metrics thread, the gradient-statistics hook and the report.json
 
     tracking = Tracking(cfg, run_dir)            # metrics.jsonl opened; W&B starts initialising in the background
     logger = tracking.attach(model, device)      # FanOut(jsonl[, wandb]); system metrics start
-    Trainer(..., logger, ..., grad_stats=tracking.grad_stats)
+    trainer = Trainer(..., logger=logger)
+    trainer.add_callback(GradStatsCallback(tracking.grad_stats, trainer))   # when grad stats are on
     tracking.close(); report["tracking"] = tracking.report()
 """
 

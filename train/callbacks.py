@@ -1,0 +1,37 @@
+"""The training loop's one extension protocol: four events, each a method of :class:`Callback`.
+
+The loop (:class:`train.trainer.Trainer`) calls, for every callback in order:
+
+* ``on_step_start(step)`` before the step's batch is fetched;
+* ``on_step_end(step, step_ms) -> bool`` after the step (``step_ms``: its synchronised duration); every
+  callback sees every step, and the loop stops after this step if any returned True;
+* ``on_log(record)`` after each ``metrics.jsonl`` training record (while the step's gradients are still
+  in ``.grad``);
+* ``on_fit_end(stats)`` once, after the last step (or the stop).
+
+Checkpointing and clean shutdown (:class:`train.resume.Checkpointer`), gradient statistics
+(:class:`train.tracking.gradstats.GradStatsCallback`) and the profilers (:mod:`train.profiling`) are callbacks;
+nothing sets attributes on the trainer from outside. Modelled on Composer's event callbacks, cut to the four
+events this project needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Callback:
+    """Override the events you need; the defaults do nothing (and never ask the loop to stop)."""
+
+    def on_step_start(self, step: int) -> None:
+        """Before training step ``step`` (1-based) fetches its batch."""
+
+    def on_step_end(self, step: int, step_ms: float) -> bool:
+        """After step ``step``; ``step_ms`` in milliseconds. Return True to stop the loop after this step."""
+        return False
+
+    def on_log(self, record: dict[str, Any]) -> None:
+        """After a training record (``step``, ``loss``, ``lr``, ``step_time_ms``, …) is logged."""
+
+    def on_fit_end(self, stats: Any) -> None:
+        """Once, when the loop ends (``stats``: the trainer's ``TrainStats``)."""
