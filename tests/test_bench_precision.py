@@ -11,7 +11,7 @@ from train.bench.precision import run_bench
 def test_bench_precision_small(tiny_cfg) -> None:
     out = run_bench(tiny_cfg("train.run_id=bp"), steps=6, bf16_cpu_steps=2, warmup=1)
     run_dir = Path(out["run_dir"])
-    on_disk = json.loads((run_dir / "bench_precision.json").read_text())
+    on_disk = json.loads((run_dir / "bench-precision.json").read_text())
     rows = {r["requested"]: r for r in on_disk["rows"]}
     assert rows["fp32"]["precision"] == "fp32" and rows["fp32"]["eval_accuracy"] is not None
     if torch.cuda.is_available():
@@ -27,5 +27,5 @@ def test_bench_precision_small(tiny_cfg) -> None:
     fp32_same_step = rows["fp32"]["step_times_ms"][1]  # bf16's one timed step is step 2: compare with fp32's step 2
     assert bf16["step_time_ratio_vs_fp32"] == bf16["step_times_ms"][1] / fp32_same_step
     assert rows["fp32"]["peak_memory_bytes"] is None and rows["fp32"]["peak_memory_unavailable_reason"]
-    md = (run_dir / "bench_precision.md").read_text()
+    md = (run_dir / "bench-precision.md").read_text()
     assert "| auto | " in md and "| bf16 | bf16 | 2 |" in md

@@ -15,7 +15,7 @@ import torch
 
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.errors import UserError
-from train.resume import rng_state, set_rng_state
+from train.rng import rng_state, set_rng_state
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -126,11 +126,14 @@ def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.precision import main_bench
+    from train.bench.precision import markdown, run_bench
 
     if args.steps < 2 or args.warmup < 0 or args.warmup >= args.steps or args.bf16_cpu_steps < 0:
         raise UserError("bench-precision: need --steps ≥ 2, 0 ≤ --warmup < --steps and --bf16-cpu-steps ≥ 0")
-    return main_bench(load_cfg(args), args.steps, args.bf16_cpu_steps, args.warmup)
+    out = run_bench(load_cfg(args), args.steps, args.bf16_cpu_steps, args.warmup)
+    print(markdown(out))
+    print(f"wrote {out['run_dir']}/bench-precision.json and .md")
+    return 0
 
 
 def cmd_compare(args: argparse.Namespace, t_start: float) -> int:
@@ -149,12 +152,12 @@ def cmd_wandb_sync(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_tracking(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.tracking import bench_tracking
+    from train.bench.tracking import run_bench
 
     if args.rounds < 1 or args.block_steps < 2:
         raise UserError("--rounds must be ≥ 1 and --block-steps ≥ 2")
     cfg = load_cfg(args, default_config="configs/smoke.yaml")
-    res = bench_tracking(cfg, args.rounds, args.block_steps, args.online_check, args.out)
+    res = run_bench(cfg, args.rounds, args.block_steps, args.online_check, args.out)
     med = res["ms_per_step_median"]
     print(f"ms/step (median of {args.rounds} blocks): none {med['none']:.2f}, jsonl {med['jsonl']:.2f}, full {med['full']:.2f}")
     print(f"overhead of full tracking vs none: {100 * res['overhead_full_vs_none']:+.2f}% (target ≤ 2%: "
@@ -180,7 +183,7 @@ def cmd_warmup(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.compilation import first_step_child, run_bench_compile
+    from train.bench.compilation import first_step_child, run_bench
 
     cfg = load_cfg(args)
     if args.child:
@@ -188,7 +191,7 @@ def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
         return 0
     if args.steps < 2 or args.rounds < 1:
         raise UserError("bench-compile: --steps must be ≥ 2 and --rounds ≥ 1")
-    run_bench_compile(cfg, args.config, list(args.overrides), args.steps, args.rounds)
+    run_bench(cfg, args.config, list(args.overrides), args.steps, args.rounds)
     return 0
 
 
@@ -257,7 +260,7 @@ def _args_bench_tracking(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--block-steps", type=int, default=100, help="optimizer steps per block (default 100)")
     p.add_argument("--online-check", action="store_true", help="also time W&B forced online with no reachable server")
-    p.add_argument("--out", default=None, help="result JSON (default: <output_dir>/bench-tracking/bench.json)")
+    p.add_argument("--out", default=None, help="result JSON (default: runs/<id>/bench-tracking.json)")
 
 
 def _args_warmup(p: argparse.ArgumentParser) -> None:
@@ -299,7 +302,7 @@ COMMANDS: dict[str, Command] = {
     "bench-compile": Command("cold vs warm compile cache (separate processes), compiled vs eager step time",
                              cmd_bench_compile, _args_bench_compile, run_id="bench-compile-<UTC time>-<random>"),
     "bench-tracking": Command("step-time overhead of tracking (none / jsonl / W&B offline), one process",
-                              cmd_bench_tracking, _args_bench_tracking),
+                              cmd_bench_tracking, _args_bench_tracking, run_id="bench-tracking-<UTC time>-<random>"),
     "profile": Command("profile real training steps: torch.profiler attribution, py-spy, nsys, GPU sampling",
                        cmd_profile, _args_profile, run_id="profile"),
     "warmup": Command("compile and warm every batch shape of the run's bucket plan → runs/<id>/warmup.json",

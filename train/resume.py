@@ -19,43 +19,20 @@ resumed run's parameters and losses equal an uninterrupted run's bit for bit (te
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from train.callbacks import Callback
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.distributed import DistContext, agreed, any_rank, gather_to_main
 from train.errors import UserError, atomic_write_text
+from train.rng import rng_state, set_rng_state
 
 FORMAT = 1
 CHECKPOINT_DIR = "checkpoints"
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as tensors, lists and plain values (safe for ``weights_only=True``)."""
-    version, mt, gauss = random.getstate()  # (3, 625 ints, None | float)
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # ('MT19937', uint32[624], int, int, float)
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return {"python": {"version": version, "state": list(mt), "gauss_next": gauss},
-            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-            "torch": torch.get_rng_state(), "cuda": list(cuda)}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:

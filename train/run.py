@@ -12,6 +12,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -178,124 +180,182 @@ def _prepare_data(cfg: RunConfig, run_dir: Path, buckets_force: bool, ctx: DistC
     return bundle
 
 
+@dataclass
+class _Run:
+    """What the phases of one run hand each other (filled in as the run goes)."""
+
+    cfg: RunConfig
+    ctx: DistContext
+    device: torch.device
+    t_start: float
+    say: Callable[..., None]
+    run_dir: Path = None  # type: ignore[assignment]
+    state: Optional[dict] = None
+    ckpt_path: Optional[Path] = None
+    policy: PrecisionPolicy = None  # type: ignore[assignment]
+    bundle: DataBundle = None  # type: ignore[assignment]
+    data_s: float = 0.0
+    model: Any = None
+    loaders: dict[str, Any] = field(default_factory=dict)
+    compiled: Any = None
+    tracking: Optional[Tracking] = None
+    trainer: Trainer = None  # type: ignore[assignment]
+
+
 def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
                   device: torch.device, hooks: tuple = ()) -> dict[str, Any]:
-    say = print if ctx.is_main else (lambda *a, **k: None)
+    """The phases: prepare → build → resume → fit → evaluate → report."""
+    r = _Run(cfg, ctx, device, t_start, print if ctx.is_main else (lambda *a, **k: None))
+    _prepare(r, resume, buckets_force)
+    _build(r)
+    _resume(r, resume)
+    warm_up_for_run(r.compiled, r.trainer, r.model, r.run_dir)
+    for hook in hooks:
+        hook.attach(r.trainer, r.run_dir)
+    with ShutdownRequest(cfg.train.shutdown_timeout_s) as shutdown:
+        checkpointer = Checkpointer(r.run_dir, cfg, r.trainer, r.model, r.bundle, ctx, shutdown)
+        stats, energy = _fit(r, checkpointer)
+        interrupted = None
+        if r.trainer.stopped_at is not None:
+            interrupted = {"signal": shutdown.signal_name, "step": r.trainer.stopped_at,
+                           "total_steps": r.trainer.total_steps, "checkpoint": str(checkpointer.last_path),
+                           "resume_command": f"make train ARGS=\"--resume {r.run_dir}\""}
+        final_eval, test_eval = _evaluate(r, stats, interrupted is not None)
+        return _report(r, stats, energy, final_eval, test_eval, interrupted, hooks)
+
+
+def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
+    """Run directory (rank 0 draws the id), config.yaml, threads and seeds, the resume checkpoint, the precision
+    policy, and the data (split, tokenized, bucket plan)."""
+    cfg, ctx = r.cfg, r.ctx
     run_dir = agreed(lambda: make_run_dir(cfg) if ctx.is_main else None, ctx)  # rank 0 draws a unique run id
     cfg.train.run_id = broadcast_from_main(cfg.train.run_id, ctx)
-    run_dir = run_dir or Path(cfg.train.output_dir) / cfg.train.run_id
+    r.run_dir = run_dir or Path(cfg.train.output_dir) / cfg.train.run_id
     if ctx.is_main:
-        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        atomic_write_text(r.run_dir / "config.yaml", dump_config(cfg))
         if resume is None:
             for stale in ("report.json", "metrics.jsonl"):
-                (run_dir / stale).unlink(missing_ok=True)
+                (r.run_dir / stale).unlink(missing_ok=True)
     apply_threads_and_seed(cfg)
-    state, ckpt_path = None, None
     if resume is not None:
-        _, ckpt_path = find_resume_checkpoint(resume)
-        state = agreed(lambda: read_resume_state(ckpt_path), ctx)
-    policy = _precision_policy(cfg, device, ctx, state, ckpt_path)
-    say(f"run {run_dir}: device {device}" + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""),
-        flush=True)
-
+        _, r.ckpt_path = find_resume_checkpoint(resume)
+        r.state = agreed(lambda: read_resume_state(r.ckpt_path), ctx)
+    r.policy = _precision_policy(cfg, r.device, ctx, r.state, r.ckpt_path)
+    r.say(f"run {r.run_dir}: device {r.device}" + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""),
+          flush=True)
     t_data = time.perf_counter()
-    bundle = _prepare_data(cfg, run_dir, buckets_force, ctx, say)
-    data_s = time.perf_counter() - t_data
-    say(f"data: {bundle.corpus.name}, {len(bundle.splits['train'])} train / {len(bundle.splits['validation'])} val / "
-        f"{len(bundle.splits['test'])} test, {bundle.num_classes} classes, vocab {bundle.vocab_size} "
-        f"(tokenizer {bundle.tokenizer_info['source']}, prepared data {bundle.cache.get('cache', 'off')}), {data_s:.1f}s",
-        flush=True)
+    r.bundle = _prepare_data(cfg, r.run_dir, buckets_force, ctx, r.say)
+    r.data_s = time.perf_counter() - t_data
+    b = r.bundle
+    r.say(f"data: {b.corpus.name}, {len(b.splits['train'])} train / {len(b.splits['validation'])} val / "
+          f"{len(b.splits['test'])} test, {b.num_classes} classes, vocab {b.vocab_size} "
+          f"(tokenizer {b.tokenizer_info['source']}, prepared data {b.cache.get('cache', 'off')}), {r.data_s:.1f}s",
+          flush=True)
 
-    model = agreed(lambda: build_model(cfg, bundle), ctx).to(device)
-    if state is not None:
-        state = agreed(lambda: check_resume_state(state, ckpt_path, ctx, bundle, model.spec), ctx)
-        say(f"resuming from {ckpt_path} (step {state['step']})", flush=True)
+
+def _build(r: _Run) -> None:
+    """Model (checked against the resume checkpoint), loaders, compile session, tracking and the trainer."""
+    cfg, ctx, device, bundle = r.cfg, r.ctx, r.device, r.bundle
+    r.model = agreed(lambda: build_model(cfg, bundle), ctx).to(device)
+    if r.state is not None:
+        r.state = agreed(lambda: check_resume_state(r.state, r.ckpt_path, ctx, bundle, r.model.spec), ctx)
+        r.say(f"resuming from {r.ckpt_path} (step {r.state['step']})", flush=True)
     if ctx.is_main:  # after the resume checks: a refused resume leaves the run's own tokenizer copy alone
-        keep_tokenizer(bundle, run_dir)
+        keep_tokenizer(bundle, r.run_dir)
     if ctx.rank:  # distinct dropout streams per rank; rank 0 keeps the single-process stream
         torch.manual_seed(cfg.train.seed + ctx.rank)
-    ws, rk = ctx.world_size, ctx.rank
-    train_loader = make_loader(bundle, "train", cfg, train=True, device=device, world_size=ws, rank=rk)
-    val_loader = make_loader(bundle, "validation", cfg, train=False, device=device, world_size=ws, rank=rk)
-    test_loader = make_loader(bundle, "test", cfg, train=False, device=device, world_size=ws, rank=rk)
-    compiled = start_compile(cfg, device, model, bundle.pad_to, train_loader, [val_loader, test_loader])
-    if compiled.enabled and ctx.enabled:
+    r.loaders = {split: make_loader(bundle, split, cfg, train=split == "train", device=device, world_size=ctx.world_size,
+                                    rank=ctx.rank) for split in ("train", "validation", "test")}
+    r.compiled = start_compile(cfg, device, r.model, bundle.pad_to, r.loaders["train"],
+                               [r.loaders["validation"], r.loaders["test"]])
+    if r.compiled.enabled and ctx.enabled:
         raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
                         "with NPROC > 1, or compile a single-process run")
-    for line in decision_lines(device, policy, compiled, bundle, cfg):
-        say(line, flush=True)
-    if state is not None:
-        model.load_state_dict(state["model"])  # before DDP: its construction broadcasts rank 0's weights
+    for line in decision_lines(device, r.policy, r.compiled, bundle, cfg):
+        r.say(line, flush=True)
+    if r.state is not None:
+        r.model.load_state_dict(r.state["model"])  # before DDP: its construction broadcasts rank 0's weights
         if ctx.is_main:
-            truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+            truncate_metrics(r.run_dir / "metrics.jsonl", r.state["step"])
     # rank 0: metrics.jsonl (+ W&B on its own thread, bounded, never blocking); other ranks log nothing
-    tracking = Tracking(cfg, run_dir) if ctx.is_main else None
-    logger = tracking.attach(model, device) if tracking is not None else NullLogger()
-    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=train_loader,
-                      eval_loader=val_loader, logger=logger, num_classes=bundle.num_classes, dist_ctx=ctx,
-                      train_model=compiled.forward if compiled.enabled else wrap_model(model, ctx, device))
-    if tracking is not None and tracking.grad_stats is not None:
-        trainer.add_callback(GradStatsCallback(tracking.grad_stats, trainer))
-    say(f"model: {cfg.model.preset}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
-        f"{trainer.total_steps} steps ({len(train_loader)} batches per epoch per rank)", flush=True)
-    if state is not None:
-        trainer.load_state_dict(state, state["ranks"][ctx.rank])
-        if trainer.start_step >= trainer.total_steps:
-            raise UserError(f"--resume {resume}: the checkpoint is at step {trainer.start_step} of {trainer.total_steps}; "
-                            "nothing left to train (raise train.max_steps to train longer)")
-        restore_rng(state, ctx)  # last: nothing may draw from the RNGs between here and the next step
-    warm_up_for_run(compiled, trainer, model, run_dir)
+    r.tracking = Tracking(cfg, r.run_dir) if ctx.is_main else None
+    logger = r.tracking.attach(r.model, device) if r.tracking is not None else NullLogger()
+    r.trainer = Trainer(cfg=cfg, model=r.model, policy=r.policy, device=device, train_loader=r.loaders["train"],
+                        eval_loader=r.loaders["validation"], logger=logger, num_classes=bundle.num_classes, dist_ctx=ctx,
+                        train_model=r.compiled.forward if r.compiled.enabled else wrap_model(r.model, ctx, device))
+    if r.tracking is not None and r.tracking.grad_stats is not None:
+        r.trainer.add_callback(GradStatsCallback(r.tracking.grad_stats, r.trainer))
+    r.say(f"model: {cfg.model.preset}, {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters; "
+          f"{r.trainer.total_steps} steps ({len(r.loaders['train'])} batches per epoch per rank)", flush=True)
+
+
+def _resume(r: _Run, resume: Optional[str]) -> None:
+    """Optimizer, scheduler, sampler position and counters from the checkpoint, then its RNG states (last)."""
+    if r.state is None:
+        return
+    r.trainer.load_state_dict(r.state, r.state["ranks"][r.ctx.rank])
+    if r.trainer.start_step >= r.trainer.total_steps:
+        raise UserError(f"--resume {resume}: the checkpoint is at step {r.trainer.start_step} of {r.trainer.total_steps}; "
+                        "nothing left to train (raise train.max_steps to train longer)")
+    restore_rng(r.state, r.ctx)  # last: nothing may draw from the RNGs between here and the next step
+
+
+def _fit(r: _Run, checkpointer: Checkpointer) -> tuple[Any, dict]:
+    """The loop (checkpoints and clean stop through ``checkpointer``), then the final checkpoint; returns the job's
+    stats (summed over ranks) and the energy of the loop. A numerics abort writes its report and re-raises."""
+    reset_peak(r.device)
+    energy_meter = EnergyMeter(r.device)
+    r.trainer.add_callback(checkpointer)
+    energy_meter.start()
+    try:
+        stats = r.trainer.fit()
+    except NumericsAbort as abort:
+        energy_meter.stop()
+        if r.ctx.is_main:
+            write_aborted_report(r.cfg, r.run_dir, r.bundle, r.trainer, abort, r.device, r.policy, r.t_start)
+        raise
+    finally:
+        if r.tracking is not None:
+            r.tracking.close()
+    energy = energy_meter.stop()  # the training loop, periodic evaluations included
+    if r.trainer.stopped_at is None:  # the final state, resumable and loadable (weights_only)
+        write_state(r.run_dir / "checkpoint.pt", full_state(r.trainer, r.model, r.bundle, r.cfg, r.ctx), r.ctx)
+    _reduce_stats(stats, r.ctx)
+    return stats, energy
+
+
+def _evaluate(r: _Run, stats, interrupted: bool) -> tuple[dict, dict]:
+    """(validation, test) results: the last periodic validation (or a new one) and the test split; after an
+    interruption only what was already measured (a bounded shutdown evaluates nothing more)."""
+    if interrupted:
+        return (stats.evals[-1] if stats.evals else {}), {}
+    n = r.bundle.num_classes
+    final = stats.evals[-1] if stats.evals else evaluate(r.model, r.loaders["validation"], r.policy, n, r.device, r.ctx)
+    return final, evaluate(r.model, r.loaders["test"], r.policy, n, r.device, r.ctx)
+
+
+def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, interrupted: Optional[dict],
+            hooks: tuple) -> dict[str, Any]:
+    """Build report.json from one ReportInputs, let the hooks add their sections, write it (rank 0)."""
+    cfg, device, trainer = r.cfg, r.device, r.trainer
+    env = {**collect_env(device), **r.policy.report(), "num_threads": torch.get_num_threads(),
+           "world_size": r.ctx.world_size, "distributed_backend": r.ctx.backend}
+    sections = {"numerics": trainer.guard.report(), "clip": clip_report(cfg)}
+    if r.tracking is not None:
+        sections["tracking"] = r.tracking.report()
+    sections["compile"] = r.compiled.report()
+    sections["resumed_from"] = None if r.state is None else {"checkpoint": str(r.ckpt_path), "step": r.state["step"]}
+    efficiency = efficiency_fields(r.model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, r.policy.mode)
+    report = build_report(ReportInputs(
+        cfg, r.run_dir, r.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),
+        sampler_counts(r.loaders["train"]), r.t_start, time.perf_counter() - r.t_start, data_prep_s=r.data_s,
+        efficiency={**efficiency, "throughput_valid": True}, sections=sections, interrupted=interrupted))
     for hook in hooks:
-        hook.attach(trainer, run_dir)
-    reset_peak(device)
-    energy_meter = EnergyMeter(device)
-    with ShutdownRequest(cfg.train.shutdown_timeout_s) as shutdown:
-        checkpointer = Checkpointer(run_dir, cfg, trainer, model, bundle, ctx, shutdown)
-        trainer.add_callback(checkpointer)
-        energy_meter.start()
-        try:
-            stats = trainer.fit()
-        except NumericsAbort as abort:
-            energy_meter.stop()
-            if ctx.is_main:
-                write_aborted_report(cfg, run_dir, bundle, trainer, abort, device, policy, t_start)
-            raise
-        finally:
-            if tracking is not None:
-                tracking.close()
-        energy = energy_meter.stop()  # the training loop, periodic evaluations included
-        interrupted = trainer.stopped_at is not None
-        if not interrupted:  # the final state, resumable and loadable (weights_only)
-            write_state(run_dir / "checkpoint.pt", full_state(trainer, model, bundle, cfg, ctx), ctx)
-        _reduce_stats(stats, ctx)
-        if interrupted:  # bounded shutdown: no extra evaluation
-            final_eval, test_eval = (stats.evals[-1] if stats.evals else {}), {}
-        else:
-            final_eval = stats.evals[-1] if stats.evals else evaluate(model, val_loader, policy, bundle.num_classes,
-                                                                      device, ctx)
-            test_eval = evaluate(model, test_loader, policy, bundle.num_classes, device, ctx)
-        env = {**collect_env(device), **policy.report(), "num_threads": torch.get_num_threads(),
-               "world_size": ctx.world_size, "distributed_backend": ctx.backend}
-        sections = {"numerics": trainer.guard.report(), "clip": clip_report(cfg)}
-        if tracking is not None:
-            sections["tracking"] = tracking.report()
-        sections["compile"] = compiled.report()
-        sections["resumed_from"] = None if state is None else {"checkpoint": str(ckpt_path), "step": state["step"]}
-        report = build_report(ReportInputs(
-            cfg, run_dir, bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),
-            sampler_counts(train_loader), t_start, time.perf_counter() - t_start, data_prep_s=data_s,
-            efficiency={**efficiency_fields(model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device,
-                                            policy.mode), "throughput_valid": True},
-            sections=sections,
-            interrupted=None if not interrupted else {
-                "signal": shutdown.signal_name, "step": trainer.stopped_at, "total_steps": trainer.total_steps,
-                "checkpoint": str(checkpointer.last_path), "resume_command": f"make train ARGS=\"--resume {run_dir}\""}))
-        for hook in hooks:
-            hook.finish(report)
-        if ctx.is_main:
-            for line in compiled.loud_warnings():
-                print(line, file=sys.stderr, flush=True)
-            atomic_write_text(run_dir / "report.json", json.dumps(report, indent=2) + "\n")
+        hook.finish(report)
+    if r.ctx.is_main:
+        for line in r.compiled.loud_warnings():
+            print(line, file=sys.stderr, flush=True)
+        atomic_write_text(r.run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
 
 

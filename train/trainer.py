@@ -198,6 +198,13 @@ class Trainer:
         with self.ranges("forward"):
             with self.guard.forward_context():  # hooks only while diagnosing a bad step
                 logits = self.train_model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
+        return self.optimize(logits, labels)
+
+    def optimize(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The rest of a step from the forward's ``logits`` (fp32 [B, C]) and ``labels`` (int64 [B]): loss,
+        backward, unscale, clip (``clip.method``), the numerics guard, optimizer and scheduler step. Returns
+        (loss, pre-clip global grad norm) as device tensors. For callers with a forward of their own (packed rows)."""
+        with self.ranges("forward"):
             loss = F.cross_entropy(logits, labels)  # fp32, outside autocast
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)

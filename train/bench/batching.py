@@ -28,11 +28,10 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from train.config import RunConfig
 from train.data.buckets import fit_boundaries, token_efficiency
@@ -156,22 +155,15 @@ def _stream(batches: list[list[int]], rng: np.random.Generator) -> Iterator[list
             yield batches[i]
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: Any, batch: dict,
-               clip_norm: Optional[float]) -> None:
-    """One optimizer step as :class:`train.trainer.Trainer` runs it (no logging); packed batches via
-    :func:`~train.data.packing.packed_forward`."""
+def train_step(trainer: Any, batch: dict) -> None:
+    """One optimizer step of the run's :class:`~train.trainer.Trainer` (its clipping and numerics guard
+    included, no logging); packed rows run the forward through :func:`~train.data.packing.packed_forward`."""
     if "seq_index" in batch:
-        logits = packed_forward(model, batch["input_ids"], batch["position_ids"], batch["seq_index"],
-                                len(batch["labels"]), policy.blocks_autocast)
+        logits = packed_forward(trainer.model, batch["input_ids"], batch["position_ids"], batch["seq_index"],
+                                len(batch["labels"]), trainer.policy.blocks_autocast)
+        trainer.optimize(logits, batch["labels"])
     else:
-        logits = model(batch["input_ids"], batch["attention_mask"], policy.blocks_autocast)
-    loss = F.cross_entropy(logits, batch["labels"])
-    optimizer.zero_grad(set_to_none=True)
-    policy.backward(loss)
-    policy.unscale_(optimizer)
-    if clip_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-    policy.step(optimizer)
+        trainer.train_step(batch["input_ids"], batch["attention_mask"], batch["labels"])
 
 
 def time_methods(methods: list[Method], dataset: TokenDataset, pad_id: int, step: Callable[[dict], None],
@@ -287,10 +279,10 @@ def run_bench(cfg: RunConfig, bc: BenchBatchingConfig, run_dir: Path, notice: Ca
     Raises:
         UserError: bad data/config (as for training).
     """
-    from train.data import prepare_data
+    from train.data import make_loader, prepare_data
     from train.env import collect_env
-    from train.model import param_groups
     from train.setup import build_model, start_run
+    from train.trainer import Trainer
 
     start = start_run(cfg, run_dir=False)
     device, policy = start.device, start.policy
@@ -303,12 +295,13 @@ def run_bench(cfg: RunConfig, bc: BenchBatchingConfig, run_dir: Path, notice: Ca
     stats = {m.name: epoch_stats(m, lengths) for m in methods}
     model = build_model(cfg, bundle).to(device)
     model.train()
-    optimizer = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr)
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, num_classes=bundle.num_classes,
+                      train_loader=make_loader(bundle, "train", cfg, train=True, device=device))
     notice(f"bench-batching: {len(lengths)} training samples, {len(methods)} methods, "
            f"{bc.warmup_windows}+{bc.windows} rounds of ~{bc.window_samples} samples, model {cfg.model.preset}, "
            f"device {device}, precision {policy.mode}, {torch.get_num_threads()} threads")
     windows = time_methods(methods, TokenDataset(bundle.splits["train"]), bundle.pad_id,
-                           lambda b: train_step(model, optimizer, policy, b, cfg.optim.clip_norm),
+                           lambda b: train_step(trainer, b),
                            bc, device, cfg.train.seed, notice)
     rows = summarize(methods, stats, windows)
     dp = dp_table(lengths, cfg.data.max_len, bc.k_table_max, bc.target_token_efficiency)

@@ -130,7 +130,7 @@ def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     return out
 
 
-def run_bench_compile(cfg: Any, config: Optional[str], overrides: list[str], steps: int, rounds: int) -> dict[str, Any]:
+def run_bench(cfg: Any, config: Optional[str], overrides: list[str], steps: int, rounds: int) -> dict[str, Any]:
     """The whole benchmark; returns and writes ``runs/<id>/bench-compile.json``."""
     from train.env import collect_env, resolve_device
     from train.setup import make_run_dir

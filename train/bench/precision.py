@@ -7,13 +7,12 @@ run interleaved step by step (the order rotates each step), so a shared, noisy m
 alike. Step times are synchronised, the first ``--warmup`` steps are dropped (a row shorter than that
 drops only its first step), medians are reported with the ratio to fp32's median on the same steps. After training, each full-length row is evaluated on the validation split.
 
-Writes ``bench_precision.json`` and ``bench_precision.md`` into the run directory.
+Writes ``bench-precision.json`` and ``bench-precision.md`` into the run directory.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -25,6 +24,7 @@ from train.env import collect_env
 from train.errors import atomic_write_text
 from train.perf.timer import Timed
 from train.precision import PrecisionPolicy, probe_for
+from train.rng import rng_state, set_rng_state
 from train.setup import build_model, seed_everything, start_run
 from train.trainer import Trainer, evaluate, move
 
@@ -52,24 +52,21 @@ class _Row:
         self.trainer = Trainer(cfg=cfg, model=model, policy=self.policy, device=device, train_loader=loader,
                                num_classes=bundle.num_classes)
         self.trainer.model.train()
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.rng = rng_state()
         self.losses: list[float] = []
         self.ms: list[float] = []
         self.peak: Optional[int] = None
 
     def step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, device: torch.device) -> None:
-        torch.set_rng_state(self.rng)  # each row has its own dropout RNG stream
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, device)
+        set_rng_state(self.rng)  # each row has its own dropout RNG stream
+        if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with Timed(device) as t:
             loss, _ = self.trainer.train_step(ids, mask, labels)
         self.ms.append(t.ms)
         self.losses.append(float(loss))  # sync point (a benchmark, not the training loop)
-        self.rng = torch.get_rng_state()
-        if self.cuda_rng is not None:
-            self.cuda_rng = torch.cuda.get_rng_state(device)
+        self.rng = rng_state()
+        if device.type == "cuda":
             self.peak = max(self.peak or 0, int(torch.cuda.max_memory_allocated(device)))
 
 
@@ -145,8 +142,8 @@ def run_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> d
                                                    "max_tokens": cfg.batching.max_tokens},
            "accuracy_parity_points": ACCURACY_PARITY_POINTS, "env": collect_env(device),
            "num_threads": torch.get_num_threads(), "rows": results}
-    atomic_write_text(run_dir / "bench_precision.json", json.dumps(out, indent=2) + "\n")
-    atomic_write_text(run_dir / "bench_precision.md", markdown(out))
+    atomic_write_text(run_dir / "bench-precision.json", json.dumps(out, indent=2) + "\n")
+    atomic_write_text(run_dir / "bench-precision.md", markdown(out))
     return out
 
 
@@ -172,9 +169,3 @@ def markdown(out: dict[str, Any]) -> str:
     lines += ["", "Why auto chose what it chose: " + out["rows"][1]["precision_reason"]]
     return "\n".join(lines) + "\n"
 
-
-def main_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> int:
-    out = run_bench(cfg, steps, bf16_cpu_steps, warmup)
-    print(markdown(out))
-    print(f"wrote {Path(out['run_dir']) / 'bench_precision.json'} and bench_precision.md")
-    return 0

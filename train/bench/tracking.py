@@ -87,11 +87,13 @@ def _block(cfg: RunConfig, env: dict[str, Any], steps: int, logger: Any, grad_st
     return wall
 
 
-def bench_tracking(cfg: RunConfig, rounds: int = 5, block_steps: int = 100, online_check: bool = False,
-                   out: Optional[str] = None) -> dict[str, Any]:
-    """Measure tracking overhead (see the module docstring). Writes and returns the result dict."""
-    run_dir = Path(cfg.train.output_dir) / "bench-tracking"
-    run_dir.mkdir(parents=True, exist_ok=True)
+def run_bench(cfg: RunConfig, rounds: int = 5, block_steps: int = 100, online_check: bool = False,
+              out: Optional[str] = None) -> dict[str, Any]:
+    """Measure tracking overhead (see the module docstring). Writes ``runs/<id>/bench-tracking.json`` (or ``out``)
+    and returns the result dict."""
+    from train.setup import make_run_dir
+
+    run_dir = make_run_dir(cfg, prefix="bench-tracking-")
     env = _setup(cfg, run_dir)
     full_cfg = replace(cfg, tracking=replace(cfg.tracking, wandb="on", mode="offline"))
     tracking = Tracking(full_cfg, run_dir / "full", run_name="bench-tracking")
@@ -149,7 +151,7 @@ def bench_tracking(cfg: RunConfig, rounds: int = 5, block_steps: int = 100, onli
     }
     if online_check:
         result["online_unreachable"] = _online_check(cfg, env, run_dir, block_steps)
-    path = Path(out) if out else run_dir / "bench.json"
+    path = Path(out) if out else run_dir / "bench-tracking.json"
     atomic_write_text(path, json.dumps(result, indent=2) + "\n")
     result["path"] = str(path)
     return result

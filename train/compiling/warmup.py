@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -30,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
@@ -39,6 +37,7 @@ from train import compat
 from train.compiling.session import CompileSession, _delta, resolve_compile
 from train.errors import UserError, atomic_write_text
 from train.perf.timer import Timed
+from train.rng import rng_state, set_rng_state
 
 
 class StabilityDetector:
@@ -123,8 +122,7 @@ class TrainingState:
 
 
 def snapshot(model: torch.nn.Module, trainer: Any) -> TrainingState:
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+    rng = rng_state()
     scaler = trainer.policy.scaler
     return TrainingState(model={k: v.detach().clone() for k, v in model.state_dict().items()},
                          optimizer=copy.deepcopy(trainer.optimizer.state_dict()),
@@ -140,11 +138,7 @@ def restore(model: torch.nn.Module, trainer: Any, state: TrainingState) -> bool:
     trainer.scheduler.load_state_dict(copy.deepcopy(state.scheduler))
     if state.scaler is not None:
         trainer.policy.scaler.load_state_dict(copy.deepcopy(state.scaler))
-    random.setstate(state.rng["python"])
-    np.random.set_state(state.rng["numpy"])
-    torch.set_rng_state(state.rng["torch"])
-    if state.rng["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state.rng["cuda"])
+    set_rng_state(state.rng)
     now = model.state_dict()
     return all(torch.equal(now[k], v) for k, v in state.model.items()) and not trainer.optimizer.state
 
