@@ -11,9 +11,9 @@ ROW_KEYS = {"name", "samples_per_s", "tokens_per_s", "time_to_first_step_s", "st
 
 
 def test_tiny_bench_writes_every_key(tiny_cfg) -> None:
-    cfg = tiny_cfg("train.run_id=bench", "batching.max_tokens=256")
-    run_bench(cfg, list(CONFIGS), warmup_steps=1, rounds=2, window=2, checkpoint=None,
-                       num_requests=6, inference_batch_size=4, skip_inference=False, notice=lambda _m: None)
+    cfg = tiny_cfg("train.run_id=bench", "batching.max_tokens=256", "bench.warmup_steps=1", "bench.rounds=2",
+                   "bench.window=2", "bench.requests=6", "bench.inference_batch_size=4")
+    run_bench(cfg, notice=lambda _m: None)
     out = Path(cfg.train.output_dir) / "bench" / "bench"
     on_disk = json.loads((out / "bench.json").read_text())
     rows = {r["name"]: r for r in on_disk["training"]["configs"]}
@@ -40,8 +40,9 @@ def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
     from train.run import run_training
 
     report = run_training(tiny_cfg("train.max_steps=40", "train.run_id=ck"), time.perf_counter())
-    cfg = tiny_cfg("train.run_id=benchck")
-    result = run_bench(cfg, ["naive"], 1, 1, 1, str(Path(report["run_dir"]) / "checkpoint.pt"), 20, 5, False,
-                       notice=lambda _m: None)
+    cfg = tiny_cfg("train.run_id=benchck", "bench.configs=naive", "bench.warmup_steps=1", "bench.rounds=1",
+                   "bench.window=1", f"bench.checkpoint={Path(report['run_dir']) / 'checkpoint.pt'}", "bench.requests=20",
+                   "bench.inference_batch_size=5")
+    result = run_bench(cfg, notice=lambda _m: None)
     assert result["inference"]["model"].endswith("checkpoint.pt")
     assert result["inference"]["accuracy_on_requests"] > 0.3  # a trained model, not chance (1/45)

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_cli import assert_clean_error, run_cli
-from train.bench.batching import BenchBatchingConfig, Method, build_methods, epoch_stats, run_bench, summarize
+from train.bench.batching import Method, build_methods, epoch_stats, run_bench, summarize
+from train.config.bench import BenchBatchingConfig
 from train.data.buckets import fit_boundaries, token_efficiency
 from train.data.grouping import length_grouped_batches, length_grouped_indices
 from train.errors import UserError
@@ -82,17 +83,17 @@ def test_summary_medians_and_ratios() -> None:
 
 
 def test_bench_config_rejects_bad_sizes() -> None:
-    with pytest.raises(UserError, match="windows must be ≥ 1"):
+    with pytest.raises(UserError, match="bench_batching.windows must be ≥ 1"):
         BenchBatchingConfig(windows=0)
 
 
 def test_bench_runs_small_and_writes_json_md_png(tiny_cfg, tmp_path: Path) -> None:
-    cfg = tiny_cfg("train.run_id=bench")
-    bc = BenchBatchingConfig(num_buckets=3, batch_size=8, max_tokens=128, window_samples=8, windows=2, warmup_windows=1,
-                             k_table_max=4)
+    cfg = tiny_cfg("train.run_id=bench", "bench_batching.num_buckets=3", "bench_batching.batch_size=8",
+                   "bench_batching.max_tokens=128", "bench_batching.window_samples=8", "bench_batching.windows=2",
+                   "bench_batching.warmup_windows=1", "bench_batching.k_table_max=4")
     run_dir = Path(cfg.train.output_dir) / "bench"
     run_dir.mkdir(parents=True)
-    result = run_bench(cfg, bc, run_dir, notice=lambda _m: None)
+    result = run_bench(cfg, run_dir, notice=lambda _m: None)
     saved = json.loads((run_dir / "bench-batching.json").read_text())
     names = [r["name"] for r in saved["results"]]
     assert names[:6] == ["pad-to-max", "random-pad-to-batch-max", "hf-group-by-length", "kmeans-5", "optimal-3",
@@ -109,4 +110,5 @@ def test_bench_runs_small_and_writes_json_md_png(tiny_cfg, tmp_path: Path) -> No
 
 
 def test_cli_bad_bench_size_is_a_clean_error(tmp_path: Path) -> None:
-    assert_clean_error(run_cli("bench-batching", "--windows", "0", f"train.output_dir={tmp_path}"), "windows must be ≥ 1")
+    assert_clean_error(run_cli("bench-batching", "--windows", "0", f"train.output_dir={tmp_path}"),
+                       "bench_batching.windows must be ≥ 1")

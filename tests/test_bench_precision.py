@@ -9,7 +9,8 @@ from train.bench.precision import run_bench
 
 
 def test_bench_precision_small(tiny_cfg) -> None:
-    out = run_bench(tiny_cfg("train.run_id=bp"), steps=6, bf16_cpu_steps=2, warmup=1)
+    out = run_bench(tiny_cfg("train.run_id=bp", "bench_precision.steps=6", "bench_precision.bf16_cpu_steps=2",
+                             "bench_precision.warmup=1"))
     run_dir = Path(out["run_dir"])
     on_disk = json.loads((run_dir / "bench-precision.json").read_text())
     rows = {r["requested"]: r for r in on_disk["rows"]}

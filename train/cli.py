@@ -1,7 +1,9 @@
 """The command line: one table, :data:`COMMANDS`, maps each ``python -m train <command>`` to its help line,
 its own flags and the function that runs it. Every command that takes a config gets ``--config FILE`` and
 ``section.key=value`` overrides (and ``--run-id`` where it writes a run directory) the same way; the work
-itself lives in the command's module. ``python -m train --help`` lists every command.
+itself lives in the command's module. ``python -m train --help`` lists every command. A flag that is a run
+setting (``bench --rounds 8``) only sets its config key (``bench.rounds=8``): defaults live in the config
+(train/config/bench.py), never in the parser.
 
 Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
 """
@@ -9,6 +11,8 @@ Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and ex
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -20,7 +24,9 @@ from train.errors import RunAborted, UserError
 
 
 def load_cfg(args: argparse.Namespace, default_config: Optional[str] = None):
-    """The command's RunConfig: ``--config`` (or ``default_config``) + overrides (+ ``--run-id`` as ``train.run_id``).
+    """The command's RunConfig: ``--config`` (or ``default_config``) + overrides (+ ``--run-id`` as ``train.run_id``,
+    + each given config-key flag such as ``--rounds 8`` as its key, e.g. ``bench.rounds=8``; a flag wins over an
+    override of the same key).
 
     Raises:
         UserError: unreadable config, unknown key, bad value.
@@ -28,7 +34,30 @@ def load_cfg(args: argparse.Namespace, default_config: Optional[str] = None):
     from train.config import load_config
 
     overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if getattr(args, "run_id", None) else [])
+    overrides += flag_overrides(args)
     return load_config(args.config or default_config, overrides)
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """``section.key=value`` for every config-key flag given on the command line (see :func:`_key_flag`)."""
+    keys: dict[str, str] = getattr(args, "_config_keys", None) or {}
+    return [f"{key}={json.dumps(getattr(args, dest))}" for dest, key in keys.items() if getattr(args, dest) is not None]
+
+
+def _key_flag(p: argparse.ArgumentParser, flag: str, key: str, what: str, type: Optional[type] = int) -> None:
+    """Add ``flag``, which only sets config key ``key`` (``section.key``): it has no default of its own (None = not
+    given; the default is the config's), and its help names the key and that default. ``type=None``: a switch."""
+    from train.config import RunConfig
+
+    section, name = key.split(".")
+    default = getattr({f.name: f.default_factory for f in dataclasses.fields(RunConfig)}[section](), name)
+    shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+    text = f"{what} (sets {key}; default {shown})"
+    if type is None:
+        action = p.add_argument(flag, action="store_const", const=True, default=None, help=text)
+    else:
+        action = p.add_argument(flag, type=type, default=None, help=text)
+    p.set_defaults(_config_keys={**(p.get_default("_config_keys") or {}), action.dest: key})
 
 
 # -- the commands ---------------------------------------------------------------------------------------------
@@ -89,28 +118,22 @@ def cmd_buckets(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench import CONFIGS, markdown, run_bench
+    from train.bench import markdown, run_bench
 
     cfg = load_cfg(args)
-    if min(args.warmup_steps, args.rounds, args.window, args.requests, args.inference_batch_size) < 1:
-        raise UserError("--warmup-steps, --rounds, --window, --requests and --inference-batch-size must be ≥ 1")
-    names = [n.strip() for n in args.configs.split(",")] if args.configs else list(CONFIGS)
-    result = run_bench(cfg, names, args.warmup_steps, args.rounds, args.window, args.checkpoint, args.requests,
-                       args.inference_batch_size, args.skip_inference)
+    result = run_bench(cfg)
     print(markdown(result))
     print(f"wrote {cfg.train.output_dir}/{cfg.train.run_id}/bench/ (bench.json, bench.md, PNGs)")
     return 0
 
 
 def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.batching import BenchBatchingConfig, run_bench
+    from train.bench.batching import run_bench
     from train.setup import make_run_dir
 
-    names = ("num_buckets", "batch_size", "max_tokens", "window_samples", "windows", "warmup_windows")
-    bc = BenchBatchingConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
     cfg = load_cfg(args)
     run_dir = make_run_dir(cfg, prefix="bench-batching-")
-    run_bench(cfg, bc, run_dir)
+    run_bench(cfg, run_dir)
     print((run_dir / "bench-batching.md").read_text(encoding="utf-8"))
     print(f"wrote {run_dir}/bench-batching.json, .md, .png")
     return 0
@@ -128,9 +151,7 @@ def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
 def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
     from train.bench.precision import markdown, run_bench
 
-    if args.steps < 2 or args.warmup < 0 or args.warmup >= args.steps or args.bf16_cpu_steps < 0:
-        raise UserError("bench-precision: need --steps ≥ 2, 0 ≤ --warmup < --steps and --bf16-cpu-steps ≥ 0")
-    out = run_bench(load_cfg(args), args.steps, args.bf16_cpu_steps, args.warmup)
+    out = run_bench(load_cfg(args))
     print(markdown(out))
     print(f"wrote {out['run_dir']}/bench-precision.json and .md")
     return 0
@@ -154,12 +175,10 @@ def cmd_wandb_sync(args: argparse.Namespace, t_start: float) -> int:
 def cmd_bench_tracking(args: argparse.Namespace, t_start: float) -> int:
     from train.bench.tracking import run_bench
 
-    if args.rounds < 1 or args.block_steps < 2:
-        raise UserError("--rounds must be ≥ 1 and --block-steps ≥ 2")
     cfg = load_cfg(args, default_config="configs/smoke.yaml")
-    res = run_bench(cfg, args.rounds, args.block_steps, args.online_check, args.out)
+    res = run_bench(cfg)
     med = res["ms_per_step_median"]
-    print(f"ms/step (median of {args.rounds} blocks): none {med['none']:.2f}, jsonl {med['jsonl']:.2f}, full {med['full']:.2f}")
+    print(f"ms/step (median of {cfg.bench_tracking.rounds} blocks): none {med['none']:.2f}, jsonl {med['jsonl']:.2f}, full {med['full']:.2f}")
     print(f"overhead of full tracking vs none: {100 * res['overhead_full_vs_none']:+.2f}% (target ≤ 2%: "
           f"{'met' if res['target_met'] else 'NOT met'}); vs jsonl only: {100 * res['overhead_full_vs_jsonl']:+.2f}%")
     print(f"CPU time per step (process + wandb-core), less sensitive to a shared machine: full vs none "
@@ -189,9 +208,7 @@ def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
     if args.child:
         first_step_child(cfg, t_start, args.child)
         return 0
-    if args.steps < 2 or args.rounds < 1:
-        raise UserError("bench-compile: --steps must be ≥ 2 and --rounds ≥ 1")
-    run_bench(cfg, args.config, list(args.overrides), args.steps, args.rounds)
+    run_bench(cfg, args.config, list(args.overrides))
     return 0
 
 
@@ -213,24 +230,24 @@ def _args_buckets(p: argparse.ArgumentParser) -> None:
 
 
 def _args_bench(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", default=None, help="comma-separated training configurations (default: all)")
-    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps per configuration first")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of interleaved timed windows")
-    p.add_argument("--window", type=int, default=5, help="timed steps per configuration per round")
-    p.add_argument("--checkpoint", default=None, help="checkpoint.pt to serve in the inference benchmark")
-    p.add_argument("--requests", type=int, default=200, help="inference requests (single and batched)")
-    p.add_argument("--inference-batch-size", type=int, default=32)
-    p.add_argument("--skip-inference", action="store_true")
+    _key_flag(p, "--configs", "bench.configs", "comma-separated training configurations; all when not set", str)
+    _key_flag(p, "--warmup-steps", "bench.warmup_steps", "untimed steps per configuration first")
+    _key_flag(p, "--rounds", "bench.rounds", "rounds of interleaved timed windows")
+    _key_flag(p, "--window", "bench.window", "timed steps per configuration per round")
+    _key_flag(p, "--checkpoint", "bench.checkpoint", "checkpoint.pt to serve in the inference benchmark", str)
+    _key_flag(p, "--requests", "bench.requests", "inference requests (single and batched)")
+    _key_flag(p, "--inference-batch-size", "bench.inference_batch_size", "requests per batched inference call")
+    _key_flag(p, "--skip-inference", "bench.skip_inference", "run the training benchmark only", None)
 
 
 def _args_bench_batching(p: argparse.ArgumentParser) -> None:
-    for flag, what in (("num-buckets", "K of the optimal-<K> rows (default 16)"),
-                       ("batch-size", "samples per batch, all rows but -max-tokens (default 64)"),
-                       ("max-tokens", "token budget per batch of the optimal-<K>-max-tokens row (default 2048)"),
-                       ("window-samples", "samples per timed window (default 256)"),
-                       ("windows", "timed windows per method; throughput is their median (default 3)"),
-                       ("warmup-windows", "untimed rounds first (default 1)")):
-        p.add_argument(f"--{flag}", type=int, default=None, help=what)
+    for flag, what in (("num-buckets", "K of the optimal-<K> rows"),
+                       ("batch-size", "samples per batch, all rows but -max-tokens"),
+                       ("max-tokens", "token budget per batch of the optimal-<K>-max-tokens row"),
+                       ("window-samples", "samples per timed window"),
+                       ("windows", "timed windows per method; throughput is their median"),
+                       ("warmup-windows", "untimed rounds first")):
+        _key_flag(p, f"--{flag}", f"bench_batching.{flag.replace('-', '_')}", what)
 
 
 def _args_profile(p: argparse.ArgumentParser) -> None:
@@ -239,9 +256,9 @@ def _args_profile(p: argparse.ArgumentParser) -> None:
 
 
 def _args_bench_precision(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=150, help="training steps per row (default 150)")
-    p.add_argument("--bf16-cpu-steps", type=int, default=4, help="steps of the timing-only bf16 row on CPU (0: none)")
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the step-time median")
+    _key_flag(p, "--steps", "bench_precision.steps", "training steps per row")
+    _key_flag(p, "--bf16-cpu-steps", "bench_precision.bf16_cpu_steps", "steps of the timing-only bf16 row on CPU (0: none)")
+    _key_flag(p, "--warmup", "bench_precision.warmup", "first steps left out of the step-time median")
 
 
 def _args_compare(p: argparse.ArgumentParser) -> None:
@@ -257,10 +274,11 @@ def _args_wandb_sync(p: argparse.ArgumentParser) -> None:
 
 
 def _args_bench_tracking(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--block-steps", type=int, default=100, help="optimizer steps per block (default 100)")
-    p.add_argument("--online-check", action="store_true", help="also time W&B forced online with no reachable server")
-    p.add_argument("--out", default=None, help="result JSON (default: runs/<id>/bench-tracking.json)")
+    _key_flag(p, "--rounds", "bench_tracking.rounds", "interleaved rounds")
+    _key_flag(p, "--block-steps", "bench_tracking.block_steps", "optimizer steps per block")
+    _key_flag(p, "--online-check", "bench_tracking.online_check",
+              "also time W&B forced online with no reachable server", None)
+    _key_flag(p, "--out", "bench_tracking.out", "result JSON; runs/<id>/bench-tracking.json when not set", str)
 
 
 def _args_warmup(p: argparse.ArgumentParser) -> None:
@@ -268,8 +286,8 @@ def _args_warmup(p: argparse.ArgumentParser) -> None:
 
 
 def _args_bench_compile(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (eager, compiled, eager, ...)")
+    _key_flag(p, "--steps", "bench_compile.steps", "timed steps per configuration per round")
+    _key_flag(p, "--rounds", "bench_compile.rounds", "interleaved rounds (eager, compiled, compiled, eager, ...)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one first-step process → JSON file
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -19,7 +18,6 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from train.callbacks import Callback
 from train.clipping import clip_gradients
@@ -32,6 +30,7 @@ from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
 from train.profiling.ranges import null_ranges
+from train.progress import progress_bar
 from train.tracking.loggers import MetricLogger, NullLogger
 
 
@@ -228,9 +227,7 @@ class Trainer:
     def fit(self) -> TrainStats:
         t, s = self.cfg.train, self.stats
         self.model.train()
-        show = t.progress and sys.stderr.isatty() and self.dist.is_main
-        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not show, dynamic_ncols=True,
-                   mininterval=0.5, unit="step")
+        bar = progress_bar(self.total_steps, "train", t.progress and self.dist.is_main, initial=self.start_step)
         batches = self._batches()
         for step in range(self.start_step + 1, self.total_steps + 1):
             window = self.window
@@ -278,7 +275,7 @@ class Trainer:
                 s.evals.append({"step": step, **result})
                 self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
                 msg = f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f}"
-                if show:
+                if not bar.disable:
                     bar.write(msg)
                 elif self.dist.is_main:
                     print(msg, flush=True)

@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -24,31 +24,34 @@ from train.errors import atomic_path, atomic_write_text
 from train.setup import start_run
 
 
-def run_bench(cfg: RunConfig, names: list[str], warmup_steps: int, rounds: int, window: int,
-              checkpoint: Optional[str], num_requests: int, inference_batch_size: int, skip_inference: bool,
-              notice: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the training (and inference) benchmarks and write ``<run_dir>/bench/``. Returns bench.json's dict."""
+def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the training (and inference) benchmarks with the ``bench`` settings and write ``<run_dir>/bench/``.
+    Returns bench.json's dict.
+
+    Raises:
+        UserError: an unknown configuration in ``bench.configs``, bad data or config.
+    """
+    b = cfg.bench
     start = start_run(cfg, prefix="bench-")
     run_dir, device = start.run_dir, start.device
     out_dir = run_dir / "bench"
     bundle = prepare_data(cfg, None, notice=notice)
     t0 = time.perf_counter()
-    rows = run_training_bench(cfg, bundle, device, names, warmup_steps, rounds, window, notice)
+    rows = run_training_bench(cfg, bundle, device, b.config_names() or list(CONFIGS), notice)
     add_ratios(rows)
     result: dict[str, Any] = {
-        "training": {"configs": rows, "settings": {"warmup_steps": warmup_steps, "rounds": rounds, "window": window,
+        "training": {"configs": rows, "settings": {"warmup_steps": b.warmup_steps, "rounds": b.rounds, "window": b.window,
                                                    "batch_size": cfg.batching.batch_size,
                                                    "max_tokens": cfg.batching.max_tokens, "model": cfg.model.preset,
                                                    "interleaved": True, "seconds": time.perf_counter() - t0}},
         "env": {**collect_env(device), "num_threads": __import__("torch").get_num_threads()},
     }
-    if skip_inference:
+    if b.skip_inference:
         result["inference"] = None
-        result["inference_unavailable_reason"] = "skipped (--skip-inference)"
+        result["inference_unavailable_reason"] = "skipped (bench.skip_inference)"
     else:
         tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
-        result["inference"] = run_inference_bench(cfg, bundle, tok, device, checkpoint, num_requests,
-                                                  inference_batch_size, notice)
+        result["inference"] = run_inference_bench(cfg, bundle, tok, device, notice)
     write_outputs(out_dir, result)
     return result
 

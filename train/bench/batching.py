@@ -15,11 +15,12 @@ backward, clipping, AdamW) on batches drawn from each method's epoch plan. The m
   C = ``data.max_len`` tokens with a block-diagonal mask, ⌊max_tokens / C⌋ rows per batch (one shape).
 
 Token efficiency and distinct shapes are exact, over each method's whole epoch. Throughput is
-measured in timed windows of about ``window_samples`` samples each: after ``warmup_windows``
-rounds, ``windows`` rounds each run every method once, the order rotated per round so machine
-noise hits every method alike; a method's samples/s and tokens/s (real tokens, padding not
-counted) are the medians over its windows. A window draws batches uniformly from the method's
-shuffled epoch plan, so it costs what an average stretch of that epoch costs.
+measured in timed windows of about ``bench_batching.window_samples`` samples each: after
+``bench_batching.warmup_windows`` rounds, ``bench_batching.windows`` rounds each run every method
+once, the order rotated per round so machine noise hits every method alike; a method's samples/s
+and tokens/s (real tokens, padding not counted) are the medians over its windows. A window draws
+batches uniformly from the method's shuffled epoch plan, so it costs what an average stretch of
+that epoch costs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from train.config import RunConfig
+from train.config.bench import BenchBatchingConfig
 from train.data.buckets import fit_boundaries, token_efficiency
 from train.data.collate import PadCollate, TokenDataset
 from train.data.grouping import length_grouped_batches
@@ -41,37 +43,9 @@ from train.data.packing import PackCollate, packed_batches, packed_forward
 from train.data.sampler import BucketBatchSampler
 from train.errors import UserError
 from train.perf.timer import Timed
+from train.progress import beside, progress_bar
 
 BASELINE = "pad-to-max"
-
-
-@dataclass
-class BenchBatchingConfig:
-    """Sizes of the batching benchmark (the data, model and precision come from the run config)."""
-
-    num_buckets: int = 16
-    """K for the ``optimal-<K>`` rows (≤ 16 keeps at most 16 sequence lengths)."""
-    batch_size: int = 64
-    """Samples per batch for every row except ``optimal-<K>-max-tokens``."""
-    max_tokens: int = 2048
-    """Token budget per padded batch for the ``optimal-<K>-max-tokens`` row (configs/cpu-tiny.yaml's value)."""
-    window_samples: int = 256
-    """Samples per timed window (a window ends at the first batch boundary at or past this)."""
-    windows: int = 3
-    """Timed windows per method; samples/s and tokens/s are their medians."""
-    warmup_windows: int = 1
-    """Untimed rounds first (allocator, oneDNN primitive caches, first-touch of the weights)."""
-    k_table_max: int = 32
-    """``dp_optimum_by_k`` lists the DP's exact optimum for K = 1 … this."""
-    target_token_efficiency: float = 0.97
-    """The issue's target for ``optimal-<K>`` (reported as reached or not, never adjusted)."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_buckets", "batch_size", "max_tokens", "window_samples", "windows", "k_table_max"):
-            if getattr(self, name) < 1:
-                raise UserError(f"bench-batching: {name.replace('_', '-')} must be ≥ 1")
-        if self.warmup_windows < 0:
-            raise UserError("bench-batching: warmup-windows must be ≥ 0")
 
 
 @dataclass
@@ -168,8 +142,9 @@ def train_step(trainer: Any, batch: dict) -> None:
 
 def time_methods(methods: list[Method], dataset: TokenDataset, pad_id: int, step: Callable[[dict], None],
                  bc: BenchBatchingConfig, device: torch.device, seed: int,
-                 progress: Callable[[str], None] = print) -> dict[str, list[dict]]:
+                 notice: Callable[[str], None] = print, bar: bool = False) -> dict[str, list[dict]]:
     """Interleaved timed windows. Returns ``{name: [{"samples", "real_tokens", "padded_tokens", "seconds"}, …]}``.
+    ``bar``: ask for a progress bar (one tick per window; drawn on a terminal only).
 
     A window's time covers collate, host→device copy and the training steps, between two device
     synchronisations (as the trainer's step time includes waiting for the batch).
@@ -185,23 +160,26 @@ def time_methods(methods: list[Method], dataset: TokenDataset, pad_id: int, step
         return collates[m.name]([dataset[i] for i in batch])
     out: dict[str, list[dict]] = {m.name: [] for m in methods}
     rounds = bc.warmup_windows + bc.windows
-    for r in range(rounds):
-        shift = r % len(methods)
-        for m in methods[shift:] + methods[:shift]:
-            w = {"samples": 0, "real_tokens": 0, "padded_tokens": 0}
-            with Timed(device) as t:
-                while w["samples"] < bc.window_samples:
-                    batch = load(m, next(streams[m.name]))
-                    b, s = batch["input_ids"].shape
-                    step({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
-                    w["samples"] += len(batch["labels"])
-                    w["real_tokens"] += batch["real_tokens"]
-                    w["padded_tokens"] += b * s
-            w["seconds"] = t.ms / 1e3
-            if r >= bc.warmup_windows:
-                out[m.name].append(w)
-        kind = "warm-up" if r < bc.warmup_windows else "timed"
-        progress(f"bench-batching: round {r + 1}/{rounds} ({kind}) done")
+    with progress_bar(rounds * len(methods), "bench-batching", bar, unit="window") as pbar:
+        say = beside(pbar, notice)
+        for r in range(rounds):
+            shift = r % len(methods)
+            for m in methods[shift:] + methods[:shift]:
+                w = {"samples": 0, "real_tokens": 0, "padded_tokens": 0}
+                with Timed(device) as t:
+                    while w["samples"] < bc.window_samples:
+                        batch = load(m, next(streams[m.name]))
+                        b, s = batch["input_ids"].shape
+                        step({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
+                        w["samples"] += len(batch["labels"])
+                        w["real_tokens"] += batch["real_tokens"]
+                        w["padded_tokens"] += b * s
+                w["seconds"] = t.ms / 1e3
+                if r >= bc.warmup_windows:
+                    out[m.name].append(w)
+                pbar.update(1)
+            kind = "warm-up" if r < bc.warmup_windows else "timed"
+            say(f"bench-batching: round {r + 1}/{rounds} ({kind}) done")
     return out
 
 
@@ -273,8 +251,9 @@ def targets(rows: list[dict], k: int, target_eff: float, dp: dict) -> dict[str, 
     return out
 
 
-def run_bench(cfg: RunConfig, bc: BenchBatchingConfig, run_dir: Path, notice: Callable[[str], None] = print) -> dict:
-    """Run the benchmark and write ``bench-batching.json``, ``.md`` and ``.png`` into ``run_dir``.
+def run_bench(cfg: RunConfig, run_dir: Path, notice: Callable[[str], None] = print) -> dict:
+    """Run the benchmark with the ``bench_batching`` settings; write ``bench-batching.json``, ``.md`` and ``.png``
+    into ``run_dir``.
 
     Raises:
         UserError: bad data/config (as for training).
@@ -284,13 +263,15 @@ def run_bench(cfg: RunConfig, bc: BenchBatchingConfig, run_dir: Path, notice: Ca
     from train.setup import build_model, start_run
     from train.trainer import Trainer
 
+    bc = cfg.bench_batching
     start = start_run(cfg, run_dir=False)
     device, policy = start.device, start.policy
     load_start = os.getloadavg()[0]
     bundle = prepare_data(cfg, None, notice=lambda _msg: None)
     lengths = bundle.splits["train"].lengths.astype(np.int64)
     if len(lengths) < bc.batch_size:
-        raise UserError(f"bench-batching: the training split has {len(lengths)} samples, fewer than batch-size={bc.batch_size}")
+        raise UserError(f"bench-batching: the training split has {len(lengths)} samples, fewer than "
+                        f"bench_batching.batch_size={bc.batch_size}")
     methods = build_methods(lengths, cfg.data.max_len, bc, cfg.train.seed)
     stats = {m.name: epoch_stats(m, lengths) for m in methods}
     model = build_model(cfg, bundle).to(device)
@@ -302,7 +283,7 @@ def run_bench(cfg: RunConfig, bc: BenchBatchingConfig, run_dir: Path, notice: Ca
            f"device {device}, precision {policy.mode}, {torch.get_num_threads()} threads")
     windows = time_methods(methods, TokenDataset(bundle.splits["train"]), bundle.pad_id,
                            lambda b: train_step(trainer, b),
-                           bc, device, cfg.train.seed, notice)
+                           bc, device, cfg.train.seed, notice, bar=cfg.train.progress)
     rows = summarize(methods, stats, windows)
     dp = dp_table(lengths, cfg.data.max_len, bc.k_table_max, bc.target_token_efficiency)
     result = {

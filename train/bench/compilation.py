@@ -28,6 +28,7 @@ from train import compat
 from train.compiling.session import CompileSession
 from train.errors import UserError, atomic_write_text
 from train.perf.timer import Timed, percentiles
+from train.progress import beside, progress_bar
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,11 +88,13 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
-    """Eager vs compiled step time on real batches of the first batch's shape, interleaved, after warm-up of both."""
+def steady_compare(cfg: Any) -> dict[str, Any]:
+    """Eager vs compiled step time on real batches of the first batch's shape, interleaved, after warm-up of both
+    (``bench_compile.rounds`` rounds of ``bench_compile.steps`` steps each)."""
     from train.compiling.warmup import planned_shapes, warm_up
     from train.trainer import Trainer, move
 
+    steps, rounds = cfg.bench_compile.steps, cfg.bench_compile.rounds
     device, policy, bundle, model, loader, _ = _setup(cfg)
     session = CompileSession.create(cfg.compile, device, model, bundle.pad_to)
     if not session.enabled:
@@ -108,13 +111,15 @@ def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     session.monitor.end_warmup()
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     batches = [move(b, device) for b in shape.batches]
-    for r in range(rounds):
-        order = (("eager", eager), ("compiled", compiled)) if r % 2 == 0 else (("compiled", compiled), ("eager", eager))
-        for name, tr in order:
-            for i in range(steps):
-                with Timed(device) as t:
-                    tr.train_step(*batches[i % len(batches)])
-                times[name].append(t.ms)
+    with progress_bar(2 * rounds * steps, "bench-compile steady", cfg.train.progress) as bar:
+        for r in range(rounds):
+            order = (("eager", eager), ("compiled", compiled)) if r % 2 == 0 else (("compiled", compiled), ("eager", eager))
+            for name, tr in order:
+                for i in range(steps):
+                    with Timed(device) as t:
+                        tr.train_step(*batches[i % len(batches)])
+                    times[name].append(t.ms)
+                bar.update(steps)
     m = session.monitor
     limit_hit = m.limit_hit or bool(m.eager_fallback_shapes)
     eager_p, comp_p = percentiles(times["eager"]), percentiles(times["compiled"])
@@ -130,8 +135,9 @@ def steady_compare(cfg: Any, steps: int, rounds: int) -> dict[str, Any]:
     return out
 
 
-def run_bench(cfg: Any, config: Optional[str], overrides: list[str], steps: int, rounds: int) -> dict[str, Any]:
-    """The whole benchmark; returns and writes ``runs/<id>/bench-compile.json``."""
+def run_bench(cfg: Any, config: Optional[str], overrides: list[str]) -> dict[str, Any]:
+    """The whole benchmark with the ``bench_compile`` settings; returns and writes ``runs/<id>/bench-compile.json``.
+    ``config`` and ``overrides`` are the command line's, passed on to the three first-step processes."""
     from train.env import collect_env, resolve_device
     from train.setup import make_run_dir
 
@@ -140,18 +146,22 @@ def run_bench(cfg: Any, config: Optional[str], overrides: list[str], steps: int,
     shutil.rmtree(cache, ignore_errors=True)  # cold by construction
     base = [o for o in overrides if not o.startswith(("compile.enabled=", "compile.cache_dir=", "train.run_id="))]
     print(f"bench-compile: 3 processes (eager, compiled cold, compiled warm); cache {cache}", flush=True)
-    eager = _child(config, base, ["compile.enabled=false"], run_dir / "child-eager.json")
-    print(f"  eager: first step after {eager['time_to_first_step_s']:.1f}s", flush=True)
     compiled_args = ["compile.enabled=true", f"compile.cache_dir={cache}"]
-    cold = _child(config, base, compiled_args, run_dir / "child-cold.json")
-    print(f"  compiled, cold cache: first step after {cold['time_to_first_step_s']:.1f}s", flush=True)
-    warm = _child(config, base, compiled_args, run_dir / "child-warm.json")
-    print(f"  compiled, warm cache: first step after {warm['time_to_first_step_s']:.1f}s", flush=True)
+    firsts: dict[str, dict] = {}
+    with progress_bar(3, "bench-compile first steps", cfg.train.progress, unit="process") as bar:
+        say = beside(bar, lambda m: print(m, flush=True))
+        for name, label, extra in (("eager", "eager", ["compile.enabled=false"]),
+                                   ("cold", "compiled, cold cache", compiled_args),
+                                   ("warm", "compiled, warm cache", compiled_args)):
+            firsts[name] = _child(config, base, extra, run_dir / f"child-{name}.json")
+            bar.update(1)
+            say(f"  {label}: first step after {firsts[name]['time_to_first_step_s']:.1f}s")
+    eager, cold, warm = firsts["eager"], firsts["cold"], firsts["warm"]
     if cold["cache_state"] != "cold" or warm["cache_state"] != "warm":
         raise RuntimeError(f"cache states were {cold['cache_state']}/{warm['cache_state']}, expected cold/warm")
 
     cfg.compile.enabled, cfg.compile.cache_dir = "true", str(cache)
-    steady = steady_compare(cfg, steps, rounds)
+    steady = steady_compare(cfg)
     ratio_warm_cold = _ratio(warm["time_to_first_step_s"], cold["time_to_first_step_s"])
     result = {
         "cold_time_to_first_step_s": cold["time_to_first_step_s"],

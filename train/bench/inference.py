@@ -28,6 +28,7 @@ from train.perf.energy import EnergyMeter, per_unit
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import Timed, percentiles
 from train.precision import PrecisionPolicy
+from train.progress import progress_bar
 from train.setup import build_model
 
 
@@ -58,7 +59,7 @@ def load_model(cfg: RunConfig, bundle: DataBundle, device: torch.device,
         UserError: the checkpoint's vocabulary/classes do not match this config's data and tokenizer.
     """
     if checkpoint is None:
-        return build_model(cfg, bundle).to(device), list(bundle.corpus.label_names), "freshly initialised (no --checkpoint)"
+        return build_model(cfg, bundle).to(device), list(bundle.corpus.label_names), "freshly initialised (no bench.checkpoint)"
     state = load_checkpoint(checkpoint)
     spec = EncoderSpec(**state["spec"])
     if spec.vocab_size != bundle.vocab_size or spec.num_classes != bundle.num_classes:
@@ -70,7 +71,9 @@ def load_model(cfg: RunConfig, bundle: DataBundle, device: torch.device,
     return model.to(device), list(state.get("label_names") or bundle.corpus.label_names), checkpoint
 
 
-def _measure(answer: Callable[[list[str]], list[str]], groups: list[list[str]], device: torch.device) -> dict[str, Any]:
+def _measure(answer: Callable[[list[str]], list[str]], groups: list[list[str]], device: torch.device,
+             done: Callable[[int], Any] = lambda _n: None) -> dict[str, Any]:
+    """Answer ``groups`` one call each; ``done(n)`` after each call's timing (``n`` requests answered)."""
     memory, meter = WindowPeakMemory(device), EnergyMeter(device)
     memory.start()
     meter.start()
@@ -80,6 +83,7 @@ def _measure(answer: Callable[[list[str]], list[str]], groups: list[list[str]], 
         with Timed(device) as t:
             answer(group)
         latencies.append(t.ms)
+        done(len(group))
     total_s = time.perf_counter() - t_all
     energy = meter.stop()
     requests = sum(len(g) for g in groups)
@@ -95,22 +99,25 @@ def _measure(answer: Callable[[list[str]], list[str]], groups: list[list[str]], 
 
 
 def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer, device: torch.device,
-                        checkpoint: Optional[str], num_requests: int, batch_size: int,
                         notice: Callable[[str], None] = print) -> dict[str, Any]:
-    """Serve ``num_requests`` validation texts one by one, then in batches of ``batch_size``."""
+    """Serve ``bench.requests`` validation texts one by one, then in batches of ``bench.inference_batch_size``
+    (the model from ``bench.checkpoint``, or a fresh one)."""
+    num_requests, batch_size = cfg.bench.requests, cfg.bench.inference_batch_size
     split = bundle.corpus.validation if len(bundle.corpus.validation) else bundle.corpus.train
     texts = [split.texts[i % len(split)] for i in range(num_requests + 1)]
     truth = [bundle.corpus.label_names[int(split.labels[i % len(split)])] for i in range(num_requests + 1)]
     t0 = time.perf_counter()
-    model, label_names, source = load_model(cfg, bundle, device, checkpoint)
+    model, label_names, source = load_model(cfg, bundle, device, cfg.bench.checkpoint)
     policy = PrecisionPolicy.for_config(cfg, device)
     clf = Classifier(model, tokenizer, bundle, label_names, policy, device, cfg.data.max_len)
     with Timed(device) as t:
         first = clf(texts[:1])
     t_first, t_done = t.start, t.end
     notice(f"bench: inference model {source}; first response after {t_done - t0:.2f} s")
-    single = _measure(clf, [[t] for t in texts[1:]], device)
-    batched = _measure(clf, [texts[1 + i : 1 + i + batch_size] for i in range(0, num_requests, batch_size)], device)
+    with progress_bar(2 * num_requests, "bench inference", cfg.train.progress, unit="request") as bar:
+        single = _measure(clf, [[t] for t in texts[1:]], device, bar.update)
+        batched = _measure(clf, [texts[1 + i : 1 + i + batch_size] for i in range(0, num_requests, batch_size)], device,
+                           bar.update)
     answers = clf(texts[1:])
     return {
         "model": source,

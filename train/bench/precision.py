@@ -1,11 +1,11 @@
 """``python -m train bench-precision``: the same model on the same batches in several precisions.
 
 Rows: ``fp32`` and the ``auto`` choice; on CUDA also ``bf16`` (where supported) and ``fp16``; on a CPU
-also a short ``bf16`` row (``--bf16-cpu-steps`` steps, timing only) that shows why ``auto`` avoids it.
-Every row starts from the same initial weights and RNG state and is fed the same batches; the rows
-run interleaved step by step (the order rotates each step), so a shared, noisy machine slows them
-alike. Step times are synchronised, the first ``--warmup`` steps are dropped (a row shorter than that
-drops only its first step), medians are reported with the ratio to fp32's median on the same steps. After training, each full-length row is evaluated on the validation split.
+also a short ``bf16`` row (``bench_precision.bf16_cpu_steps`` steps, timing only) that shows why
+``auto`` avoids it. Every row starts from the same initial weights and RNG state and is fed the same
+batches; the rows run interleaved step by step (the order rotates each step), so a shared, noisy
+machine slows them alike. Step times are synchronised, the first ``bench_precision.warmup`` steps are
+dropped (a row shorter than that drops only its first step), medians are reported with the ratio to fp32's median on the same steps. After training, each full-length row is evaluated on the validation split.
 
 Writes ``bench-precision.json`` and ``bench-precision.md`` into the run directory.
 """
@@ -24,6 +24,7 @@ from train.env import collect_env
 from train.errors import atomic_write_text
 from train.perf.timer import Timed
 from train.precision import PrecisionPolicy, probe_for
+from train.progress import beside, progress_bar
 from train.rng import rng_state, set_rng_state
 from train.setup import build_model, seed_everything, start_run
 from train.trainer import Trainer, evaluate, move
@@ -78,8 +79,11 @@ def _gap(a: list[float], b: list[float]) -> dict[str, Optional[float]]:
     return {"mean_abs": float(d.mean()), "max_abs": float(d.max())}
 
 
-def run_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> dict[str, Any]:
-    """Train every row for its steps in lockstep, evaluate, write JSON + markdown. Returns the JSON dict."""
+def run_bench(cfg: RunConfig) -> dict[str, Any]:
+    """Train every row for ``bench_precision.steps`` steps in lockstep, evaluate, write JSON + markdown.
+    Returns the JSON dict."""
+    bp = cfg.bench_precision
+    steps, bf16_cpu_steps, warmup = bp.steps, bp.bf16_cpu_steps, bp.warmup
     cfg.train.max_steps = steps  # same LR schedule in every row
     start = start_run(cfg, prefix="bench-precision-")
     run_dir, device = start.run_dir, start.device
@@ -95,14 +99,16 @@ def run_bench(cfg: RunConfig, steps: int, bf16_cpu_steps: int, warmup: int) -> d
         loader.batch_sampler.set_epoch(epoch)
         batches += [move(b, device) for b in loader][: steps - len(batches)]
         epoch += 1
-    for i, (ids, mask, labels) in enumerate(batches):
-        active = [r for r in rows if i < r.steps]
-        k = i % len(active)
-        for r in active[k:] + active[:k]:  # rotate the order: no row always runs first
-            r.step(ids, mask, labels, device)
-        if (i + 1) % max(1, steps // 10) == 0:
-            print(f"step {i + 1}/{steps}: " + ", ".join(f"{r.requested} loss {r.losses[-1]:.4f}" for r in active),
-                  flush=True)
+    with progress_bar(steps, "bench-precision", cfg.train.progress) as bar:
+        say = beside(bar, lambda m: print(m, flush=True))
+        for i, (ids, mask, labels) in enumerate(batches):
+            active = [r for r in rows if i < r.steps]
+            k = i % len(active)
+            for r in active[k:] + active[:k]:  # rotate the order: no row always runs first
+                r.step(ids, mask, labels, device)
+            bar.update(1)
+            if (i + 1) % max(1, steps // 10) == 0:
+                say(f"step {i + 1}/{steps}: " + ", ".join(f"{r.requested} loss {r.losses[-1]:.4f}" for r in active))
 
     ref = rows[0]
     results = []

@@ -1,6 +1,6 @@
 """``python -m train bench-tracking``: what tracking costs a training step, measured in one process.
 
-One model, one data pipeline. Blocks of ``--block-steps`` optimizer steps are run under three
+One model, one data pipeline. Blocks of ``bench_tracking.block_steps`` optimizer steps are run under three
 conditions, interleaved (the order rotates every round), after a warm-up block:
 
 * ``none``  — no logger at all (tracking disabled);
@@ -14,9 +14,9 @@ blocks differ only by tracking. A block's cost is its wall time ÷ steps (loggin
 timer alone would miss it). Overhead = median over rounds of (full ÷ none) − 1. W&B's init is not in the
 blocks (it runs once, on its own thread, before them); it is reported as ``wandb_init_s``.
 
-``--online-check``: with W&B forced online (a dummy API key when none is set) and no reachable server,
-one short block with full tracking is timed from ``Tracking()`` to ``close()`` against a ``none`` block; the
-extra wall time must stay within ``tracking.init_timeout_s``.
+``bench_tracking.online_check`` (``--online-check``): with W&B forced online (a dummy API key when none
+is set) and no reachable server, one short block with full tracking is timed from ``Tracking()`` to
+``close()`` against a ``none`` block; the extra wall time must stay within ``tracking.init_timeout_s``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from train.config import RunConfig
 from train.errors import atomic_write_text
 from train.perf.timer import Timed
+from train.progress import beside, progress_bar
 from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import JsonlLogger, NullLogger
 from train.tracking.setup import Tracking
@@ -87,11 +88,13 @@ def _block(cfg: RunConfig, env: dict[str, Any], steps: int, logger: Any, grad_st
     return wall
 
 
-def run_bench(cfg: RunConfig, rounds: int = 5, block_steps: int = 100, online_check: bool = False,
-              out: Optional[str] = None) -> dict[str, Any]:
-    """Measure tracking overhead (see the module docstring). Writes ``runs/<id>/bench-tracking.json`` (or ``out``)
-    and returns the result dict."""
+def run_bench(cfg: RunConfig) -> dict[str, Any]:
+    """Measure tracking overhead with the ``bench_tracking`` settings (see the module docstring). Writes
+    ``runs/<id>/bench-tracking.json`` (or ``bench_tracking.out``) and returns the result dict."""
     from train.setup import make_run_dir
+
+    bt = cfg.bench_tracking
+    rounds, block_steps = bt.rounds, bt.block_steps
 
     run_dir = make_run_dir(cfg, prefix="bench-tracking-")
     env = _setup(cfg, run_dir)
@@ -119,12 +122,14 @@ def run_bench(cfg: RunConfig, rounds: int = 5, block_steps: int = 100, online_ch
     run_condition("none")  # warm-up
     cpu["none"].clear()
     per: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % 3:] + names[:r % 3]
-        for name in order:
-            per[name].append(run_condition(name))
-        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {per[n][-1]:.2f} ms/step (cpu {cpu[n][-1]:.2f})" for n in names),
-              flush=True)
+    with progress_bar(rounds * len(names), "bench-tracking", cfg.train.progress, unit="block") as bar:
+        say = beside(bar, lambda m: print(m, flush=True))
+        for r in range(rounds):
+            order = names[r % 3:] + names[:r % 3]
+            for name in order:
+                per[name].append(run_condition(name))
+                bar.update(1)
+            say(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {per[n][-1]:.2f} ms/step (cpu {cpu[n][-1]:.2f})" for n in names))
     tracking.close()
     jsonl.close()
     ratios_full = [f / n for f, n in zip(per["full"], per["none"])]
@@ -149,9 +154,9 @@ def run_bench(cfg: RunConfig, rounds: int = 5, block_steps: int = 100, online_ch
         "wandb_ready": wandb_ok,
         "machine_note": "2-core CPU shared with other jobs: block timings are noisy; ratios are of adjacent blocks",
     }
-    if online_check:
+    if bt.online_check:
         result["online_unreachable"] = _online_check(cfg, env, run_dir, block_steps)
-    path = Path(out) if out else run_dir / "bench-tracking.json"
+    path = Path(bt.out) if bt.out else run_dir / "bench-tracking.json"
     atomic_write_text(path, json.dumps(result, indent=2) + "\n")
     result["path"] = str(path)
     return result

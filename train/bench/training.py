@@ -1,8 +1,8 @@
 """Training benchmark: named configurations trained side by side in one process, interleaved.
 
 Every configuration gets its own model (same seed, same initial weights), optimizer and batch
-stream over the same real training split. After ``warmup_steps`` untimed steps each, the
-configurations take turns — ``rounds`` × ``window`` timed steps — so machine noise hits them
+stream over the same real training split. After ``bench.warmup_steps`` untimed steps each, the
+configurations take turns — ``bench.rounds`` × ``bench.window`` timed steps — so machine noise hits them
 alike; each step is timed between device synchronisations. Figures per configuration:
 samples/s and real tokens/s (median over windows), time to first step (model build → end of
 the first step: includes compilation where enabled), step time p50/p90/p99, peak memory,
@@ -29,6 +29,7 @@ from train.perf.flops import StepFlops
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import StepTimer, percentiles
 from train.precision import PrecisionPolicy
+from train.progress import beside, progress_bar
 from train.setup import build_model
 from train.trainer import Trainer, move
 
@@ -127,9 +128,9 @@ def _step(arm: _Arm, timer: StepTimer) -> tuple[float, int, int, int]:
 
 
 def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.device, names: list[str],
-                       warmup_steps: int, rounds: int, window: int,
                        notice: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Benchmark ``names`` (keys of :data:`CONFIGS`) and return one result row per configuration.
+    """Benchmark ``names`` (keys of :data:`CONFIGS`) with the ``bench`` settings of ``base`` (``warmup_steps``,
+    ``rounds``, ``window``) and return one result row per configuration.
 
     Raises:
         UserError: an unknown configuration name or an invalid override combination.
@@ -138,50 +139,61 @@ def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.d
 
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        raise UserError(f"unknown bench configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+        raise UserError(f"bench.configs: unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    b = base.bench
+    warmup_steps, rounds, window = max(1, b.warmup_steps), b.rounds, b.window
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     arms: list[_Arm] = []
-    for name in names:
-        description, overrides = CONFIGS[name]
-        arm = _build_arm(name, description, arm_config(base, overrides), base_bundle, device, notice)
-        timer = StepTimer(device)
-        for i in range(max(1, warmup_steps)):
-            _step(arm, timer)
-            if i == 0:
-                arm.first_step_s = arm.first_step_s + time.perf_counter()
-        arms.append(arm)
-    memory = WindowPeakMemory(device)
-    for r in range(rounds):
-        for arm in arms:
+    with progress_bar(len(names) * (warmup_steps + rounds * window), "bench training", base.train.progress) as bar:
+        say = beside(bar, notice)
+        for name in names:
+            description, overrides = CONFIGS[name]
+            arm = _build_arm(name, description, arm_config(base, overrides), base_bundle, device, say)
             timer = StepTimer(device)
-            meter = EnergyMeter(device)
-            memory.start()
-            meter.start()
-            w_ms, w_samples, w_tokens = 0.0, 0, 0
-            for _ in range(window):
-                ms, b, s, real = _step(arm, timer)
-                arm.step_ms.append(ms)
-                w_ms += ms
-                w_samples += b
-                w_tokens += real
-                arm.padded_tokens += b * s
-                arm.flops_total += arm.flops(b, s)
-                arm.seq_lens.add(s)
-            energy = meter.stop()
-            peak = memory.stop()
-            if peak["peak_memory_bytes"] > arm.peak_memory.get("peak_memory_bytes", -1):
-                arm.peak_memory = peak
-            if energy["energy_j"] is None:
-                arm.energy_j, arm.energy_reason = None, energy.get("energy_unavailable_reason")
-            elif arm.energy_j is not None:
-                arm.energy_j += energy["energy_j"]
-                arm.energy_source = energy["energy_source"]
-            arm.samples += w_samples
-            arm.real_tokens += w_tokens
-            arm.window_samples_per_s.append(w_samples / (w_ms / 1e3))
-            arm.window_tokens_per_s.append(w_tokens / (w_ms / 1e3))
-        notice(f"bench: round {r + 1}/{rounds} done")
+            for i in range(warmup_steps):
+                _step(arm, timer)
+                if i == 0:
+                    arm.first_step_s = arm.first_step_s + time.perf_counter()
+            bar.update(warmup_steps)
+            arms.append(arm)
+        memory = WindowPeakMemory(device)
+        for r in range(rounds):
+            for arm in arms:
+                _window(arm, window, device, memory)
+                bar.update(window)
+            say(f"bench: round {r + 1}/{rounds} done")
     return [_row(arm, device, device_name) for arm in arms]
+
+
+def _window(arm: _Arm, window: int, device: torch.device, memory: WindowPeakMemory) -> None:
+    """One timed window of ``window`` steps of ``arm``: step times, throughput, peak memory and energy."""
+    timer = StepTimer(device)
+    meter = EnergyMeter(device)
+    memory.start()
+    meter.start()
+    w_ms, w_samples, w_tokens = 0.0, 0, 0
+    for _ in range(window):
+        ms, b, s, real = _step(arm, timer)
+        arm.step_ms.append(ms)
+        w_ms += ms
+        w_samples += b
+        w_tokens += real
+        arm.padded_tokens += b * s
+        arm.flops_total += arm.flops(b, s)
+        arm.seq_lens.add(s)
+    energy = meter.stop()
+    peak = memory.stop()
+    if peak["peak_memory_bytes"] > arm.peak_memory.get("peak_memory_bytes", -1):
+        arm.peak_memory = peak
+    if energy["energy_j"] is None:
+        arm.energy_j, arm.energy_reason = None, energy.get("energy_unavailable_reason")
+    elif arm.energy_j is not None:
+        arm.energy_j += energy["energy_j"]
+        arm.energy_source = energy["energy_source"]
+    arm.samples += w_samples
+    arm.real_tokens += w_tokens
+    arm.window_samples_per_s.append(w_samples / (w_ms / 1e3))
+    arm.window_tokens_per_s.append(w_tokens / (w_ms / 1e3))
 
 
 def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from train import compat
 from train.compiling.session import CompileSession, _delta, resolve_compile
 from train.errors import UserError, atomic_write_text
 from train.perf.timer import Timed
+from train.progress import beside, progress_bar
 from train.rng import rng_state, set_rng_state
 
 
@@ -183,12 +184,13 @@ def plan_all_shapes(train_loader: DataLoader, eval_loaders: Iterable[DataLoader]
 
 def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shapes: dict[tuple, ShapeBatches],
             cv: float, window: int, max_steps: int, clock: Callable[[], float] = time.perf_counter,
-            notice: Callable[[str], None] = print) -> dict[str, Any]:
+            notice: Callable[[str], None] = print, progress: bool = False) -> dict[str, Any]:
     """Warm every shape in ``shapes``; restore the training state; return warmup.json's shapes, totals and criteria.
 
     ``trainer`` supplies ``train_step``, ``optimizer``, ``scheduler``, ``policy`` and ``device``;
     ``forward`` is what the trainer calls (the compiled wrapper, or the model itself); ``model`` the
-    plain module whose state is restored. ``clock`` returns seconds (injectable for tests).
+    plain module whose state is restored. ``clock`` returns seconds (injectable for tests). ``progress``: ask
+    for a progress bar over the shapes (drawn on a terminal only).
     """
     t0 = time.perf_counter()
     device, policy = trainer.device, trainer.policy
@@ -205,6 +207,8 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
         F.cross_entropy(forward(ids, mask, policy.blocks_autocast), labels)
 
     results = []
+    bar = progress_bar(len(shapes), "warm-up", progress, unit="shape")
+    say = beside(bar, notice)
     try:
         for key in sorted(shapes, key=lambda k: (k[0] != "train", k[2], k[1])):
             shape = shapes[key]
@@ -212,10 +216,12 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
             det = StabilityDetector(window, cv, max_steps)
             r = time_shape(train_step if shape.phase == "train" else eval_step, shape, det, device, clock)
             results.append(r)
-            notice(f"warm-up {shape.phase} [{shape.batch_size}, {shape.seq_len}]: first step {r['first_step_ms'] / 1e3:.1f}s "
-                   f"(cache {r['cache']}), {'stable' if r['stable'] else 'NOT stable'} after {r['steps']} steps, "
-                   f"steady {r['steady_step_ms']:.1f} ms, CV {100 * (r['cv'] or 0):.1f}%")
+            bar.update(1)
+            say(f"warm-up {shape.phase} [{shape.batch_size}, {shape.seq_len}]: first step {r['first_step_ms'] / 1e3:.1f}s "
+                f"(cache {r['cache']}), {'stable' if r['stable'] else 'NOT stable'} after {r['steps']} steps, "
+                f"steady {r['steady_step_ms']:.1f} ms, CV {100 * (r['cv'] or 0):.1f}%")
     finally:
+        bar.close()
         forward.train(was_training)
         exact = restore(model, trainer, state)
     cvs = [r["cv"] for r in results if r["cv"] is not None]
@@ -262,8 +268,9 @@ def warm_up_for_run(session: CompileSession, trainer: Any, model: torch.nn.Modul
             trainer.train_loader, [trainer.eval_loader] if trainer.eval_loader is not None else [])
         notice(f"warm-up: {len(shapes)} shapes ({'compiled' if session.enabled else 'eager'}), "
                f"until CV of the last {c.warmup_window} steps ≤ {100 * c.warmup_cv:.0f}% or {c.warmup_max_steps} steps")
+        progress = trainer.cfg.train.progress and trainer.dist.is_main
         result = warm_up(trainer, model, session.forward, shapes, c.warmup_cv, c.warmup_window, c.warmup_max_steps,
-                         notice=notice)
+                         notice=notice, progress=progress)
         result["compile"] = {"enabled": session.enabled, "reason": session.reason, "mode": c.mode, "backend": c.backend, "dynamic": c.dynamic,
                              "fullgraph": c.fullgraph, "recompile_limit": session.recompile_limit}
         result["cache"] = ({"dir": session.cache.dir, "source": session.cache.source, "state": session.cache.state,

@@ -20,6 +20,13 @@ from typing import Any, Optional
 import yaml
 
 from train.compiling.config import CompileConfig
+from train.config.bench import (
+    BenchBatchingConfig,
+    BenchCompileConfig,
+    BenchConfig,
+    BenchPrecisionConfig,
+    BenchTrackingConfig,
+)
 from train.config.sections import (
     BatchingConfig,
     ClipConfig,
@@ -36,7 +43,8 @@ from train.tracking.config import TrackingConfig
 
 @dataclass
 class RunConfig:
-    """Everything a run needs; saved fully resolved as ``runs/<id>/config.yaml``."""
+    """Everything a run needs; saved fully resolved as ``runs/<id>/config.yaml``. The ``bench*`` sections
+    (train/config/bench.py) are read only by the ``bench*`` commands."""
 
     data: DataConfig = field(default_factory=DataConfig)
     batching: BatchingConfig = field(default_factory=BatchingConfig)
@@ -48,6 +56,11 @@ class RunConfig:
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    bench_batching: BenchBatchingConfig = field(default_factory=BenchBatchingConfig)
+    bench_precision: BenchPrecisionConfig = field(default_factory=BenchPrecisionConfig)
+    bench_compile: BenchCompileConfig = field(default_factory=BenchCompileConfig)
+    bench_tracking: BenchTrackingConfig = field(default_factory=BenchTrackingConfig)
 
     def __post_init__(self) -> None:
         # optim.clip_norm is the old name of clip.max_norm: accept it, and keep it mirroring clip.max_norm.

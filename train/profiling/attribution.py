@@ -9,9 +9,9 @@ symptom → where (stage, op) → why (verdict).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
+from train.profiling.config import ProfileConfig
 from train.profiling.ops import FLOAT_DTYPES, OpRecord, bytes_moved, estimated_flops
 
 COMPUTE, MEMORY, LAUNCH, DATA, UNKNOWN = "compute-bound", "memory-bound", "CPU/launch-bound", "data-bound", "unknown"
@@ -19,21 +19,7 @@ LAUNCH_CPU_RATIO = 2.0
 """CUDA: an op whose CPU time (with children) is at least this multiple of its device time is launch-bound."""
 
 
-@dataclass
-class Thresholds:
-    """Verdict and recommendation thresholds (see ``ProfileConfig`` for their meaning)."""
-
-    launch_us: float = 10.0
-    data_bound_share: float = 0.10
-    padding_share: float = 0.25
-    memory_share: float = 0.30
-    compute_share: float = 0.30
-    launch_share: float = 0.20
-    optimizer_share: float = 0.15
-    other_share: float = 0.15
-
-
-def verdict(row: dict[str, Any], ridge: Optional[float], device_type: str, th: Thresholds) -> tuple[str, str]:
+def verdict(row: dict[str, Any], ridge: Optional[float], device_type: str, th: ProfileConfig) -> tuple[str, str]:
     """(verdict, reason) for one table row.
 
     Rules, in order: mean time per call < ``launch_us`` → launch-bound; on CUDA, CPU time ≥
@@ -86,7 +72,7 @@ def float_mask_rows(ops: list[OpRecord]) -> list[OpRecord]:
     return out
 
 
-def recommendations(summary: dict[str, Any], ops: list[OpRecord], th: Thresholds, ctx: dict[str, Any]) -> list[dict]:
+def recommendations(summary: dict[str, Any], ops: list[OpRecord], th: ProfileConfig, ctx: dict[str, Any]) -> list[dict]:
     """Up to three recommendations, highest trigger ratio (measured ÷ threshold) first; each cites its number."""
     recs = []
     shares = summary["breakdown_share"]
@@ -149,7 +135,7 @@ def recommendations(summary: dict[str, Any], ops: list[OpRecord], th: Thresholds
 
 
 def build_summary(ops: list[OpRecord], *, device_type: str, step_total_us: float, active_steps: int,
-                  stage_us: dict[str, float], roofline: dict[str, Any], th: Thresholds, top_k: int = 10,
+                  stage_us: dict[str, float], roofline: dict[str, Any], th: ProfileConfig,
                   default_bytes: int = 4, ctx: Optional[dict] = None) -> dict[str, Any]:
     """The attribution summary (what summary.json holds).
 
@@ -159,6 +145,7 @@ def build_summary(ops: list[OpRecord], *, device_type: str, step_total_us: float
         step_total_us: wall time of the captured steps, summed (µs).
         stage_us: µs per stage (``data_wait``, ``forward``, ``backward``, ``optimizer``) summed over the steps.
         roofline: from :func:`train.profiling.roofline.ridge_point` (needs ``ridge_flop_per_byte``, ``peak_flops_per_s``).
+        th: the run's ``profile`` section: the verdict and recommendation thresholds and ``top_k`` (table rows).
         ctx: run facts for the recommendations: ``padding_share``, ``batching_method``, ``num_workers``.
     Raises:
         ValueError: ``step_total_us`` ≤ 0 or ``active_steps`` < 1.
@@ -193,7 +180,7 @@ def build_summary(ops: list[OpRecord], *, device_type: str, step_total_us: float
                          f"not data-bound: DataLoader wait {100 * data_share:.1f}% of the step < {100 * th.data_bound_share:.0f}%"),
         "share_by_verdict": share_by_verdict,
         "roofline": roofline,
-        "table": rows[:top_k],
+        "table": rows[:th.top_k],
         "ops_total": len(rows),
         "context": ctx,
     }

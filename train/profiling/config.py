@@ -37,6 +37,17 @@ class ProfileConfig:
     """Recommend bucketing when at least this share of the processed tokens is padding."""
     launch_us: float = 10.0
     """An op whose mean time per call is below this many µs is launch/dispatch-bound."""
+    launch_share: float = 0.20
+    """Recommend fusing small ops (torch.compile, CUDA graphs) when launch-bound ops take at least this share of the step."""
+    memory_share: float = 0.30
+    """Recommend fusing elementwise chains / a 16-bit dtype when memory-bound ops take at least this share of the step."""
+    compute_share: float = 0.30
+    """Recommend fewer FLOPs per useful token when compute-bound ops take at least this share of the step."""
+    optimizer_share: float = 0.15
+    """Recommend a foreach/fused AdamW when the optimizer stage takes at least this share of the step."""
+    other_share: float = 0.15
+    """Recommend less logging and fewer host-device syncs when time outside data/forward/backward/optimizer takes at
+    least this share of the step."""
 
     def __post_init__(self) -> None:
         if self.wait < 0 or self.warmup < 0:
@@ -49,7 +60,8 @@ class ProfileConfig:
             raise UserError("profile.max_trace_mb must be > 0")
         if self.pyspy_steps < 3 or self.pyspy_rate < 1 or self.nsys_steps < 1 or self.gpu_sample_ms < 10:
             raise UserError("profile: pyspy_steps ≥ 3, pyspy_rate ≥ 1, nsys_steps ≥ 1 and gpu_sample_ms ≥ 10 are required")
-        for name in ("data_bound_share", "padding_share"):
+        for name in ("data_bound_share", "padding_share", "launch_share", "memory_share", "compute_share",
+                     "optimizer_share", "other_share"):
             if not 0 < getattr(self, name) < 1:
                 raise UserError(f"profile.{name} must be in (0, 1)")
         if self.launch_us <= 0:

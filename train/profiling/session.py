@@ -22,7 +22,7 @@ import torch
 from train.config import RunConfig
 from train.env import device_name
 from train.errors import UserError, atomic_write_text
-from train.profiling.attribution import Thresholds, build_summary, render_markdown
+from train.profiling.attribution import build_summary, render_markdown
 from train.profiling.gpu_sampler import GpuSampler, nvml_reader
 from train.profiling.nsys import NsysCapture, StaleExportError, export_stats, nsys_available, profile_command
 from train.profiling.pyspy import PySpyPhase, ptrace_preflight
@@ -136,10 +136,9 @@ class ProfileSession:
         ctx = {"padding_share": 1 - real / padded if padded else None, "real_tokens": real, "padded_tokens": padded,
                "batching_method": self.cfg.batching.method, "num_workers": self.cfg.data.num_workers,
                "precision": env.get("precision")}
-        th = Thresholds(launch_us=p.launch_us, data_bound_share=p.data_bound_share, padding_share=p.padding_share)
         default_bytes = 2 if env.get("precision") in ("bf16", "fp16") else 4
         summary = build_summary(w.ops, device_type=self.device.type, step_total_us=sum(w.step_us), active_steps=len(w.step_us),
-                                stage_us=w.stage_us, roofline=roof, th=th, top_k=p.top_k, default_bytes=default_bytes, ctx=ctx)
+                                stage_us=w.stage_us, roofline=roof, th=p, default_bytes=default_bytes, ctx=ctx)
         summary["trace"] = w.trace
         summary["profiled_step_time_ms_median"] = float(np.median(w.timer_ms)) if w.timer_ms else None
         return summary

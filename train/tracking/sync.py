@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from train.errors import UserError
-from train.tracking.wandb_logger import _has_api_key
+from train.tracking.wandb_logger import has_api_key
 
 
 def offline_runs(runs_root: str | Path, include_synced: bool = False) -> list[Path]:
@@ -40,7 +40,7 @@ def sync(runs_root: str = "runs", include_synced: bool = False, dry_run: bool = 
     if dry_run:
         print("dry run: " + " ".join(cmd))
         return 0
-    if not _has_api_key(dict(os.environ)):
+    if not has_api_key(dict(os.environ)):
         raise UserError("no W&B API key: run `wandb login` or set WANDB_API_KEY, then make wandb-sync again")
     try:
         import wandb  # noqa: F401

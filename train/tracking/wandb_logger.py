@@ -36,7 +36,7 @@ _STOP = object()
 _DEFAULT_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
 
 
-def _has_api_key(env: dict[str, str]) -> bool:
+def has_api_key(env: dict[str, str]) -> bool:
     """$WANDB_API_KEY, or a netrc entry for the W&B host (what ``wandb login`` writes)."""
     if env.get("WANDB_API_KEY"):
         return True
@@ -63,7 +63,7 @@ def resolve_mode(cfg: TrackingConfig, env: Optional[dict[str, str]] = None) -> t
     if env_mode == "disabled" or env.get("WANDB_DISABLED", "").lower() in ("true", "1"):
         return None, "disabled by the environment (WANDB_MODE=disabled or WANDB_DISABLED=true)"
     wanted = cfg.mode if cfg.mode != "auto" else ("online" if env_mode in ("online", "run") else "offline")
-    if wanted == "online" and not _has_api_key(env):
+    if wanted == "online" and not has_api_key(env):
         return "offline", "online mode asked for but no API key ($WANDB_API_KEY or `wandb login`): logging offline"
     return wanted, None
 
