@@ -67,7 +67,7 @@ def _cpu_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(params=["cpu-without-native-bf16", "cpu-with-native-bf16"])
 def precision_branch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict:
     """Both branches of ``precision=auto`` on a CPU, on any machine: the decision's inputs (native bf16 or not,
-    and the probe's fp32/bf16 timing: bf16 3x faster) are forced. Returns what ``auto`` must then decide."""
+    the probe's fp32/bf16 timing: bf16 3x faster, and a quiet machine) are forced. Returns what ``auto`` must then decide."""
     native = request.param == "cpu-with-native-bf16"
     calls: list = []
 
@@ -77,6 +77,7 @@ def precision_branch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr("train.precision.cpu_native_bf16", lambda: native)
     monkeypatch.setattr("train.precision.measure_bf16_speedup", measured)
+    monkeypatch.setattr("train.precision.machine_load", lambda: 0.0)  # a quiet machine: the decision is cached
     return {"native": native, "mode": "bf16" if native else "fp32", "source": "measured" if native else "rule",
             "probe_calls": calls}
 

@@ -127,6 +127,7 @@ def _forced(monkeypatch: pytest.MonkeyPatch, native: bool, ratio: float) -> list
 
     monkeypatch.setattr("train.precision.cpu_native_bf16", lambda: native)
     monkeypatch.setattr("train.precision.measure_bf16_speedup", measured)
+    monkeypatch.setattr("train.precision.machine_load", lambda: 0.0)  # a quiet machine: measured decisions are cached
     return calls
 
 
@@ -219,3 +220,14 @@ def test_precision_command_reports_and_remeasures(monkeypatch, tmp_path, capsys)
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[2] for line in out] == ["[measured]", "[cached]", "[measured]"] and len(calls) == 2
     assert all(line.startswith("precision bf16 ") for line in out)
+
+
+def test_a_decision_measured_on_a_busy_machine_is_not_cached(monkeypatch, tmp_path) -> None:
+    calls = _forced(monkeypatch, native=True, ratio=3.0)
+    monkeypatch.setattr("train.precision.machine_load", lambda: 64.0)  # far above any core count
+    busy = decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path))
+    assert busy.source == "measured" and busy.cache_path is None and "not cached: the machine was busy" in busy.reason
+    monkeypatch.setattr("train.precision.machine_load", lambda: 0.0)
+    quiet = decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path))
+    assert quiet.source == "measured" and quiet.cache_path and len(calls) == 2
+    assert decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path)).source == "cached"

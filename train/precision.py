@@ -15,7 +15,8 @@ bf16 never does (its exponent range equals fp32's).
   bf16 autocast, interleaved, median of :data:`PROBE_REPEATS` repeats; bf16 only when it is at least
   :data:`BF16_MARGIN` × faster, so a ratio near 1 does not flip the decision from run to run.
   The measured decision is cached per machine (CPU model + flags, torch version, torch threads,
-  probe shape) in ``<data.cache_dir>/decisions/``: later runs reuse it and say so.
+  probe shape) in ``<data.cache_dir>/decisions/``: later runs reuse it and say so. A measurement taken
+  while the machine is busy (1-minute load average above the core count) is used but not cached.
 
 The choice, its reason and its source (``requested``, ``rule``, ``measured``, ``cached``,
 ``checkpoint``) go into report.json; a resumed run continues in its checkpoint's precision.
@@ -125,6 +126,14 @@ def measure_bf16_speedup(probe: ProbeShape, repeats: int = PROBE_REPEATS) -> dic
     return {"fp32_ms": fp32_ms, "bf16_ms": bf16_ms, "ratio": fp32_ms / bf16_ms, "repeats": repeats}
 
 
+def machine_load() -> Optional[float]:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
 def machine_fingerprint(probe: ProbeShape) -> dict[str, Any]:
     """What a cached CPU decision is valid for: CPU model and flags, torch version, torch threads, probe shape."""
     name, flags = _cpuinfo()
@@ -161,6 +170,7 @@ def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> Decision:
                                 "cached", cached["measurement"], str(path))
         except (OSError, ValueError, KeyError):
             pass  # an unreadable cache entry is measured again
+    load = machine_load()
     m = measure_bf16_speedup(probe)
     mode = "bf16" if m["ratio"] >= BF16_MARGIN else "fp32"
     verdict = (f"ran {m['ratio']:.2f}x faster in bf16" if m["ratio"] >= 1 else f"ran {1 / m['ratio']:.2f}x slower in bf16")
@@ -168,7 +178,11 @@ def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> Decision:
               f"(median of {m['repeats']}: fp32 {m['fp32_ms']:.2f} ms, bf16 {m['bf16_ms']:.2f} ms; "
               f"bf16 needs >= {BF16_MARGIN}x)")
     decision = Decision(mode, reason, "measured", m, None)
-    if path is not None:
+    busy = load is not None and load > (os.cpu_count() or 1)
+    if busy:  # other work skews the two dtypes differently (bf16 measured slower under load once): not pinned
+        decision.reason += (f"; not cached: the machine was busy (load average {load:.1f} on {os.cpu_count()} cores), "
+                            "so the next run measures again")
+    if path is not None and not busy:
         record = {"mode": mode, "reason": reason, "measurement": m, "machine": machine,
                   "decided_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
         try:
