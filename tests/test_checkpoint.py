@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from train.checkpoint import load_checkpoint, save_checkpoint
+from train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from train.errors import UserError
-from train.rng import rng_state, set_rng_state
 
 ROOT = Path(__file__).resolve().parent.parent
 

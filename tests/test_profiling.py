@@ -45,7 +45,7 @@ def test_attribution_on_real_trace_bucketed_vs_pad_to_max(tiny_cfg, tmp_path: Pa
                                                         "compute_share", "optimizer_share", "other_share")]
     for method, extra in (("optimal", []), ("pad-to-max", ["profile.max_trace_mb=0.001"])):
         cfg = tiny_cfg(f"batching.method={method}", f"train.run_id={method}", "train.max_steps=6", "train.eval_every=6",
-                       *PROFILE, *timing_rules_off, *extra)
+                       *PROFILE, *timing_rules_off, "profile.top_k=1000", *extra)  # every op group in the table
         session = ProfileSession(cfg, ["torch", "pyspy"], proc_root=proc)
         report = run_training(cfg, time.perf_counter(), hooks=(session,))
         assert session.trainer.ranges is null_ranges  # profiler detached: its ranges and its callbacks
@@ -57,7 +57,9 @@ def test_attribution_on_real_trace_bucketed_vs_pad_to_max(tiny_cfg, tmp_path: Pa
         assert "--cap-add SYS_PTRACE" in s["skipped"]["pyspy"] and "kernel.yama.ptrace_scope" in s["skipped"]["pyspy"]
         assert s["active_steps"] == 3 and s["ranked_by"] == "self CPU time"
         times = [r["self_time_us"] for r in s["table"]]
-        assert times == sorted(times, reverse=True) and 8 <= len(times) <= 40  # fused AdamW etc. can outrank tiny matmuls
+        assert times == sorted(times, reverse=True) and 8 <= len(times) <= 1000
+        # the matmuls are there with the profiler's FLOPs wherever they rank (on a busy CPU, elementwise ops and
+        # fused AdamW can outrank this tiny model's matmuls, so a top-k cut would make this timing-dependent)
         assert any(r["op"] in ("aten::mm", "aten::addmm", "aten::bmm") and r["flops"] > 0 for r in s["table"])
         for r in s["table"]:
             assert 0 < r["share_of_step"] <= 1 and r["verdict"] in (A.COMPUTE, A.MEMORY, A.LAUNCH, A.UNKNOWN)

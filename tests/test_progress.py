@@ -1,10 +1,10 @@
-"""train/progress.py: one rule for every progress bar — drawn on a terminal when train.progress is true, else silent."""
+"""train/tools/progress.py: one rule for every progress bar — drawn on a terminal when train.progress is true, else silent."""
 
 import sys
 
 import pytest
 
-from train.progress import beside, progress_bar
+from train.tools.progress import beside, progress_bar
 
 
 def test_bar_is_silent_when_stderr_is_not_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:

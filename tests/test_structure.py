@@ -30,8 +30,8 @@ def modules() -> dict[str, Path]:
 
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     """Module → the ``train`` modules it imports anywhere in its body (function-level imports included:
-    a lazy import still ties two modules together). ``from train.x import y`` points at ``train.x.y`` when
-    that is a module, else at ``train.x``."""
+    a lazy import still ties two modules together). ``from train.x import y`` points at ``train.x`` (its
+    ``__init__`` runs first) and also at ``train.x.y`` when that is a module."""
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -44,11 +44,12 @@ def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+                # the package itself runs first (its __init__), then the named submodule, if it is one
+                targets = [base] + [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
             for t in targets:
                 while t and t not in mods:
                     t = t.rpartition(".")[0]
-                if t and t != name:
+                if t and t != name and t != "train":
                     graph[name].add(t)
     return graph
 
@@ -150,3 +151,10 @@ def test_no_block_of_10_lines_is_repeated(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(__import__(__name__), "PKG", tmp_path)
         assert len(repeated_blocks([tmp_path / "a.py", tmp_path / "b.py"])) == 1
+
+
+def test_the_top_level_holds_only_the_core() -> None:
+    """Components live in their folders; at most 16 modules beside ``__init__``/``__main__`` at the top."""
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(top) <= 16, f"{len(top)} top-level modules: {top}; move components into their packages"
+    assert {"cli", "setup", "run", "report", "trainer", "callbacks"} <= set(top)

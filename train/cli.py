@@ -90,8 +90,8 @@ def cmd_train(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_precision(args: argparse.Namespace, t_start: float) -> int:
-    from train.env import resolve_device
     from train.precision import PrecisionPolicy, decision_cache_path, probe_for
+    from train.tools.env import resolve_device
 
     cfg = load_cfg(args)
     if args.remeasure:

@@ -15,7 +15,6 @@ import torch
 
 from train.config import RunConfig
 from train.data import DataBundle
-from train.env import collect_env
 from train.errors import atomic_write_text
 from train.model import EncoderClassifier
 from train.numerics import NumericsAbort
@@ -25,6 +24,7 @@ from train.perf.flops import StepFlops
 from train.perf.memory import peak_memory
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
+from train.tools.env import collect_env
 from train.trainer import Trainer, TrainStats
 
 

@@ -26,10 +26,9 @@ from typing import Any, Optional
 import torch
 
 from train.callbacks import Callback
-from train.checkpoint import load_checkpoint, save_checkpoint
+from train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from train.distributed import DistContext, agreed, any_rank, gather_to_main
 from train.errors import UserError, atomic_write_text
-from train.rng import rng_state, set_rng_state
 
 FORMAT = 1
 CHECKPOINT_DIR = "checkpoints"

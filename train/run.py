@@ -23,7 +23,6 @@ from train.compiling.warmup import start_compile, warm_up_for_run
 from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader, prepare_data
 from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
-from train.env import collect_env, device_name, resolve_device
 from train.errors import UserError, atomic_write_text
 from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
@@ -42,6 +41,7 @@ from train.resume import (
 )
 from train.setup import apply_threads_and_seed, build_model, make_run_dir
 from train.shutdown import ShutdownRequest
+from train.tools.env import collect_env, device_name, resolve_device
 from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import NullLogger
 from train.tracking.setup import Tracking

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from train.config import RunConfig, dump_config
-from train.env import resolve_device
 from train.errors import UserError, atomic_write_text
 from train.model import EncoderClassifier, resolve_spec
 from train.precision import PrecisionPolicy
+from train.tools.env import resolve_device
 
 
 def seed_everything(seed: int) -> None:

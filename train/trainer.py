@@ -30,7 +30,7 @@ from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
 from train.profiling.ranges import null_ranges
-from train.progress import progress_bar
+from train.tools.progress import progress_bar
 from train.tracking.loggers import MetricLogger, NullLogger
 
 

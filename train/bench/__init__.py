@@ -19,9 +19,9 @@ from train.bench.training import CONFIGS, add_ratios, run_training_bench
 from train.config import RunConfig
 from train.data import prepare_data
 from train.data.tokenizer import load_or_train
-from train.env import collect_env
 from train.errors import atomic_path, atomic_write_text
 from train.setup import start_run
+from train.tools.env import collect_env
 
 
 def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:

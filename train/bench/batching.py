@@ -43,7 +43,7 @@ from train.data.packing import PackCollate, packed_batches, packed_forward
 from train.data.sampler import BucketBatchSampler
 from train.errors import UserError
 from train.perf.timer import Timed
-from train.progress import beside, progress_bar
+from train.tools.progress import beside, progress_bar
 
 BASELINE = "pad-to-max"
 
@@ -259,8 +259,8 @@ def run_bench(cfg: RunConfig, run_dir: Path, notice: Callable[[str], None] = pri
         UserError: bad data/config (as for training).
     """
     from train.data import make_loader, prepare_data
-    from train.env import collect_env
     from train.setup import build_model, start_run
+    from train.tools.env import collect_env
     from train.trainer import Trainer
 
     bc = cfg.bench_batching

@@ -28,7 +28,7 @@ from train import compat
 from train.compiling.session import CompileSession
 from train.errors import UserError, atomic_write_text
 from train.perf.timer import Timed, percentiles
-from train.progress import beside, progress_bar
+from train.tools.progress import beside, progress_bar
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,8 +138,8 @@ def steady_compare(cfg: Any) -> dict[str, Any]:
 def run_bench(cfg: Any, config: Optional[str], overrides: list[str]) -> dict[str, Any]:
     """The whole benchmark with the ``bench_compile`` settings; returns and writes ``runs/<id>/bench-compile.json``.
     ``config`` and ``overrides`` are the command line's, passed on to the three first-step processes."""
-    from train.env import collect_env, resolve_device
     from train.setup import make_run_dir
+    from train.tools.env import collect_env, resolve_device
 
     run_dir = make_run_dir(cfg, prefix="bench-compile-")
     cache = (run_dir / "inductor-cache").resolve()

@@ -28,8 +28,8 @@ from train.perf.energy import EnergyMeter, per_unit
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import Timed, percentiles
 from train.precision import PrecisionPolicy
-from train.progress import progress_bar
 from train.setup import build_model
+from train.tools.progress import progress_bar
 
 
 class Classifier:

@@ -18,15 +18,15 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from train.checkpoint import rng_state, set_rng_state
 from train.config import RunConfig
 from train.data import make_loader, prepare_data
-from train.env import collect_env
 from train.errors import atomic_write_text
 from train.perf.timer import Timed
 from train.precision import PrecisionPolicy, probe_for
-from train.progress import beside, progress_bar
-from train.rng import rng_state, set_rng_state
 from train.setup import build_model, seed_everything, start_run
+from train.tools.env import collect_env
+from train.tools.progress import beside, progress_bar
 from train.trainer import Trainer, evaluate, move
 
 ACCURACY_PARITY_POINTS = 1.0  # target: low-precision eval accuracy within 1.0 point of fp32 (CUDA)

@@ -34,7 +34,7 @@ import torch
 from train.config import RunConfig
 from train.errors import atomic_write_text
 from train.perf.timer import Timed
-from train.progress import beside, progress_bar
+from train.tools.progress import beside, progress_bar
 from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import JsonlLogger, NullLogger
 from train.tracking.setup import Tracking

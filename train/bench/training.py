@@ -29,8 +29,8 @@ from train.perf.flops import StepFlops
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import StepTimer, percentiles
 from train.precision import PrecisionPolicy
-from train.progress import beside, progress_bar
 from train.setup import build_model
+from train.tools.progress import beside, progress_bar
 from train.trainer import Trainer, move
 
 # name → (description, config overrides on top of the base config). "naive" comes first: ratios use it.

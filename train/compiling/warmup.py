@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from train import compat
+from train.checkpoint import rng_state, set_rng_state
 from train.compiling.session import CompileSession, _delta, resolve_compile
 from train.errors import UserError, atomic_write_text
 from train.perf.timer import Timed
-from train.progress import beside, progress_bar
-from train.rng import rng_state, set_rng_state
+from train.tools.progress import beside, progress_bar
 
 
 class StabilityDetector:

@@ -221,7 +221,7 @@ class TrainConfig:
     """Run directory name under ``output_dir``; None = a timestamp."""
     progress: bool = True
     """Show tqdm progress bars on a terminal (stderr): training (loss, samples/s, padding %), warm-up and the
-    ``bench*`` commands (train/progress.py). Never drawn when stderr is not a TTY."""
+    ``bench*`` commands (train/tools/progress.py). Never drawn when stderr is not a TTY."""
     checkpoint_every: Optional[int] = 500
     """Write a resumable checkpoint to ``runs/<id>/checkpoints/`` every N steps; null = only the final ``checkpoint.pt``."""
     keep_checkpoints: int = 3

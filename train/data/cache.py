@@ -32,8 +32,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+import train.data.wordnet as wordnet  # the module itself, not the package: no package <-> submodule import loop
 from train.config import DataConfig
-from train.data import wordnet
 from train.data.sources import SPLITS, Corpus, TextSplit
 from train.data.tokenizer import FORMAT_VERSION, TokenizedSplit, tokenizer_fingerprint
 

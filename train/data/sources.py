@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+import train.data.wordnet as wordnet  # the module itself, not the package: no package <-> submodule import loop
 from train.config import DataConfig
-from train.data import wordnet
 from train.errors import UserError
 
 SPLITS = ("train", "validation", "test")

@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 from train.config import RunConfig
-from train.env import device_name
 from train.errors import UserError, atomic_write_text
 from train.profiling.attribution import build_summary, render_markdown
 from train.profiling.gpu_sampler import GpuSampler, nvml_reader
 from train.profiling.nsys import NsysCapture, StaleExportError, export_stats, nsys_available, profile_command
 from train.profiling.pyspy import PySpyPhase, ptrace_preflight
 from train.profiling.window import TorchProfileWindow
+from train.tools.env import device_name
 
 TOOLS = ("torch", "pyspy", "gpu", "nsys")
 INTERNAL = ("nsys-capture",)

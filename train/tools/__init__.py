@@ -1,2 +1,3 @@
-"""Environment checks: ``python -m train.tools.verify_gpu`` (the pass/fail table) and the container
-entrypoint's ``preflight``."""
+"""Around the run rather than in it: ``python -m train.tools.verify_gpu`` (the pass/fail table), the container
+entrypoint's ``preflight``, the environment facts report.json records (``env``) and the progress bars long
+commands show on a terminal (``progress``)."""
