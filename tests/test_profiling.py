@@ -62,7 +62,9 @@ def test_attribution_on_real_trace_bucketed_vs_pad_to_max(tiny_cfg, tmp_path: Pa
         # fused AdamW can outrank this tiny model's matmuls, so a top-k cut would make this timing-dependent)
         assert any(r["op"] in ("aten::mm", "aten::addmm", "aten::bmm") and r["flops"] > 0 for r in s["table"])
         for r in s["table"]:
-            assert 0 < r["share_of_step"] <= 1 and r["verdict"] in (A.COMPUTE, A.MEMORY, A.LAUNCH, A.UNKNOWN)
+            assert r["verdict"] in (A.COMPUTE, A.MEMORY, A.LAUNCH, A.UNKNOWN)
+            if r["self_time_us"] > 0:  # the tail of every op group can be 0 (or, on torch 2.1, slightly negative) µs
+                assert 0 < r["share_of_step"] <= 1
         br = s["breakdown_ms"]
         assert sum(br.values()) == pytest.approx(s["step_time_ms"], rel=1e-6)
         assert br["forward"] > 0 and br["backward"] > 0 and br["optimizer"] > 0
