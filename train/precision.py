@@ -222,12 +222,6 @@ def decide(mode: str, device: torch.device, probe: Optional[ProbeShape] = None,
     return _cpu_measured(probe or ProbeShape(PROBE_MAX_TOKENS, 256, 1024), cache_dir)
 
 
-def resolve_precision(mode: str, device: torch.device) -> tuple[str, str]:
-    """(mode, reason) of :func:`decide` without a cache. Raises UserError as :func:`decide`."""
-    d = decide(mode, device)
-    return d.mode, d.reason
-
-
 @dataclass
 class PrecisionPolicy:
     """Resolved precision for one run. Build with :meth:`create`, :meth:`for_config` or :meth:`for_resume`."""

@@ -174,11 +174,6 @@ def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bund
     return state
 
 
-def load_resume_state(path: Path, ctx: DistContext, bundle, spec) -> dict[str, Any]:
-    """:func:`read_resume_state` then :func:`check_resume_state`. Raises UserError as both."""
-    return check_resume_state(read_resume_state(path), path, ctx, bundle, spec)
-
-
 def restore_rng(state: dict[str, Any], ctx: DistContext) -> None:
     """This rank's RNG states from ``state``; call right before the loop so nothing draws from them in between."""
     set_rng_state(state["ranks"][ctx.rank]["rng"])
