@@ -23,7 +23,8 @@ from train.run import run_training
 from train.setup import build_model, seed_everything
 from train.trainer import Trainer
 
-# One bucket and a batch larger than the training split: one training shape, two evaluation shapes.
+# One bucket and a batch larger than the training split: one training shape, which evaluation (validation and
+# test, their batches filled up to it) runs too: two graphs (training; evaluation: no grad).
 FEW_SHAPES = ["batching.num_buckets=1", "batching.batch_size=512", "compile.enabled=true", "compile.warmup_window=3",
               "compile.warmup_max_steps=6", "compile.warmup_cv=0.5"]
 
@@ -138,7 +139,9 @@ def test_compiled_training_run_reports_zero_recompiles(tiny_cfg, compile_env: Pa
     assert c["recompiles_after_warmup"] == 0 and c["warmup_s"] > 0 and not c["recompile_limit_hit"]
     assert c["cache_dir"] == str(compile_env.resolve())
     warmup = json.loads((Path(report["run_dir"]) / "warmup.json").read_text())
-    assert warmup["totals"]["shapes"] == 3 and warmup["cache"]["dir"] == c["cache_dir"]
+    assert warmup["totals"]["shapes"] == 2 and warmup["cache"]["dir"] == c["cache_dir"]
+    assert {(r["batch_size"], r["seq_len"]) for r in warmup["shapes"] if r["phase"] == "eval"} == \
+        {(r["batch_size"], r["seq_len"]) for r in warmup["shapes"] if r["phase"] == "train"}
     assert {"compile_s", "steps_to_stability", "steady_step_ms", "cv", "cache"} <= set(warmup["shapes"][0])
     assert report["quality"]["final_train_loss"] is not None
 

@@ -3,8 +3,10 @@
 The loop (:class:`train.trainer.Trainer`) calls, for every callback in order:
 
 * ``on_step_start(step)`` before the step's batch is fetched;
-* ``on_step_end(step, step_ms) -> bool`` after the step (``step_ms``: its synchronised duration); every
-  callback sees every step, and the loop stops after this step if any returned True;
+* ``on_step_end(step, step_ms) -> bool`` after the step; every callback sees every step, and the loop stops
+  after this step if any returned True. ``step_ms`` is the step's duration (ms) when the host knows it: always
+  on a CPU; on CUDA the loop reads step times once per logged step (no sync in between), so there it is None
+  unless some callback sets ``needs_step_ms = True`` (a profiler: then every step waits for the device);
 * ``on_log(record)`` after each ``metrics.jsonl`` training record (while the step's gradients are still
   in ``.grad``);
 * ``on_fit_end(stats)`` once, after the last step (or the stop).
@@ -17,17 +19,21 @@ events this project needs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 
 class Callback:
     """Override the events you need; the defaults do nothing (and never ask the loop to stop)."""
 
+    needs_step_ms: bool = False
+    """True: ``on_step_end`` needs every step's duration, so the loop waits for the device after each step."""
+
     def on_step_start(self, step: int) -> None:
         """Before training step ``step`` (1-based) fetches its batch."""
 
-    def on_step_end(self, step: int, step_ms: float) -> bool:
-        """After step ``step``; ``step_ms`` in milliseconds. Return True to stop the loop after this step."""
+    def on_step_end(self, step: int, step_ms: Optional[float]) -> bool:
+        """After step ``step``; ``step_ms`` in milliseconds, or None (see the module docstring). Return True to
+        stop the loop after this step."""
         return False
 
     def on_log(self, record: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
 """The training loop, and only the loop: forward, loss, backward, clip, step, log, evaluate.
 
 Measurement sits outside the loop body: a :class:`StepTimer` brackets each step and a
-:class:`MetricLogger` receives one record every ``log_every`` steps. Per-step values are
-accumulated on the device and read (a host-device sync on CUDA) only when a record is logged.
+:class:`MetricLogger` receives one record every ``log_every`` steps. Per-step values (loss, grad norm,
+and on CUDA the step times, as timing events) stay on the device and are read (a host-device sync on
+CUDA) only when a record is logged: a steady step between two records never waits for the device.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from train.callbacks import Callback
 from train.clipping import clip_gradients
 from train.compat import fused_adamw_supported
 from train.config import RunConfig
+from train.data.collate import IGNORE_LABEL
 from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
 from train.model import EncoderClassifier, param_groups
@@ -76,24 +78,25 @@ def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPoli
     """Accuracy (micro), macro-F1 (torchmetrics) and mean cross-entropy over ``loader``.
 
     Under DDP each rank evaluates its shard (``loader`` from ``make_loader(..., world_size, rank)``):
-    torchmetrics all-gathers its states in ``compute()``; the loss sum and count are all-reduced.
+    torchmetrics all-gathers its states in ``compute()``; the loss sum and count are all-reduced. Filler rows
+    (label ``IGNORE_LABEL``, which fill a bucket's last batch to the training shape) count nowhere.
     """
     from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score  # here: its import costs ~1 s of start-up
 
     ctx = dist_ctx or DistContext()
     was_training = model.training
     model.eval()
-    acc = MulticlassAccuracy(num_classes=num_classes, average="micro").to(device)
-    f1 = MulticlassF1Score(num_classes=num_classes, average="macro").to(device)
+    acc = MulticlassAccuracy(num_classes=num_classes, average="micro", ignore_index=IGNORE_LABEL).to(device)
+    f1 = MulticlassF1Score(num_classes=num_classes, average="macro", ignore_index=IGNORE_LABEL).to(device)
     loss_sum = torch.zeros((), device=device)
     n = 0
     for batch in loader:
         ids, mask, labels = move(batch, device)
         logits = model(ids, mask, policy.blocks_autocast)
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum")
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_LABEL)
         acc.update(logits, labels)
         f1.update(logits, labels)
-        n += labels.numel()
+        n += batch.get("samples", labels.numel())
     model.train(was_training)
     if ctx.enabled:  # every rank, even one with an empty shard, joins the reductions
         totals = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(float(n), dtype=torch.float64,
@@ -238,7 +241,9 @@ class Trainer:
                 batch = next(batches)  # data wait is part of the step time
                 ids, mask, labels = move(batch, self.device)
             loss, self.last_grad_norm = self.train_step(ids, mask, labels)
-            ms = self.timer.stop()
+            # on CUDA, the duration is known now only on the first step (time to first step) or when a callback asks
+            ms = self.timer.stop(resolve=step == self.start_step + 1 or
+                                 any(getattr(cb, "needs_step_ms", False) for cb in self.callbacks))
             if step == self.start_step + 1:
                 s.first_step_end = time.perf_counter()
             b, seq = ids.shape
@@ -253,7 +258,6 @@ class Trainer:
                 s.steady_samples += b
                 s.steady_real_tokens += batch["real_tokens"]
             window["steps"] += 1
-            window["ms"] += ms
             window["samples"] += b
             window["real"] += batch["real_tokens"]
             window["padded"] += b * seq
@@ -287,11 +291,17 @@ class Trainer:
                 self.stopped_at = step
                 break
         bar.close()
+        self.settle_times()
         for cb in tuple(self.callbacks):
             cb.on_fit_end(s)
         return s
 
+    def settle_times(self) -> None:
+        """Read the step durations the timer still holds into the open window (a sync point on CUDA)."""
+        self.window["ms"] += sum(self.timer.flush())
+
     def _log_record(self, step: int, window: dict) -> dict[str, Any]:
+        self.settle_times()
         n = window["steps"]
         numerics = self.guard.end_window(n)  # sync point: once per log_every steps
         loss = numerics.pop("loss")  # mean over the window's non-skipped steps
@@ -326,6 +336,7 @@ class Trainer:
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's own state: its open logging window and its counters."""
         s = self.stats
+        self.settle_times()
         return {"guard": self.guard.state_dict(), "window": dict(self.window), "samples": s.samples, "real_tokens": s.real_tokens,
                 "padded_tokens": s.padded_tokens, "truncated_in_collate": s.truncated_in_collate,
                 "seq_lens": sorted(s.seq_lens), "batch_shapes": [list(x) for x in sorted(s.batch_shapes)]}

@@ -117,14 +117,16 @@ def _build_arm(name: str, description: str, cfg: RunConfig, base_bundle: DataBun
     return arm
 
 
-def _step(arm: _Arm, timer: StepTimer) -> tuple[float, int, int, int]:
+def _step(arm: _Arm, timer: StepTimer, resolve: bool = False) -> tuple[int, int, int]:
+    """One timed training step: (batch, length, real tokens). Its duration is read by ``timer.flush()``
+    (``resolve``: now, waiting for the device)."""
     timer.start()
     batch = next(arm.batches)
     ids, mask, labels = move(batch, arm.trainer.device)
     arm.trainer.train_step(ids, mask, labels)
-    ms = timer.stop()
+    timer.stop(resolve=resolve)
     b, s = ids.shape
-    return ms, b, s, batch["real_tokens"]
+    return b, s, batch["real_tokens"]
 
 
 def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.device, names: list[str],
@@ -151,7 +153,7 @@ def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.d
             arm = _build_arm(name, description, arm_config(base, overrides), base_bundle, device, say)
             timer = StepTimer(device)
             for i in range(warmup_steps):
-                _step(arm, timer)
+                _step(arm, timer, resolve=True)
                 if i == 0:
                     arm.first_step_s = arm.first_step_s + time.perf_counter()
             bar.update(warmup_steps)
@@ -171,16 +173,17 @@ def _window(arm: _Arm, window: int, device: torch.device, memory: WindowPeakMemo
     meter = EnergyMeter(device)
     memory.start()
     meter.start()
-    w_ms, w_samples, w_tokens = 0.0, 0, 0
+    w_samples, w_tokens = 0, 0
     for _ in range(window):
-        ms, b, s, real = _step(arm, timer)
-        arm.step_ms.append(ms)
-        w_ms += ms
+        b, s, real = _step(arm, timer)
         w_samples += b
         w_tokens += real
         arm.padded_tokens += b * s
         arm.flops_total += arm.flops(b, s)
         arm.seq_lens.add(s)
+    step_ms = timer.flush()  # one wait for the device per window, not per step
+    arm.step_ms.extend(step_ms)
+    w_ms = sum(step_ms)
     energy = meter.stop()
     peak = memory.stop()
     if peak["peak_memory_bytes"] > arm.peak_memory.get("peak_memory_bytes", -1):

@@ -101,7 +101,7 @@ def planned_shapes(loader: DataLoader, phase: str, per_shape: int = 3) -> dict[t
     collate, dataset = loader.collate_fn, loader.dataset
     out: dict[tuple, ShapeBatches] = {}
     for idx in sampler:
-        key = (phase, len(idx), collate.target_length(int(sampler.lengths[idx].max())))
+        key = (phase, *collate.target_shape(len(idx), int(sampler.lengths[idx].max())))
         entry = out.setdefault(key, ShapeBatches(phase, key[1], key[2]))
         if len(entry.batches) < per_shape:
             batch = collate([dataset[i] for i in idx])
@@ -113,22 +113,25 @@ def planned_shapes(loader: DataLoader, phase: str, per_shape: int = 3) -> dict[t
 
 @dataclass
 class TrainingState:
-    """A bit-exact copy of what a training step changes."""
+    """A bit-exact copy of what a training step changes, including what the loop accumulates for its next
+    metrics record (the numerics guard's loss/norm/bad-step sums), so warm-up steps never show in the metrics."""
 
     model: dict
     optimizer: dict
     scheduler: dict
     scaler: Optional[dict]
     rng: dict
+    guard: Optional[dict] = None
 
 
 def snapshot(model: torch.nn.Module, trainer: Any) -> TrainingState:
     rng = rng_state()
-    scaler = trainer.policy.scaler
+    scaler, guard = trainer.policy.scaler, getattr(trainer, "guard", None)
     return TrainingState(model={k: v.detach().clone() for k, v in model.state_dict().items()},
                          optimizer=copy.deepcopy(trainer.optimizer.state_dict()),
                          scheduler=copy.deepcopy(trainer.scheduler.state_dict()),
-                         scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None, rng=rng)
+                         scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None, rng=rng,
+                         guard=guard.state_dict() if guard is not None else None)
 
 
 def restore(model: torch.nn.Module, trainer: Any, state: TrainingState) -> bool:
@@ -140,8 +143,12 @@ def restore(model: torch.nn.Module, trainer: Any, state: TrainingState) -> bool:
     if state.scaler is not None:
         trainer.policy.scaler.load_state_dict(copy.deepcopy(state.scaler))
     set_rng_state(state.rng)
+    guard_exact = True
+    if state.guard is not None:
+        trainer.guard.load_state_dict(state.guard)
+        guard_exact = torch.equal(trainer.guard.state_dict()["accumulators"], state.guard["accumulators"])
     now = model.state_dict()
-    return all(torch.equal(now[k], v) for k, v in state.model.items()) and not trainer.optimizer.state
+    return all(torch.equal(now[k], v) for k, v in state.model.items()) and not trainer.optimizer.state and guard_exact
 
 
 def time_shape(step: Callable[[dict], Any], shape: ShapeBatches, detector: StabilityDetector,

@@ -12,6 +12,9 @@ from torch.utils.data import Dataset
 
 from train.data.tokenizer import TokenizedSplit
 
+IGNORE_LABEL = -100
+"""The label of a filler row (``F.cross_entropy``'s default ``ignore_index``); metrics skip it."""
+
 
 class TokenDataset(Dataset):
     """``dataset[i] -> (ids int32 [L_i], label int)`` over a :class:`TokenizedSplit`."""
@@ -35,20 +38,37 @@ class PadCollate:
     A sample longer than the largest bound is cut to it, keeping its final ([SEP]) token;
     ``batch["truncated"]`` counts those.
 
+    ``rows`` (evaluation, ``pad_to="bound"`` only): per bound (aligned with ``bounds``), the batch sizes training
+    produces in that bucket (full, and partial unless dropped); a batch is filled up to the smallest of them
+    that holds it with copies of its first sample labelled :data:`IGNORE_LABEL`, so evaluation runs only the
+    training shapes (no shapes of its own for partial batches). Filler rows add no real tokens and no samples.
+
     Returns a dict: ``input_ids`` LongTensor[B, S], ``attention_mask`` BoolTensor[B, S] (True = real
-    token), ``labels`` LongTensor[B], ``real_tokens`` int, ``truncated`` int.
+    token), ``labels`` LongTensor[B] (:data:`IGNORE_LABEL` on filler rows), ``samples`` int (real rows),
+    ``real_tokens`` int, ``truncated`` int.
     Picklable, so it works with ``num_workers > 0``; allocates fresh tensors per batch and keeps no
     state between batches (host memory stays flat across epochs).
     """
 
-    def __init__(self, pad_id: int, bounds: Optional[Sequence[int]] = None, pad_to: str = "bound") -> None:
+    def __init__(self, pad_id: int, bounds: Optional[Sequence[int]] = None, pad_to: str = "bound",
+                 rows: Optional[Sequence[Sequence[int]]] = None) -> None:
         if pad_to not in ("bound", "batch-max"):
             raise ValueError("pad_to must be 'bound' or 'batch-max'")
         if pad_to == "bound" and not bounds:
             raise ValueError("pad_to='bound' needs bounds")
+        if rows is not None and (pad_to != "bound" or len(rows) != len(bounds or ())):
+            raise ValueError("rows needs pad_to='bound' and one batch size per bound")
         self.pad_id = pad_id
         self.bounds = sorted(int(b) for b in bounds) if bounds else None
         self.pad_to = pad_to
+        self.rows = {b: sorted(int(x) for x in r) for b, r in zip(self.bounds, rows)} if rows is not None else None
+
+    def target_shape(self, n: int, longest: int) -> tuple[int, int]:
+        """(B, S) of the padded batch of ``n`` samples whose longest has ``longest`` tokens."""
+        s = self.target_length(longest)
+        if not self.rows:
+            return n, s
+        return next((r for r in self.rows[s] if r >= n), n), s
 
     def target_length(self, longest: int) -> int:
         if self.pad_to == "batch-max":
@@ -57,9 +77,10 @@ class PadCollate:
         return self.bounds[min(k, len(self.bounds) - 1)]
 
     def __call__(self, batch: list[tuple[np.ndarray, int]]) -> dict:
-        s = self.target_length(max(len(ids) for ids, _ in batch))
-        input_ids = torch.full((len(batch), s), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), s), dtype=torch.bool)
+        n = len(batch)
+        rows, s = self.target_shape(n, max(len(ids) for ids, _ in batch))
+        input_ids = torch.full((rows, s), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, s), dtype=torch.bool)
         truncated = 0
         for row, (ids, _) in enumerate(batch):
             if len(ids) > s:
@@ -67,6 +88,9 @@ class PadCollate:
                 truncated += 1
             input_ids[row, : len(ids)] = torch.from_numpy(ids.astype(np.int64))
             mask[row, : len(ids)] = True
-        labels = torch.tensor([label for _, label in batch], dtype=torch.long)
-        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
-                "real_tokens": int(mask.sum()), "truncated": truncated}
+        real_tokens = int(mask.sum())
+        labels = torch.tensor([label for _, label in batch] + [IGNORE_LABEL] * (rows - n), dtype=torch.long)
+        if rows > n:  # filler rows: the first sample again (a real, finite forward), ignored by loss and metrics
+            input_ids[n:], mask[n:] = input_ids[0], mask[0]
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels, "samples": n,
+                "real_tokens": real_tokens, "truncated": truncated}

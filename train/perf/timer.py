@@ -1,10 +1,11 @@
-"""Device-synchronised step timing and percentiles."""
+"""Step timing (``StepTimer``: no per-step sync; ``Timed``: synchronised, for benchmarks) and percentiles."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -46,34 +47,97 @@ def percentiles(values: Iterable[float], qs: Sequence[int] = (50, 90, 99)) -> di
 
 
 class StepTimer:
-    """Times steps as durations between synchronised clock readings (``time.perf_counter``).
+    """Times training steps without a host-device sync per step.
 
-    The first step (cold: allocator warm-up, lazy init, compilation) is kept apart from the
-    steady-state steps that percentiles and throughput use.
+    CPU: durations between ``time.perf_counter()`` readings (CPU work is synchronous, nothing to wait for).
+    CUDA: a pair of timing events is recorded into the stream around each step; their durations are read
+    by :meth:`flush` (one wait on the newest event, a sync point) — the trainer does that once per logged
+    step. ``stop(resolve=True)`` reads one step at once (for callers that need every duration: profilers).
+
+    The first step (cold: allocator warm-up, lazy init, compilation) is kept apart (``first_ms``) from the
+    steady-state steps (``steady_ms``, milliseconds) that percentiles and throughput use; both are filled as
+    durations become known.
+
+    Args:
+        device: where the step's work runs.
+        event_factory: makes a timing event (``record()``, ``synchronize()``, ``elapsed_time(end) -> ms``);
+            default ``torch.cuda.Event(enable_timing=True)`` on CUDA, None (host clock) elsewhere. Tests inject
+            a fake to exercise the event path on a CPU.
+        clock: the host clock in seconds (``time.perf_counter``).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, event_factory: Optional[Callable[[], Any]] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.device, self.clock = device, clock
+        if event_factory is None and device.type == "cuda":
+            event_factory = functools.partial(torch.cuda.Event, enable_timing=True)
+        self.event_factory = event_factory
         self.first_ms: Optional[float] = None
         self.steady_ms: list[float] = []
-        self._t0: Optional[float] = None
+        self._t0: Any = None
+        self._pending: list[tuple[Any, Any]] = []  # (start, end) events not read yet, oldest first
+        self._ready: list[float] = []  # durations known but not yet returned by flush()
+
+    @property
+    def uses_events(self) -> bool:
+        return self.event_factory is not None
+
+    @property
+    def pending(self) -> int:
+        """Steps stopped whose durations are not read yet (always 0 with the host clock)."""
+        return len(self._pending)
 
     def start(self) -> None:
-        synchronize(self.device)
-        self._t0 = time.perf_counter()
+        if self.event_factory is None:
+            self._t0 = self.clock()
+        else:
+            self._t0 = self.event_factory()
+            self._t0.record()
 
-    def stop(self) -> float:
-        """End the step; returns its duration in milliseconds."""
+    def stop(self, resolve: bool = False) -> Optional[float]:
+        """End the step. Returns its duration in milliseconds when known: always with the host clock; with
+        events only if ``resolve`` (which waits for the device: a sync point), else None (read by :meth:`flush`).
+
+        Raises:
+            RuntimeError: without a matching :meth:`start`.
+        """
         if self._t0 is None:
             raise RuntimeError("StepTimer.stop() without start()")
-        synchronize(self.device)
-        ms = (time.perf_counter() - self._t0) * 1e3
-        self._t0 = None
+        t0, self._t0 = self._t0, None
+        if self.event_factory is None:
+            self._add(float((self.clock() - t0) * 1e3))
+            return self._ready[-1]
+        end = self.event_factory()
+        end.record()
+        self._pending.append((t0, end))
+        if not resolve:
+            return None
+        self._read_events()
+        return self._ready[-1]
+
+    def flush(self) -> list[float]:
+        """Durations (ms) of every step stopped since the last flush, oldest first (also the ones ``stop``
+        returned). With events still unread: one wait on the newest end event (a host-device sync), then reads."""
+        self._read_events()
+        out, self._ready = self._ready, []
+        return out
+
+    def _read_events(self) -> None:
+        if not self._pending:
+            return
+        self._pending[-1][1].synchronize()  # the stream is in order: every earlier event has completed too
+        for start, end in self._pending:
+            self._add(float(start.elapsed_time(end)))
+        self._pending.clear()
+
+    def _add(self, ms: float) -> None:
+        self._ready.append(ms)
         if self.first_ms is None:
             self.first_ms = ms
         else:
             self.steady_ms.append(ms)
-        return ms
 
     def summary(self) -> dict[str, Optional[float]]:
+        """Percentiles (ms, see :func:`percentiles`) of the steady steps; reads unread events first."""
+        self._read_events()
         return percentiles(self.steady_ms)

@@ -125,6 +125,7 @@ class PySpyPhase(Callback):
     """Windows of ``cfg.pyspy_steps`` steps from training step ``first_step``: off, on, off, on, off."""
 
     WINDOWS = ("off", "flamegraph", "off", "speedscope", "off")
+    needs_step_ms = True  # the on/off step times are compared per step
 
     def __init__(self, cfg: ProfileConfig, out_dir: Path, first_step: int, check: PtraceCheck, attach_wait_s: float = 1.0) -> None:
         self.cfg, self.out_dir, self.first_step, self.check = cfg, out_dir, first_step, check

@@ -36,11 +36,15 @@ def gzip_file(src: Path, dst: Path) -> int:
 class TorchProfileWindow(Callback):
     """Profiles training steps ``wait + warmup + 1 … wait + warmup + active`` (1-based).
 
+    Needs every step's duration (``needs_step_ms``): while attached, each step waits for the device.
+
     After the window: ``ops`` (list of :class:`OpRecord`), ``step_us`` (wall µs per active step),
     ``stage_us`` (µs per stage summed over the active steps: CPU wall time on CPU, device time
     launched inside the range on CUDA), ``trace`` (path, bytes, cap) and ``tokens`` (real/padded
     tokens of the active steps).
     """
+
+    needs_step_ms = True
 
     def __init__(self, cfg: ProfileConfig, out_dir: Path, device: torch.device) -> None:
         self.cfg, self.out_dir, self.device = cfg, out_dir, device
