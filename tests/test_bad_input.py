@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,22 +155,90 @@ def disk_full_on_checkpoint_write(wndb, tmp, monkeypatch=None):
                                          "earlier checkpoints are intact"]
 
 
+def sparse_integer_labels(wndb, tmp):  # issue 21 #3: once MemoryError after 30 s
+    p = write_jsonl(tmp / "d.jsonl", [{"text": f"w{i} x{i % 3}", "label": (3, 200000000)[i % 2]} for i in range(40)])
+    return [f"data.source={p}"], ["2 distinct integer labels (3, 200000000)", "num_classes would be 200000001",
+                                  "remap the labels to 0..1", "data.num_classes"]
+
+
+def one_sample_dataset(wndb, tmp):  # issue 21 #5: once a torchmetrics ValueError
+    p = write_jsonl(tmp / "d.jsonl", [{"text": "hello world", "label": "greeting"}])
+    return [f"data.source={p}"], ["every example has the label 'greeting'", "at least 2 classes"]
+
+
+def config_yaml_in_latin1(wndb, tmp):  # issue 21 #8: once UnicodeDecodeError
+    p = tmp / "c.yaml"
+    p.write_bytes("# r\xe9glages\ntrain:\n  max_steps: 5\n".encode("latin-1"))
+    return ["--config", str(p)], [f"{p}:1: not valid UTF-8", "save the config as UTF-8"]
+
+
+def bucket_json_with_string_bounds(wndb, tmp):  # issue 21 #8: once a TypeError
+    plan = tmp / "b.json"
+    assert main(["buckets", *tiny_overrides(wndb, tmp), "--out", str(plan)]) == 0
+    data = json.loads(plan.read_text())
+    data["bounds"] = [str(b) for b in data["bounds"]]
+    plan.write_text(json.dumps(data))
+    return [f"batching.boundaries_file={plan}"], [f"{plan}: 'bounds' must be a non-empty strictly increasing list of "
+                                                  "positive ints", "make buckets"]
+
+
+def bucket_json_with_float_bounds(wndb, tmp):  # issue 21 #8: once silently accepted
+    plan = tmp / "b.json"
+    assert main(["buckets", *tiny_overrides(wndb, tmp), "--out", str(plan)]) == 0
+    data = json.loads(plan.read_text())
+    data["bounds"] = [b + 0.5 for b in data["bounds"]]
+    plan.write_text(json.dumps(data))
+    return [f"batching.boundaries_file={plan}"], ["'bounds' must be a non-empty strictly increasing list of positive ints"]
+
+
+def run_id_that_exists(wndb, tmp):  # issue 21 #1: once two runs shared one directory
+    assert main(["train", *tiny_overrides(wndb, tmp, "train.max_steps=2", "train.run_id=bad")]) == 0
+    return [], ["run directory", "exists already", "--resume", "train.overwrite=true"]
+
+
+def disk_full_reported_as_runtime_error(wndb, tmp):  # issue 21 #7: torch 2.13's zip writer, no errno
+    return ["train.checkpoint_every=2"], ["cannot write checkpoint", "No space left on device", "the disk is full",
+                                         "earlier checkpoints are intact"]
+
+
+def _value_case(override: str, *fragments: str) -> Case:
+    def case(wndb, tmp):
+        return [override], list(fragments)
+    case.__name__ = "config_" + override.split("=")[0].replace(".", "_")
+    return case
+
+
+CONFIG_VALUE_CASES = [  # issue 21 #8: each once a traceback from numpy or torch
+    _value_case("train.seed=-1", "train.seed=-1 is out of range", "in [0, 4294967295]"),
+    _value_case("optim.betas=[0.9,1.5]", "optim.betas=[0.9, 1.5]", "two numbers in [0, 1)"),
+    _value_case("optim.eps=-1", "optim.eps=-1.0 is out of range", "> 0"),
+    _value_case("train.num_threads=-1", "train.num_threads=-1 is out of range", "≥ 1"),
+]
+
+
 CASES: list[Case] = [missing_data, empty_data, malformed_jsonl, malformed_csv_row, missing_column, missing_jsonl_field,
                      label_out_of_range, more_labels_than_classes, unseen_labels_on_resume, empty_text, non_utf8,
                      bucket_json_from_other_data, bucket_bound_above_position_table, max_len_above_checkpoint_positions,
                      corrupt_checkpoint, pickled_object_checkpoint, resume_without_checkpoint, unknown_config_key,
-                     batch_larger_than_token_budget, unwritable_run_dir, disk_full_on_checkpoint_write]
+                     batch_larger_than_token_budget, unwritable_run_dir, disk_full_on_checkpoint_write,
+                     sparse_integer_labels, one_sample_dataset, config_yaml_in_latin1, bucket_json_with_string_bounds,
+                     bucket_json_with_float_bounds, run_id_that_exists, disk_full_reported_as_runtime_error,
+                     *CONFIG_VALUE_CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
 def test_bad_input_is_one_clear_error(case: Case, wndb: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     argv, fragments = case(wndb, tmp_path)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
-    if case is disk_full_on_checkpoint_write:
-        _fill_disk_after(monkeypatch, writes=1)  # the first checkpoint fits, the second hits ENOSPC
+    if case in (disk_full_on_checkpoint_write, disk_full_reported_as_runtime_error):
+        # the first checkpoint fits, the second hits a full disk (reported by errno, or as torch 2.13 does)
+        _fill_disk_after(monkeypatch, writes=1, as_runtime_error=case is disk_full_reported_as_runtime_error)
     capsys.readouterr()
-    resume = argv[0] == "--resume"
-    code = main(["train", *argv] if resume else ["train", *tiny_overrides(wndb, tmp_path, "train.run_id=bad"), *argv])
+    resume = bool(argv) and argv[0] == "--resume"
+    if argv[:1] == ["--config"]:  # the YAML file first, then the usual overrides
+        argv = [*argv, *tiny_overrides(wndb, tmp_path, "train.run_id=bad")]
+    code = main(["train", *argv] if resume or argv[:1] == ["--config"]
+                else ["train", *tiny_overrides(wndb, tmp_path, "train.run_id=bad"), *argv])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
@@ -179,23 +248,34 @@ def test_bad_input_is_one_clear_error(case: Case, wndb: Path, tmp_path: Path, mo
     assert not [p for p in tmp_path.rglob("*.tmp")]
     changed = [p for p in tmp_path.rglob("*") if p.is_file() and before.get(p) != p.stat().st_mtime_ns]
     assert not [p for p in changed if p.name in ("report.json", "checkpoint.pt")], changed
-    if case is disk_full_on_checkpoint_write:
+    if case in (disk_full_on_checkpoint_write, disk_full_reported_as_runtime_error):
         ckpts = list_checkpoints(tmp_path / "runs" / "bad")
         assert [p.name for p in ckpts] == ["step-00000002.pt"]
         assert torch.load(ckpts[0], weights_only=True)["step"] == 2  # the earlier checkpoint is intact
 
 
-def _fill_disk_after(monkeypatch, writes: int) -> None:
+def _fill_disk_after(monkeypatch, writes: int, as_runtime_error: bool = False) -> None:
     """Simulate a full disk: after ``writes`` successful checkpoint writes, ``torch.save`` writes part of the
-    file and fails with ENOSPC, as ``write(2)`` does when the file system fills up."""
+    file and fails with ENOSPC, as ``write(2)`` does when the file system fills up, or (``as_runtime_error``) with
+    the errno-less ``RuntimeError`` torch 2.13's zip writer raises; the free space then reads 0 bytes."""
     real_save = torch.save
     count = {"n": 0}
+    state = {"full": False}
+    real_usage = shutil.disk_usage
 
     def save(obj, f, *args, **kwargs):
         count["n"] += 1
         if count["n"] <= writes:
             return real_save(obj, f, *args, **kwargs)
         Path(f).write_bytes(b"PK\x03\x04 partial")
+        state["full"] = True
+        if as_runtime_error:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1866816 vs 1866704")
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    def disk_usage(path):
+        usage = real_usage(path)
+        return usage._replace(free=0) if state["full"] else usage
+
     monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)

@@ -83,7 +83,7 @@ def test_summary_medians_and_ratios() -> None:
 
 
 def test_bench_config_rejects_bad_sizes() -> None:
-    with pytest.raises(UserError, match="bench_batching.windows must be ≥ 1"):
+    with pytest.raises(UserError, match="bench_batching.windows=0 is out of range: it must be ≥ 1"):
         BenchBatchingConfig(windows=0)
 
 
@@ -111,4 +111,4 @@ def test_bench_runs_small_and_writes_json_md_png(tiny_cfg, tmp_path: Path) -> No
 
 def test_cli_bad_bench_size_is_a_clean_error(tmp_path: Path) -> None:
     assert_clean_error(run_cli("bench-batching", "--windows", "0", f"train.output_dir={tmp_path}"),
-                       "bench_batching.windows must be ≥ 1")
+                       "bench_batching.windows=0 is out of range: it must be ≥ 1")

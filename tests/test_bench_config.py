@@ -48,13 +48,13 @@ def test_flag_help_names_the_key_and_its_default(capsys: pytest.CaptureFixture) 
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("bench.rounds=0", "bench.rounds must be ≥ 1"),
+    ("bench.rounds=0", "bench.rounds=0 is out of range: it must be ≥ 1"),
     ("bench.configs=' , '", "bench.configs must name at least one"),
-    ("bench_precision.steps=1", "bench_precision.steps must be ≥ 2"),
+    ("bench_precision.steps=1", "bench_precision.steps=1 is out of range: it must be ≥ 2"),
     ("bench_precision.warmup=150", "bench_precision.warmup=150 must be < bench_precision.steps=150"),
-    ("bench_compile.steps=1", "bench_compile.steps must be ≥ 2"),
-    ("bench_tracking.block_steps=1", "bench_tracking.block_steps must be ≥ 2"),
-    ("bench_batching.warmup_windows=-1", "bench_batching.warmup_windows must be ≥ 0"),
+    ("bench_compile.steps=1", "bench_compile.steps=1 is out of range: it must be ≥ 2"),
+    ("bench_tracking.block_steps=1", "bench_tracking.block_steps=1 is out of range: it must be ≥ 2"),
+    ("bench_batching.warmup_windows=-1", "bench_batching.warmup_windows=-1 is out of range: it must be ≥ 0"),
     ("bench.round=3", "Did you mean 'bench.rounds'?"),
 ])
 def test_bad_values_name_the_key(override: str, message: str) -> None:

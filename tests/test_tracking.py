@@ -174,6 +174,31 @@ def test_records_reach_the_run_in_order(tmp_path: Path) -> None:
     assert lg.status()["wandb_active"] is True and lg.status()["wandb_logged_records"] == 4
 
 
+def test_a_full_disk_under_wandb_logging_prints_no_logging_error_blocks(tmp_path: Path, monkeypatch, capsys) -> None:
+    """W&B logs to files under the run directory through `logging`; on a full disk each failed record used to print a
+    "--- Logging error ---" block (three of them, 158 stderr lines with the checkpoint error, issue 21)."""
+    import logging
+
+    monkeypatch.setattr(logging, "raiseExceptions", True)  # Python's default; restored after the test
+    run = FakeRun()
+    lg = WandbLogger(TrackingConfig(wandb="on"), "offline", tmp_path, "r", {}, import_module=lambda name: fake_wandb(run))
+    lg.log({"step": 1, "loss": 1.0})
+    lg.close()
+
+    class FullDisk(logging.Handler):
+        def emit(self, record):
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                self.handleError(record)
+
+    log = logging.getLogger("wandb-like")
+    log.addHandler(FullDisk())
+    log.propagate = False
+    log.error("a record W&B writes to debug.log")
+    assert "Logging error" not in capsys.readouterr().err
+
+
 # -- gradient statistics -------------------------------------------------------------------------------
 
 def test_grad_stats_report_pre_clip_norms() -> None:

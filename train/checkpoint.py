@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import pickle
 import random
+import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -19,23 +20,54 @@ from train.compat import load_state
 from train.errors import UserError, atomic_path
 
 
+def state_nbytes(state: Any) -> int:
+    """Bytes of tensor data in a (nested) state dict: a lower bound on its ``torch.save`` size."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(v) for v in state)
+    return 0
+
+
+def _disk_full(path: Path, needed: int) -> bool:
+    try:
+        return shutil.disk_usage(path.parent).free < needed
+    except OSError:
+        return False
+
+
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """``torch.save`` to a temporary file, fsync, rename: readers never see a half-written checkpoint.
+
+    A full disk is recognised however it shows: checked before writing (free space below the state's tensor bytes
+    plus 1 MiB), as ``OSError(ENOSPC)``, or as the ``RuntimeError`` torch's zip writer raises after a short write
+    (``unexpected pos …`` on torch 2.13, no errno), confirmed by the free space once the partial file is removed.
 
     Raises:
         UserError: the write failed (disk full, permissions); the temporary file is removed and any
             earlier checkpoint at ``path`` is left as it was.
     """
+    path = Path(path)
+    needed = state_nbytes(state) + 2**20
+    full = (f"cannot write checkpoint {path} (No space left on device: {needed / 2**20:.1f} MiB needed); the disk is "
+            "full: free space or set train.output_dir to a disk with room; earlier checkpoints are intact")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if _disk_full(path, needed):
+        raise UserError(full)
     try:
         with atomic_path(path) as tmp:
             torch.save(state, tmp)
     except OSError as exc:
-        hint = ("the disk is full: free space or set train.output_dir to a disk with room" if exc.errno == errno.ENOSPC
-                else "check the directory's permissions or set train.output_dir")
-        raise UserError(f"cannot write checkpoint {path} ({exc.strerror or exc}); {hint}; "
-                        "earlier checkpoints are intact") from None
-    except RuntimeError as exc:  # torch's zip writer reports a failed write(2), e.g. ENOSPC, as RuntimeError
-        if "write" not in str(exc):
+        if exc.errno == errno.ENOSPC:
+            raise UserError(full) from None
+        raise UserError(f"cannot write checkpoint {path} ({exc.strerror or exc}); check the directory's permissions "
+                        "or set train.output_dir; earlier checkpoints are intact") from None
+    except RuntimeError as exc:  # torch's zip writer reports a failed write(2) as RuntimeError, errno lost
+        if _disk_full(path, needed):
+            raise UserError(full) from None
+        if "write" not in str(exc) and "unexpected pos" not in str(exc):
             raise
         raise UserError(f"cannot write checkpoint {path} ({str(exc).splitlines()[0]}); is the disk full? "
                         "Free space or set train.output_dir; earlier checkpoints are intact") from None

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from train.errors import RunAborted, UserError
+from train.errors import Interrupted, RunAborted, UserError
 
 
 def load_cfg(args: argparse.Namespace, default_config: Optional[str] = None):
@@ -219,6 +219,7 @@ def _args_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue runs/<id> from its newest checkpoint (or a given checkpoint file) with the run's own "
                         "config.yaml (--config is ignored; overrides still apply)")
+    _key_flag(p, "--overwrite", "train.overwrite", "replace the earlier run in the directory --run-id names", type=None)
 
 
 def _args_precision(p: argparse.ArgumentParser) -> None:
@@ -358,6 +359,9 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
         return exc.exit_code
     except RunAborted as exc:  # e.g. the numerics guard; the diagnostic report is already in the run directory
         print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Interrupted as exc:  # a signal before the first step (train/shutdown.py)
+        print(f"interrupted: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

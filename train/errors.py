@@ -7,11 +7,14 @@ Bugs in our own code keep their traceback.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Optional
 
 
 class UserError(Exception):
@@ -26,11 +29,99 @@ class RunAborted(Exception):
     exit_code = 3
 
 
+class Interrupted(Exception):
+    """SIGTERM/SIGINT before the first training step (train/shutdown.py): nothing to checkpoint; the CLI prints the
+    message as one line and exits 128 + the signal number (143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+@dataclasses.dataclass(frozen=True)
+class Allowed:
+    """What one config field accepts, declared next to the field (``dataclasses.field`` metadata ``"allowed"``):
+    numeric bounds (finite values only) or a tuple of choices. ``None`` passes: Optional fields mean "off/default"."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    lt: Optional[float] = None
+    choices: Optional[tuple] = None
+
+    def ok(self, value: Any) -> bool:
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self) -> str:
+        """``one of a, b``; ``in [0, 1)``; ``≥ 1``; ``> 0``."""
+        if self.choices is not None:
+            return "one of " + ", ".join(map(str, self.choices))
+        low = (f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}") if (self.ge, self.gt) != (None, None) else None
+        high = (f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})") if (self.le, self.lt) != (None, None) else None
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return ("≥ " if self.ge is not None else "> ") + low[1:]
+        return ("≤ " if self.le is not None else "< ") + (high or "")[:-1]
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def allowed(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None,
+            lt: Optional[float] = None, choices: Optional[tuple] = None) -> Any:
+    """A dataclass field with ``default`` whose accepted values are declared once, here (see :class:`Allowed`);
+    :func:`check_fields` enforces them."""
+    return dataclasses.field(default=default, metadata={"allowed": Allowed(ge, gt, le, lt, choices)})
+
+
+def check_fields(obj: Any, section: str) -> None:
+    """Check every field of the dataclass ``obj`` that declares :func:`allowed` values.
+
+    Raises:
+        UserError: ``<section>.<field>=<value> is out of range: must be <range>`` (or ``is not one of …``).
+    """
+    for f in dataclasses.fields(obj):
+        rule = f.metadata.get("allowed")
+        value = getattr(obj, f.name)
+        if rule is None or value is None or rule.ok(value):
+            continue
+        if rule.choices is not None:
+            raise UserError(f"{section}.{f.name}={value!r} is not {rule.describe()}")
+        raise UserError(f"{section}.{f.name}={value!r} is out of range: it must be {rule.describe()}")
+
+
+def current_umask() -> int:
+    """The process umask (read from /proc on Linux, where reading does not change it; else set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give ``path`` (made by ``mkstemp``/``mkdtemp``, which create 0600/0700) the mode a plain ``open``/``mkdir``
+    would have under the current umask, so a teammate or a container running as another user can read it."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it onto ``path`` only if the block succeeds.
 
-    Readers never see a half-written file: the rename is atomic on POSIX within one directory.
+    Readers never see a half-written file: the rename is atomic on POSIX within one directory. The file gets the
+    mode the umask gives a plain ``open`` (not ``mkstemp``'s 0600).
     The temporary file is removed when the block raises.
     """
     path = Path(path)
@@ -38,6 +129,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    honour_umask(tmp_path)  # what open() would give; mkstemp's 0600 would survive the rename
     try:
         yield tmp_path
         with open(tmp_path, "rb") as f:

@@ -120,6 +120,7 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
             "max_train_length": int(train_split.lengths.max()),
             "data_fingerprint": bundle.data_fingerprint,
             "tokenizer": bundle.tokenizer_info,
+            "classes_without_training_examples": bundle.classes_without_training_examples,
             **bundle.cache,
         },
         "batching": {
@@ -141,6 +142,12 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
         "perf": perf,
         "env": r.env,
     }
+    for name, split, result in (("eval", "validation", final_eval), ("test", "test", test_eval)):
+        if result and result.get("accuracy") is None:
+            report["quality"][f"{name}_unavailable_reason"] = (
+                f"the {split} split is empty (data.{'val' if split == 'validation' else 'test'}_fraction="
+                f"{cfg.data.val_fraction if split == 'validation' else cfg.data.test_fraction}, {len(train_split)} "
+                "training examples): nothing to evaluate")
     if r.data_prep_s is not None:
         perf["data_prep_s"] = r.data_prep_s
     perf.update(r.efficiency)

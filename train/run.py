@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -23,7 +24,7 @@ from train.compiling.warmup import start_compile, warm_up_for_run
 from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader, prepare_data
 from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
-from train.errors import UserError, atomic_write_text
+from train.errors import Interrupted, UserError, atomic_write_text
 from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
@@ -206,13 +207,23 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
                   device: torch.device, hooks: tuple = ()) -> dict[str, Any]:
     """The phases: prepare → build → resume → fit → evaluate → report."""
     r = _Run(cfg, ctx, device, t_start, print if ctx.is_main else (lambda *a, **k: None))
-    _prepare(r, resume, buckets_force)
-    _build(r)
-    _resume(r, resume)
-    warm_up_for_run(r.compiled, r.trainer, r.model, r.run_dir)
-    for hook in hooks:
-        hook.attach(r.trainer, r.run_dir)
-    with ShutdownRequest(cfg.train.shutdown_timeout_s) as shutdown:
+    fresh = resume is None and not (cfg.train.run_id and (Path(cfg.train.output_dir) / cfg.train.run_id).exists())
+    with ShutdownRequest(cfg.train.shutdown_timeout_s, immediate=True) as shutdown:
+        try:
+            phases = (("data preparation", lambda: _prepare(r, resume, buckets_force)),
+                      ("model set-up", lambda: (_build(r), _resume(r, resume))),
+                      ("compile warm-up", lambda: warm_up_for_run(r.compiled, r.trainer, r.model, r.run_dir)))
+            for name, phase in phases:
+                shutdown.phase = name  # named by a signal that arrives now (nothing to checkpoint yet)
+                phase()
+        except Interrupted as exc:
+            if fresh and ctx.is_main and r.run_dir is not None:  # nothing trained: no run to keep
+                shutil.rmtree(r.run_dir, ignore_errors=True)
+                exc.args = (f"{exc.args[0]}; removed {r.run_dir}",)
+            raise
+        for hook in hooks:
+            hook.attach(r.trainer, r.run_dir)
+        shutdown.defer()
         checkpointer = Checkpointer(r.run_dir, cfg, r.trainer, r.model, r.bundle, ctx, shutdown)
         stats, energy = _fit(r, checkpointer)
         interrupted = None
@@ -228,14 +239,11 @@ def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
     """Run directory (rank 0 draws the id), config.yaml, threads and seeds, the resume checkpoint, the precision
     policy, and the data (split, tokenized, bucket plan)."""
     cfg, ctx = r.cfg, r.ctx
-    run_dir = agreed(lambda: make_run_dir(cfg) if ctx.is_main else None, ctx)  # rank 0 draws a unique run id
+    run_dir = agreed(lambda: make_run_dir(cfg, resume=resume is not None) if ctx.is_main else None, ctx)  # rank 0 draws a unique run id
     cfg.train.run_id = broadcast_from_main(cfg.train.run_id, ctx)
     r.run_dir = run_dir or Path(cfg.train.output_dir) / cfg.train.run_id
     if ctx.is_main:
         atomic_write_text(r.run_dir / "config.yaml", dump_config(cfg))
-        if resume is None:
-            for stale in ("report.json", "metrics.jsonl"):
-                (r.run_dir / stale).unlink(missing_ok=True)
     apply_threads_and_seed(cfg)
     if resume is not None:
         _, r.ckpt_path = find_resume_checkpoint(resume)
@@ -280,8 +288,9 @@ def _build(r: _Run) -> None:
     # rank 0: metrics.jsonl (+ W&B on its own thread, bounded, never blocking); other ranks log nothing
     r.tracking = Tracking(cfg, r.run_dir) if ctx.is_main else None
     logger = r.tracking.attach(r.model, device) if r.tracking is not None else NullLogger()
+    has_val = len(bundle.splits["validation"]) > 0  # none: no periodic evaluation; the report says why
     r.trainer = Trainer(cfg=cfg, model=r.model, policy=r.policy, device=device, train_loader=r.loaders["train"],
-                        eval_loader=r.loaders["validation"], logger=logger, num_classes=bundle.num_classes, dist_ctx=ctx,
+                        eval_loader=r.loaders["validation"] if has_val else None, logger=logger, num_classes=bundle.num_classes, dist_ctx=ctx,
                         train_model=r.compiled.forward if r.compiled.enabled else wrap_model(r.model, ctx, device))
     if r.tracking is not None and r.tracking.grad_stats is not None:
         r.trainer.add_callback(GradStatsCallback(r.tracking.grad_stats, r.trainer))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,21 +47,31 @@ def new_run_id(prefix: str = "") -> str:
     return f"{prefix}{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
 
 
-def make_run_dir(cfg: RunConfig, prefix: str = "") -> Path:
+RUN_OUTPUTS = ("report.json", "metrics.jsonl", "checkpoint.pt", "checkpoints")
+"""What a run directory's earlier run leaves that ``train.overwrite=true`` removes (a new run would mix with it)."""
+
+
+def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path:
     """Create ``<train.output_dir>/<train.run_id>`` and return it.
 
     Without ``train.run_id`` a new id (:func:`new_run_id`) is created exclusively (a directory that exists
     already is never shared: another id is drawn) and written back to ``cfg.train.run_id``. An explicit
-    ``train.run_id`` may name an existing directory (``--resume``, reruns into the same place).
+    ``train.run_id`` is created exclusively too: a directory that exists and is not empty is used only to
+    continue it (``resume=True``) or with ``train.overwrite=true``, which removes the earlier run's
+    :data:`RUN_OUTPUTS` first.
 
     Raises:
-        UserError: the directory cannot be created or written.
+        UserError: the directory exists (and neither resume nor overwrite), or it cannot be created or written.
     """
     out = Path(cfg.train.output_dir)
     try:
         if cfg.train.run_id:
             run_dir = out / cfg.train.run_id
-            run_dir.mkdir(parents=True, exist_ok=True)
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                run_dir.mkdir()
+            except FileExistsError:
+                _reuse(run_dir, cfg, resume)
         else:
             out.mkdir(parents=True, exist_ok=True)
             while True:
@@ -78,6 +89,23 @@ def make_run_dir(cfg: RunConfig, prefix: str = "") -> Path:
         raise UserError(f"cannot write the run directory {out / (cfg.train.run_id or '')} ({exc.strerror}); "
                         "set train.output_dir to a writable place") from None
     return run_dir
+
+
+def _reuse(run_dir: Path, cfg: RunConfig, resume: bool) -> None:
+    """An explicit run directory that exists: continue it (resume), replace its run (overwrite), or refuse."""
+    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if resume or not held:
+        return
+    if not cfg.train.overwrite:
+        shown = ", ".join(held[:4]) + (", …" if len(held) > 4 else "")
+        raise UserError(f"run directory {run_dir} exists already ({shown}); choose another train.run_id (--run-id), "
+                        f"continue it with --resume {run_dir}, or replace it with train.overwrite=true")
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 @dataclass

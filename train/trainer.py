@@ -103,7 +103,8 @@ def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPoli
                                                                               device=device)]), ctx)
         loss_sum, n = totals[0], int(totals[1])
     if n == 0:
-        return {"accuracy": None, "macro_f1": None, "loss": None, "samples": 0}
+        return {"accuracy": None, "macro_f1": None, "loss": None, "samples": 0,
+                "unavailable_reason": "the split has no examples"}
     return {"accuracy": float(acc.compute()), "macro_f1": float(f1.compute()),
             "loss": float(loss_sum) / n, "samples": n}  # float(): sync point, once per evaluation
 
@@ -278,7 +279,9 @@ class Trainer:
                 result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device, self.dist)
                 s.evals.append({"step": step, **result})
                 self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
-                msg = f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 {result['macro_f1']:.4f}"
+                msg = (f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 "
+                       f"{result['macro_f1']:.4f}" if result["accuracy"] is not None else
+                       f"step {step}/{self.total_steps}: no evaluation ({result.get('unavailable_reason')})")
                 if not bar.disable:
                     bar.write(msg)
                 elif self.dist.is_main:

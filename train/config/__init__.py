@@ -186,7 +186,10 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
         if not p.is_file():
             raise UserError(f"config file {p} does not exist (configs/ holds cpu-tiny.yaml, smoke.yaml, gpu-bert-base.yaml)")
         try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            raw = yaml.safe_load(p.read_text(encoding="utf-8-sig")) or {}
+        except UnicodeDecodeError as exc:
+            line = p.read_bytes()[: exc.start].count(b"\n") + 1
+            raise UserError(f"{p}:{line}: not valid UTF-8 (byte {exc.start}); save the config as UTF-8") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""

@@ -1,7 +1,7 @@
 """The benchmark sections of ``RunConfig``: ``bench``, ``bench_batching``, ``bench_precision``, ``bench_compile``,
 ``bench_tracking``. Their defaults live here only: each command's flags (``--rounds`` …) just set these keys,
-as ``section.key=value`` overrides and a YAML block do. Each field has its docstring and is validated in
-``__post_init__`` (bad values raise UserError naming the key).
+as ``section.key=value`` overrides and a YAML block do. Each field has its docstring; its accepted values
+are declared on the field (``allowed(…)``, train/errors.py) and checked in ``__post_init__``.
 
 Kept out of :mod:`train.bench` on purpose: importing ``train.config`` must not import torch, and
 ``train/bench/__init__.py`` does.
@@ -12,13 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from train.errors import UserError
-
-
-def _at_least(section: str, obj: object, minimum: int, *names: str) -> None:
-    for name in names:
-        if getattr(obj, name) < minimum:
-            raise UserError(f"{section}.{name} must be ≥ {minimum} (got {getattr(obj, name)})")
+from train.errors import UserError, allowed, check_fields
 
 
 @dataclass
@@ -28,23 +22,23 @@ class BenchConfig:
     configs: Optional[str] = None
     """Comma-separated training configurations to run (names from train/bench/training.py ``CONFIGS``:
     naive, hf-style, optimized, naive+buckets, naive+precision-auto); null = all of them."""
-    warmup_steps: int = 3
+    warmup_steps: int = allowed(3, ge=1)
     """Untimed steps per configuration before the timed rounds (the first one is its time to first step)."""
-    rounds: int = 4
+    rounds: int = allowed(4, ge=1)
     """Rounds of interleaved timed windows (every configuration once per round)."""
-    window: int = 5
+    window: int = allowed(5, ge=1)
     """Timed steps per configuration per round; each configuration gets ``rounds`` × ``window`` timed steps."""
     checkpoint: Optional[str] = None
     """``checkpoint.pt`` to serve in the inference benchmark; null = a freshly initialised model."""
-    requests: int = 200
+    requests: int = allowed(200, ge=1)
     """Inference requests, answered one by one and then in batches."""
-    inference_batch_size: int = 32
+    inference_batch_size: int = allowed(32, ge=1)
     """Requests per call in the batched inference mode."""
     skip_inference: bool = False
     """Run the training benchmark only."""
 
     def __post_init__(self) -> None:
-        _at_least("bench", self, 1, "warmup_steps", "rounds", "window", "requests", "inference_batch_size")
+        check_fields(self, "bench")
         if self.configs is not None and not self.config_names():
             raise UserError("bench.configs must name at least one configuration, or be null for all")
 
@@ -60,45 +54,40 @@ class BenchBatchingConfig:
     """``python -m train bench-batching``: sizes of the batching benchmark (data, model and precision come from
     the rest of the run config)."""
 
-    num_buckets: int = 16
+    num_buckets: int = allowed(16, ge=1)
     """K for the ``optimal-<K>`` rows (≤ 16 keeps at most 16 sequence lengths)."""
-    batch_size: int = 64
+    batch_size: int = allowed(64, ge=1)
     """Samples per batch for every row except ``optimal-<K>-max-tokens``."""
-    max_tokens: int = 2048
+    max_tokens: int = allowed(2048, ge=1)
     """Token budget per padded batch for the ``optimal-<K>-max-tokens`` row (configs/cpu-tiny.yaml's value)."""
-    window_samples: int = 256
+    window_samples: int = allowed(256, ge=1)
     """Samples per timed window (a window ends at the first batch boundary at or past this)."""
-    windows: int = 3
+    windows: int = allowed(3, ge=1)
     """Timed windows per method; samples/s and tokens/s are their medians."""
-    warmup_windows: int = 1
+    warmup_windows: int = allowed(1, ge=0)
     """Untimed rounds first (allocator, oneDNN primitive caches, first-touch of the weights)."""
-    k_table_max: int = 32
+    k_table_max: int = allowed(32, ge=1)
     """``dp_optimum_by_k`` lists the DP's exact optimum for K = 1 … this."""
-    target_token_efficiency: float = 0.97
+    target_token_efficiency: float = allowed(0.97, gt=0, le=1)
     """The issue's target for ``optimal-<K>`` (reported as reached or not, never adjusted)."""
 
     def __post_init__(self) -> None:
-        _at_least("bench_batching", self, 1, "num_buckets", "batch_size", "max_tokens", "window_samples", "windows",
-                  "k_table_max")
-        _at_least("bench_batching", self, 0, "warmup_windows")
-        if not 0 < self.target_token_efficiency <= 1:
-            raise UserError("bench_batching.target_token_efficiency must be in (0, 1]")
+        check_fields(self, "bench_batching")
 
 
 @dataclass
 class BenchPrecisionConfig:
     """``python -m train bench-precision``: how long each precision row trains."""
 
-    steps: int = 150
+    steps: int = allowed(150, ge=2)
     """Training steps per row (every row sees the same batches; sets the LR schedule's length)."""
-    bf16_cpu_steps: int = 4
+    bf16_cpu_steps: int = allowed(4, ge=0)
     """On a CPU: steps of the timing-only bf16 row (0: no such row)."""
-    warmup: int = 3
+    warmup: int = allowed(3, ge=0)
     """First steps left out of the step-time median (a row shorter than this drops only its first step)."""
 
     def __post_init__(self) -> None:
-        _at_least("bench_precision", self, 2, "steps")
-        _at_least("bench_precision", self, 0, "bf16_cpu_steps", "warmup")
+        check_fields(self, "bench_precision")
         if self.warmup >= self.steps:
             raise UserError(f"bench_precision.warmup={self.warmup} must be < bench_precision.steps={self.steps}")
 
@@ -107,23 +96,22 @@ class BenchPrecisionConfig:
 class BenchCompileConfig:
     """``python -m train bench-compile``: the in-process eager vs compiled step-time comparison."""
 
-    steps: int = 8
+    steps: int = allowed(8, ge=2)
     """Timed steps per configuration (eager, compiled) per round."""
-    rounds: int = 5
+    rounds: int = allowed(5, ge=1)
     """Interleaved rounds (eager, compiled, compiled, eager, …)."""
 
     def __post_init__(self) -> None:
-        _at_least("bench_compile", self, 2, "steps")
-        _at_least("bench_compile", self, 1, "rounds")
+        check_fields(self, "bench_compile")
 
 
 @dataclass
 class BenchTrackingConfig:
     """``python -m train bench-tracking``: blocks of training steps with no / JSONL / full tracking, interleaved."""
 
-    rounds: int = 5
+    rounds: int = allowed(5, ge=1)
     """Interleaved rounds; each runs one block per condition (none, jsonl, full)."""
-    block_steps: int = 100
+    block_steps: int = allowed(100, ge=2)
     """Optimizer steps per block."""
     online_check: bool = False
     """Also time W&B forced online with no reachable server (bounded by ``tracking.init_timeout_s``)."""
@@ -131,5 +119,4 @@ class BenchTrackingConfig:
     """Result JSON path; null = ``runs/<id>/bench-tracking.json``."""
 
     def __post_init__(self) -> None:
-        _at_least("bench_tracking", self, 1, "rounds")
-        _at_least("bench_tracking", self, 2, "block_steps")
+        check_fields(self, "bench_tracking")

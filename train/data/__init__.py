@@ -17,7 +17,7 @@ from train.data.buckets import BucketPlan
 from train.data.collate import PadCollate, TokenDataset
 from train.data.grouping import LengthGroupedBatchSampler
 from train.data.sampler import BucketBatchSampler, ShardedBatchSampler
-from train.data.sources import Corpus, load_corpus
+from train.data.sources import Corpus, check_classes, load_corpus
 from train.data.tokenizer import TokenizedSplit, encode, load_or_train, pad_id, texts_fingerprint
 from train.errors import UserError
 
@@ -40,6 +40,8 @@ class DataBundle:
     data_fingerprint: str
     cache: dict = field(default_factory=dict)
     """report.json ``data.cache`` facts: ``cache`` (hit|miss|off), ``cache_dir`` or ``cache_unavailable_reason``."""
+    classes_without_training_examples: list = field(default_factory=list)
+    """Label names present in validation/test but never in training (warned about; report.json ``data``)."""
 
     @property
     def num_classes(self) -> int:
@@ -135,12 +137,14 @@ def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: 
                  notice: Callable[[str], None] = print) -> DataBundle:
     """Load (or reuse), split, tokenize and plan the buckets. Raises UserError for any bad input."""
     p = prepare_splits(cfg)
+    unseen = check_classes({name: p.corpus.split(name).labels for name in ("train", "validation", "test")},
+                           p.corpus.label_names, notice)
     bounds, pad_to, plan, source = bucket_plan(cfg, p.splits["train"].lengths, p.data_fingerprint,
                                                p.tokenizer_info["fingerprint"], run_dir, buckets_force, notice)
     check_token_budget(cfg.batching.max_tokens, bounds, cfg.data.max_len)
     return DataBundle(corpus=p.corpus, splits=p.splits, tokenizer_info=p.tokenizer_info, vocab_size=p.vocab_size,
                       pad_id=p.pad_id, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source,
-                      data_fingerprint=p.data_fingerprint, cache=p.cache)
+                      data_fingerprint=p.data_fingerprint, cache=p.cache, classes_without_training_examples=unseen)
 
 
 def fit_bucket_plan(cfg: RunConfig) -> BucketPlan:

@@ -170,8 +170,10 @@ class BucketPlan:
             raise UserError(f"{p}: not a bucket-boundaries JSON file ({exc.__class__.__name__}); regenerate it with `make buckets`") from None
         if plan.schema_version != SCHEMA_VERSION:
             raise UserError(f"{p}: schema_version {plan.schema_version}, this version reads {SCHEMA_VERSION}; regenerate it with `make buckets`")
-        if not plan.bounds or sorted(set(plan.bounds)) != plan.bounds or plan.bounds[0] < 1:
-            raise UserError(f"{p}: 'bounds' must be a non-empty strictly increasing list of positive ints")
+        bounds = plan.bounds if isinstance(plan.bounds, list) else []
+        if (not bounds or not all(type(b) is int for b in bounds) or sorted(set(bounds)) != bounds or bounds[0] < 1):
+            raise UserError(f"{p}: 'bounds' must be a non-empty strictly increasing list of positive ints "
+                            f"(got {plan.bounds!r}); regenerate it with `make buckets`")
         if not force:
             for what, have, want in (("data", plan.data_fingerprint, data_fingerprint),
                                      ("tokenizer", plan.tokenizer_fingerprint, tokenizer_fingerprint)):

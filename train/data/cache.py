@@ -36,6 +36,7 @@ import train.data.wordnet as wordnet  # the module itself, not the package: no p
 from train.config import DataConfig
 from train.data.sources import SPLITS, Corpus, TextSplit
 from train.data.tokenizer import FORMAT_VERSION, TokenizedSplit, tokenizer_fingerprint
+from train.errors import honour_umask
 
 CACHE_FORMAT = 1
 
@@ -148,6 +149,7 @@ def save(entry: Path, p: Prepared) -> None:
     """
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    honour_umask(tmp, directory=True)  # other users sharing the cache can read the entry
     try:
         meta = {"format": CACHE_FORMAT, "name": p.corpus.name, "label_names": p.corpus.label_names,
                 "tokenizer_info": p.tokenizer_info, "vocab_size": p.vocab_size, "pad_id": p.pad_id,

@@ -10,6 +10,10 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
+import socket
+import sys
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +26,8 @@ from train.config import DataConfig
 from train.errors import UserError
 
 SPLITS = ("train", "validation", "test")
+SPARSE_SLACK = 64
+"""Integer labels may leave up to max(distinct, SPARSE_SLACK) ids unused before they are refused as sparse."""
 
 
 @dataclass
@@ -90,7 +96,7 @@ def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
         for lineno, raw in enumerate(f, 1):
             loc = f"{path}:{lineno}"
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is not data
             except UnicodeDecodeError as exc:
                 raise UserError(f"{loc}: not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
             if not line.strip():
@@ -108,7 +114,7 @@ def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
 
 def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # utf-8-sig: a leading BOM is not data
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
             for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
@@ -146,8 +152,23 @@ def _parquet_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
         yield str(text) if text is not None else "", text, label, f"{path}: row {i}"
 
 
+def hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
+    """(reachable, why not) for the Hugging Face Hub (``$HF_ENDPOINT``, default huggingface.co): one TCP connect,
+    bounded by ``timeout_s``, so a machine without network fails in seconds, not after ``datasets``' retries."""
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme != "http" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True, ""
+    except OSError as exc:
+        return False, f"{host}:{port} cannot be reached ({exc.__class__.__name__}: {exc.strerror or exc})"
+
+
 def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[Row]:
     name, _, config_name = spec[3:].partition(":")
+    online, why = (False, "HF_HUB_OFFLINE is set") if os.environ.get("HF_HUB_OFFLINE") == "1" else hub_reachable()
+    if not online:  # before `import datasets`, which reads these: use the local cache only, no retries
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
         import datasets  # lazy: optional dependency
     except ImportError:
@@ -155,6 +176,9 @@ def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[Row]:
     try:
         dsd = datasets.load_dataset(name, config_name or None)
     except Exception as exc:  # network, missing dataset, bad config: all user-fixable
+        if not online:
+            raise UserError(f"data.source={spec!r}: not in the local Hugging Face cache and {why}; load it once on a "
+                            "machine with network (same HF_HOME), or save it as .jsonl/.parquet and give that path") from None
         raise UserError(f"data.source={spec!r}: could not load the dataset ({exc.__class__.__name__}: {exc})") from None
     for split_name, ds in dsd.items():
         for i, record in enumerate(ds):
@@ -185,6 +209,12 @@ def _map_labels(raw: list[Any], locs: list[str], cfg: DataConfig, names: Optiona
     is_int = [isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in raw]
     if all(is_int):
         ids = np.asarray(raw, dtype=np.int64)
+        distinct = np.unique(ids)
+        if cfg.num_classes is None and not names and int(ids.max()) + 1 > max(2 * distinct.size, distinct.size + SPARSE_SLACK):
+            shown = ", ".join(map(str, distinct[:5].tolist())) + (", …" if distinct.size > 5 else "")
+            raise UserError(f"data: {distinct.size} distinct integer labels ({shown}) but the largest is {int(ids.max())}, "
+                            f"so num_classes would be {int(ids.max()) + 1}; remap the labels to 0..{distinct.size - 1} "
+                            "(or use them as strings), or set data.num_classes")
         n = cfg.num_classes or (len(names) if names else int(ids.max()) + 1)
         bad = np.flatnonzero((ids < 0) | (ids >= n))
         if bad.size:
@@ -205,6 +235,29 @@ def _map_labels(raw: list[Any], locs: list[str], cfg: DataConfig, names: Optiona
     if cfg.num_classes is not None and len(label_names) > cfg.num_classes:
         raise UserError(f"data has {len(label_names)} distinct labels but data.num_classes={cfg.num_classes}")
     return np.asarray([index[x] for x in raw], dtype=np.int64), label_names
+
+
+def check_classes(splits: dict[str, np.ndarray], label_names: list[str], notice) -> list[str]:
+    """Refuse fewer than 2 classes; name (with counts per split) the classes that have no training example.
+
+    Returns the names of classes seen in validation/test but never in training (warned about via ``notice``).
+
+    Raises:
+        UserError: every example has the same label.
+    """
+    seen = np.unique(np.concatenate(list(splits.values())))
+    if len(label_names) < 2:
+        raise UserError(f"data: every example has the label {label_names[0]!r}; a classifier needs at least 2 classes "
+                        "(add examples of other labels, or set data.num_classes for integer labels)")
+    in_train = set(np.unique(splits["train"]).tolist())
+    unseen = [int(k) for k in seen if int(k) not in in_train]
+    if unseen:
+        counts = "; ".join(f"{label_names[k]!r}: " + ", ".join(f"{s} {int((v == k).sum())}" for s, v in splits.items())
+                           for k in unseen[:5])
+        notice(f"warning: {len(unseen)} class(es) have no training example and cannot be learned ({counts}); "
+               "they count as errors in evaluation (report.json data.classes_without_training_examples)",
+               file=sys.stderr, flush=True)
+    return [label_names[k] for k in unseen]
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:

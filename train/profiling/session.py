@@ -196,8 +196,9 @@ def run_profile(cfg: RunConfig, tools: list[str], t_start: float, child_args: li
 
     in_process = [t for t in tools if t != "nsys"]
     report: dict[str, Any] = {}
-    run_id = cfg.train.run_id or "profile"
-    cfg.train.run_id = run_id
+    if not cfg.train.run_id:  # the default place holds the latest profile: replaced on every run
+        cfg.train.run_id, cfg.train.overwrite = "profile", True
+    run_id = cfg.train.run_id
     if in_process:
         cfg.train.max_steps = steps_needed(cfg, in_process)
         cfg.train.eval_every = cfg.train.max_steps
@@ -219,7 +220,8 @@ def run_nsys(cfg: RunConfig, nsys: str, run_id: str, child_args: list[str]) -> d
     out.mkdir(parents=True, exist_ok=True)
     prefix = out / "trace"
     started = time.time()
-    child = [sys.executable, "-m", "train", "profile", "--tools", "nsys-capture", "--run-id", f"{run_id}-nsys", *child_args]
+    child = [sys.executable, "-m", "train", "profile", "--tools", "nsys-capture", "--run-id", f"{run_id}-nsys", *child_args,
+             "train.overwrite=true"]
     cmd = profile_command(nsys, prefix, child)
     print("nsys: " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd)

@@ -16,6 +16,7 @@ later with ``make wandb-sync``. (W&B: https://docs.wandb.ai/guides/technical-faq
 from __future__ import annotations
 
 import importlib
+import logging
 import netrc
 import os
 import queue
@@ -158,6 +159,9 @@ class WandbLogger:
         except ImportError as exc:
             self._fail(f"wandb is not importable ({exc})", warn=self.cfg.wandb == "on")
             return None
+        # W&B logs to files under the run directory through `logging`: on a full disk each failed record would print
+        # a "--- Logging error ---" block to stderr. Production setting (Python's logging docs): drop such records.
+        logging.raiseExceptions = False
         settings = _settings(wandb, init_timeout=self.cfg.init_timeout_s, console="off", silent=True)
         run = wandb.init(project=self.cfg.project, name=self.name, dir=str(self.run_dir), config=self.config,
                          mode=self.mode, settings=settings)
