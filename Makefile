@@ -72,8 +72,8 @@ LAUNCH_IN_IMAGE := $(if $(TORCHRUN_ARGS),torchrun $(TORCHRUN_ARGS) -m train,pyth
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke smoke-2node buckets bench bench-batching bench-precision compare wandb-sync bench-tracking bench-compile test test-slow lint clean distclean
-.PHONY: print-image bad-runtime build image-present verify-gpu warmup profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache
+.PHONY: help setup data train smoke smoke-2node buckets bench bench-gate bench-baseline bench-batching bench-precision compare wandb-sync bench-tracking bench-compile test test-slow lint clean distclean
+.PHONY: print-image bad-runtime build image-ready verify-gpu warmup profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -129,6 +129,12 @@ bench-tracking: setup data ## step-time overhead of tracking (none / jsonl / W&B
 bench-compile: $(RT_DEPS_DATA) ## cold vs warm compile cache (separate processes), compiled vs eager steps → runs/<id>/bench-compile.json
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m train bench-compile --config $(CONFIG) $(ARGS))
+
+bench-gate: setup data ## performance regression gate: a short bench (configs/bench-gate.yaml) vs bench/baseline-cpu.json; exit 1 on a regression
+	$(PY) -m train bench-gate $(ARGS)
+
+bench-baseline: setup data ## measure the gate's figures 5 times and rewrite bench/baseline-cpu.json deliberately (says what changed)
+	$(PY) -m train bench-baseline $(ARGS)
 
 test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
 	@echo "$(RT_LINE)"

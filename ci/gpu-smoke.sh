@@ -61,4 +61,12 @@ require_new profile "$marker"
 step "make bench (smoke)"; touch "$marker"
 make bench ARGS="${BENCH_ARGS:-}"
 require_new bench "$marker"
+
+step "make bench-gate (vs bench/baseline-gpu.json; absolute figures allowed on the same GPU)"
+if [ -f bench/baseline-gpu.json ]; then
+  make bench-gate ARGS="bench_gate.precision=auto"
+else
+  echo "GATE SKIPPED: no bench/baseline-gpu.json yet; create it on this runner with" \
+       "make bench-baseline ARGS=bench_gate.precision=auto and commit it" >&2
+fi
 echo; echo "gpu-smoke passed (runtime: $runtime)"

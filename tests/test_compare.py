@@ -52,3 +52,22 @@ def test_wandb_sync_nothing_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFi
     (run / "run-abc.wandb.synced").write_text("")
     assert main(["wandb-sync", "--runs-dir", str(tmp_path)]) == 0
     assert "nothing to sync" in capsys.readouterr().out
+
+
+def test_two_bench_json_files_compare_machines_and_ratios(tmp_path) -> None:
+    from train.cli import main
+
+    def bench(path, sps, flags, load):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"env": {"device": "cpu (X)", "cpu_flags": flags, "torch": "2.1.0", "num_threads": 2,
+                                            "load_1min": load, "load_1min_at_end": load},
+                                    "training": {"configs": [{"name": "naive", "samples_per_s": sps},
+                                                             {"name": "optimized", "samples_per_s": 4 * sps}]}}))
+        return str(path)
+
+    a = bench(tmp_path / "a" / "bench.json", 100.0, ["avx2"], 0.3)
+    bench(tmp_path / "b" / "bench" / "bench.json", 150.0, ["avx2", "avx512_bf16"], 0.9)
+    assert main(["compare", a, str(tmp_path / "b"), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "compare_bench.md").read_text()
+    assert "| naive | 100.0 | 150.0 | 1.50 |" in md and "| optimized | 400.0 | 600.0 | 1.50 |" in md
+    assert "avx2, avx512_bf16" in md and "0.30 / 0.30" in md

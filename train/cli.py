@@ -127,6 +127,20 @@ def cmd_bench(args: argparse.Namespace, t_start: float) -> int:
     return 0
 
 
+def cmd_bench_gate(args: argparse.Namespace, t_start: float) -> int:
+    from train.bench.gate import run_gate
+
+    passed, _ = run_gate(load_cfg(args, default_config="configs/bench-gate.yaml"))
+    return 0 if passed else 1
+
+
+def cmd_bench_baseline(args: argparse.Namespace, t_start: float) -> int:
+    from train.bench.gate import write_baseline
+
+    write_baseline(load_cfg(args, default_config="configs/bench-gate.yaml"))
+    return 0
+
+
 def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
     from train.bench.batching import run_bench
     from train.setup import make_run_dir
@@ -158,8 +172,13 @@ def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_compare(args: argparse.Namespace, t_start: float) -> int:
-    from train.tracking.compare import compare
+    from train.tracking.compare import compare, compare_bench, is_bench_file
 
+    if all(is_bench_file(a) for a in args.runs):
+        md, md_path = compare_bench(args.runs, args.out, args.runs_dir)
+        print(md)
+        print(f"wrote {md_path}")
+        return 0
     md, md_path, png_path = compare(args.runs, args.out, args.runs_dir)
     print(md)
     print(f"wrote {md_path} and {png_path}")
@@ -241,6 +260,11 @@ def _args_bench(p: argparse.ArgumentParser) -> None:
     _key_flag(p, "--skip-inference", "bench.skip_inference", "run the training benchmark only", None)
 
 
+def _args_bench_gate(p: argparse.ArgumentParser) -> None:
+    _key_flag(p, "--baseline", "bench_gate.baseline", "the baseline JSON", str)
+    _key_flag(p, "--repeats", "bench_gate.repeats", "bench-baseline: measurements whose spread sets the band")
+
+
 def _args_bench_batching(p: argparse.ArgumentParser) -> None:
     for flag, what in (("num-buckets", "K of the optimal-<K> rows"),
                        ("batch-size", "samples per batch, all rows but -max-tokens"),
@@ -263,7 +287,8 @@ def _args_bench_precision(p: argparse.ArgumentParser) -> None:
 
 
 def _args_compare(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or run ids under --runs-dir)")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or run ids under --runs-dir); or bench.json "
+                   "files (make bench results, e.g. from two machines) to compare benchmarks")
     p.add_argument("--out", default=None, help="output directory (default: <runs-dir>/compare)")
     p.add_argument("--runs-dir", default="runs", help="where bare run ids are looked up (default: runs)")
 
@@ -314,6 +339,10 @@ COMMANDS: dict[str, Command] = {
     "buckets": Command("fit bucket boundaries on the training split and save them as JSON", cmd_buckets, _args_buckets),
     "bench": Command("training + inference benchmark, naive vs optimized, in one run", cmd_bench, _args_bench,
                      run_id="bench-<UTC time>-<random>"),
+    "bench-gate": Command("performance regression gate: a short bench vs the committed baseline; exit 1 on a regression",
+                          cmd_bench_gate, _args_bench_gate, run_id="bench-gate-<UTC time>-<random>"),
+    "bench-baseline": Command("measure the gate's figures bench_gate.repeats times and rewrite the baseline (says what "
+                              "changed)", cmd_bench_baseline, _args_bench_gate, run_id="bench-baseline-<UTC time>-<random>"),
     "bench-batching": Command("batching methods side by side → runs/<id>/bench-batching.{json,md,png}", cmd_bench_batching,
                               _args_bench_batching, run_id="bench-batching-<UTC time>-<random>"),
     "bench-precision": Command("fp32 vs the auto precision (and bf16/fp16 on CUDA) on the same batches",

@@ -39,6 +39,8 @@ import torch
 
 from train.compat import make_grad_scaler
 from train.errors import UserError, atomic_write_text
+from train.tools.env import cpuinfo as _cpuinfo
+from train.tools.env import machine_load
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BF16_MARGIN = 1.25
@@ -46,25 +48,6 @@ BF16_MARGIN = 1.25
 PROBE_REPEATS = 9
 PROBE_MAX_TOKENS = 2048
 DECISION_FORMAT = 1
-
-
-def _cpuinfo() -> tuple[str, str]:
-    """(model name, flags line) of the first processor in /proc/cpuinfo; ("", "") where there is none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "", ""
-    name = flags = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not name:
-            name = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = value.strip()
-        if name and flags:
-            break
-    return name, flags
 
 
 def cpu_native_bf16() -> bool:
@@ -124,14 +107,6 @@ def measure_bf16_speedup(probe: ProbeShape, repeats: int = PROBE_REPEATS) -> dic
             times[dtype].append(run(dtype))
     fp32_ms, bf16_ms = statistics.median(times["fp32"]), statistics.median(times["bf16"])
     return {"fp32_ms": fp32_ms, "bf16_ms": bf16_ms, "ratio": fp32_ms / bf16_ms, "repeats": repeats}
-
-
-def machine_load() -> Optional[float]:
-    """The 1-minute load average (None where the OS has none)."""
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
 
 
 def machine_fingerprint(probe: ProbeShape) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from train.data import prepare_data
 from train.data.tokenizer import load_or_train
 from train.errors import atomic_path, atomic_write_text
 from train.setup import start_run
-from train.tools.env import collect_env
+from train.tools.env import collect_env, machine_facts
 
 
 def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:
@@ -36,6 +36,7 @@ def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str
     run_dir, device = start.run_dir, start.device
     out_dir = run_dir / "bench"
     bundle = prepare_data(cfg, None, notice=notice)
+    machine_at_start = machine_facts(device)
     t0 = time.perf_counter()
     rows = run_training_bench(cfg, bundle, device, b.config_names() or list(CONFIGS), notice)
     add_ratios(rows)
@@ -44,7 +45,8 @@ def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str
                                                    "batch_size": cfg.batching.batch_size,
                                                    "max_tokens": cfg.batching.max_tokens, "model": cfg.model.preset,
                                                    "interleaved": True, "seconds": time.perf_counter() - t0}},
-        "env": {**collect_env(device), "num_threads": __import__("torch").get_num_threads()},
+        "env": {**collect_env(device), "num_threads": __import__("torch").get_num_threads(), **machine_at_start,
+                "load_1min_at_end": None},
     }
     if b.skip_inference:
         result["inference"] = None
@@ -52,6 +54,7 @@ def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str
     else:
         tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
         result["inference"] = run_inference_bench(cfg, bundle, tok, device, notice)
+    result["env"]["load_1min_at_end"] = machine_facts(device)["load_1min"]
     write_outputs(out_dir, result)
     return result
 
@@ -63,18 +66,25 @@ def _fmt(x: Any, spec: str = ".1f") -> str:
 def markdown(result: dict[str, Any]) -> str:
     """bench.md: one table for training, one for inference."""
     env = result["env"]
+    load = f"load {_fmt(env.get('load_1min'), '.2f')} → {_fmt(env.get('load_1min_at_end'), '.2f')}"
     lines = [f"# Benchmark — {env['device']}, torch {env['torch']}", "",
+             f"CPU flags: {', '.join(env.get('cpu_flags') or []) or 'n/a'}; {env.get('torch_threads')} torch threads; "
+             f"1-minute {load} (start → end).", "",
              "## Training (interleaved, same process; medians over windows after warm-up)", "",
-             "| config | samples/s | × naive | × hf-style | tokens/s | first step s | p50 ms | p90 ms | p99 ms "
-             "| token eff. | shapes | peak mem MiB | J/sample | MFU (measured peak) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Each row's own lever is its ratio against the row that differs from it by that lever alone (`vs row`).", "",
+             "| config | samples/s | × naive | × hf-style | lever (vs row) | × lever | tokens/s | first step s | p50 ms "
+             "| p90 ms | p99 ms | token eff. | shapes | peak mem MiB | J/sample | MFU (measured peak) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["training"]["configs"]:
         st = r["step_time_ms"]
+        lever = f"{r['lever']} (vs {r['parent']})" if r.get("parent") else "reference"
         lines.append(f"| {r['name']} | {_fmt(r['samples_per_s'])} | {_fmt(r.get('samples_per_s_vs_naive'), '.2f')} "
-                     f"| {_fmt(r.get('samples_per_s_vs_hf-style'), '.2f')} | {_fmt(r['tokens_per_s'], '.0f')} "
+                     f"| {_fmt(r.get('samples_per_s_vs_hf-style'), '.2f')} | {lever} "
+                     f"| {_fmt(r.get('samples_per_s_vs_parent'), '.2f')} | {_fmt(r['tokens_per_s'], '.0f')} "
                      f"| {_fmt(r['time_to_first_step_s'], '.2f')} | {_fmt(st['p50'])} | {_fmt(st['p90'])} | {_fmt(st['p99'])} "
                      f"| {_fmt(r['token_efficiency'], '.3f')} | {r['distinct_shapes']} | {r['peak_memory_bytes'] / 2**20:.0f} "
                      f"| {_fmt(r.get('energy_j_per_sample'), '.3g')} | {_fmt(r['mfu_vs_measured_peak'], '.1%')} |")
+    lines += ["", "Rows:", ""] + [f"* `{r['name']}`: {r['description']}" for r in result["training"]["configs"]]
     reason = next((r.get("energy_unavailable_reason") for r in result["training"]["configs"]
                    if r.get("energy_unavailable_reason")), None)
     if reason:

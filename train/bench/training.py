@@ -33,19 +33,46 @@ from train.setup import build_model
 from train.tools.progress import beside, progress_bar
 from train.trainer import Trainer, move
 
-# name → (description, config overrides on top of the base config). "naive" comes first: ratios use it.
-CONFIGS: dict[str, tuple[str, list[str]]] = {
-    "naive": ("fp32, every batch padded to data.max_len, random order, no compile",
-              ["batching.method=pad-to-max", "batching.max_tokens=null", "train.precision=fp32"]),
-    "hf-style": ("dynamic padding to the batch max with group_by_length-style megabatch sorting",
-                 ["batching.method=hf-group-by-length", "batching.max_tokens=null", "train.precision=fp32"]),
-    "optimized": ("auto precision, fitted buckets (optimal DP) with a token budget",
-                  ["batching.method=optimal", "train.precision=auto"]),
-    "naive+buckets": ("naive, but batches from fitted buckets padded to the bucket bound (same batch size)",
-                      ["batching.method=optimal", "batching.max_tokens=null", "train.precision=fp32"]),
-    "naive+precision-auto": ("naive, but with the precision auto picks on this device",
-                             ["batching.method=pad-to-max", "batching.max_tokens=null", "train.precision=auto"]),
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One named training configuration of ``make bench``: ``overrides`` on top of the base config; ``parent`` is the
+    row it differs from by exactly one ``lever`` (None for the reference), so ``samples_per_s_vs_parent`` is that
+    lever's own contribution."""
+
+    overrides: tuple[str, ...]
+    parent: Optional[str] = None
+    lever: Optional[str] = None
+
+
+# The ablation chain, every step one lever. Precision "auto" is what train.precision=auto decides on this device
+# (the same decision for every auto row); a Hugging Face user switches it on too (bf16=True), so hf-style has it.
+CONFIGS: dict[str, BenchRow] = {
+    "naive": BenchRow(("batching.method=pad-to-max", "batching.max_tokens=null", "train.precision=fp32")),
+    "naive+precision-auto": BenchRow(("batching.method=pad-to-max", "batching.max_tokens=null", "train.precision=auto"),
+                                     "naive", "precision auto"),
+    "naive+buckets": BenchRow(("batching.method=optimal", "batching.max_tokens=null", "train.precision=fp32"),
+                              "naive", "fitted buckets (fp32)"),
+    "hf-style": BenchRow(("batching.method=hf-group-by-length", "batching.max_tokens=null", "train.precision=auto"),
+                         "naive+precision-auto", "HF group_by_length: length-grouped batches padded to the batch max"),
+    "optimized-fixed-batch": BenchRow(("batching.method=optimal", "batching.max_tokens=null", "train.precision=auto"),
+                                      "hf-style", "fitted buckets instead of HF length grouping"),
+    "optimized": BenchRow(("batching.method=optimal", "train.precision=auto"), "optimized-fixed-batch",
+                          "token budget instead of a fixed batch size"),
 }
+
+
+def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
+    """A row's settings in words, from its resolved config: precision, batching, batch size or token budget, compile."""
+    b = cfg.batching
+    batching = {"pad-to-max": f"every batch padded to data.max_len={cfg.data.max_len}",
+                "hf-group-by-length": "HF group_by_length megabatches, padded to the batch max",
+                "random": "random batches padded to the batch max"}.get(
+        b.method, f"{b.method} buckets (K={b.num_buckets}) padded to the {'bucket bound' if b.pad_to == 'bound' else 'batch max'}")
+    size = f"token budget {b.max_tokens}" if b.max_tokens and b.method in ("optimal", "quantile", "kmeans") else \
+        f"batch size {b.batch_size}"
+    precision = policy.mode + (" (auto)" if cfg.train.precision == "auto" else "")
+    return f"{precision}; {batching}; {size}; compile off (eager steps; make bench-compile measures compile)"
 
 
 @dataclass
@@ -98,7 +125,7 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _build_arm(name: str, description: str, cfg: RunConfig, base_bundle: DataBundle, device: torch.device,
+def _build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch.device,
                notice: Callable[[str], None]) -> _Arm:
     t0 = time.perf_counter()
     tr = base_bundle.splits["train"]
@@ -110,10 +137,11 @@ def _build_arm(name: str, description: str, cfg: RunConfig, base_bundle: DataBun
     policy = PrecisionPolicy.for_config(cfg, device)
     loader = make_loader(bundle, "train", cfg, train=True, device=device)
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader, num_classes=bundle.num_classes)
+    description = describe(cfg, policy)
     arm = _Arm(name=name, description=description, cfg=cfg, bundle=bundle, trainer=trainer, batches=_endless(loader),
                flops=StepFlops(model.spec), policy=policy)
     arm.first_step_s = -t0  # completed after the first step
-    notice(f"bench: {name}: {description}; precision {policy.mode}; buckets {bounds}")
+    notice(f"bench: {name}: {description}; buckets {bounds}")
     return arm
 
 
@@ -130,9 +158,10 @@ def _step(arm: _Arm, timer: StepTimer, resolve: bool = False) -> tuple[int, int,
 
 
 def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.device, names: list[str],
-                       notice: Callable[[str], None] = print) -> list[dict[str, Any]]:
+                       notice: Callable[[str], None] = print, precision: Optional[str] = None) -> list[dict[str, Any]]:
     """Benchmark ``names`` (keys of :data:`CONFIGS`) with the ``bench`` settings of ``base`` (``warmup_steps``,
-    ``rounds``, ``window``) and return one result row per configuration.
+    ``rounds``, ``window``) and return one result row per configuration. ``precision`` (e.g. ``fp32``) replaces
+    every row's ``train.precision`` (the regression gate pins it so its ratios mean the same on every CPU).
 
     Raises:
         UserError: an unknown configuration name or an invalid override combination.
@@ -149,8 +178,8 @@ def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.d
     with progress_bar(len(names) * (warmup_steps + rounds * window), "bench training", base.train.progress) as bar:
         say = beside(bar, notice)
         for name in names:
-            description, overrides = CONFIGS[name]
-            arm = _build_arm(name, description, arm_config(base, overrides), base_bundle, device, say)
+            overrides = list(CONFIGS[name].overrides) + ([f"train.precision={precision}"] if precision else [])
+            arm = _build_arm(name, arm_config(base, overrides), base_bundle, device, say)
             timer = StepTimer(device)
             for i in range(warmup_steps):
                 _step(arm, timer, resolve=True)
@@ -207,6 +236,8 @@ def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
     row: dict[str, Any] = {
         "name": arm.name,
         "description": arm.description,
+        "parent": CONFIGS[arm.name].parent if arm.name in CONFIGS else None,
+        "lever": CONFIGS[arm.name].lever if arm.name in CONFIGS else None,
         "precision": arm.policy.mode,
         "precision_reason": arm.policy.reason,
         "batching_method": arm.cfg.batching.method,
@@ -218,6 +249,9 @@ def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
         "step_time_ms": percentiles(arm.step_ms),
         "token_efficiency": arm.real_tokens / arm.padded_tokens if arm.padded_tokens else None,
         "distinct_shapes": len(arm.seq_lens),
+        "batch_size": arm.cfg.batching.batch_size,
+        "max_tokens": arm.cfg.batching.max_tokens if arm.cfg.batching.method in ("optimal", "quantile", "kmeans") else None,
+        "samples_per_epoch": _samples_per_epoch(arm),
         "samples_per_step_mean": arm.samples / steps if steps else None,
         **arm.peak_memory,
     }
@@ -227,8 +261,15 @@ def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
     return row
 
 
+def _samples_per_epoch(arm: _Arm) -> int:
+    """Samples one epoch of this row's sampler yields: the split, less ``drop_last`` drops, plus DDP repeats."""
+    sampler = arm.trainer.train_loader.batch_sampler
+    return len(arm.bundle.splits["train"]) - sampler.dropped_samples + sampler.repeated_samples
+
+
 def add_ratios(rows: list[dict[str, Any]], baselines: tuple[str, ...] = ("naive", "hf-style")) -> None:
-    """Add ``samples_per_s_vs_<baseline>`` and ``tokens_per_s_vs_<baseline>`` to every row, in place."""
+    """Add ``samples_per_s_vs_<baseline>`` / ``tokens_per_s_vs_<baseline>`` to every row, and
+    ``samples_per_s_vs_parent`` (the row's own lever: against the row it differs from by that lever alone), in place."""
     by_name = {r["name"]: r for r in rows}
     for base in baselines:
         ref = by_name.get(base)
@@ -237,3 +278,6 @@ def add_ratios(rows: list[dict[str, Any]], baselines: tuple[str, ...] = ("naive"
         for r in rows:
             for key in ("samples_per_s", "tokens_per_s"):
                 r[f"{key}_vs_{base}"] = r[key] / ref[key] if ref[key] else None
+    for r in rows:
+        parent = by_name.get(r.get("parent") or "")
+        r["samples_per_s_vs_parent"] = r["samples_per_s"] / parent["samples_per_s"] if parent else None

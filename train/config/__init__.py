@@ -24,6 +24,7 @@ from train.config.bench import (
     BenchBatchingConfig,
     BenchCompileConfig,
     BenchConfig,
+    BenchGateConfig,
     BenchPrecisionConfig,
     BenchTrackingConfig,
 )
@@ -61,6 +62,7 @@ class RunConfig:
     bench_precision: BenchPrecisionConfig = field(default_factory=BenchPrecisionConfig)
     bench_compile: BenchCompileConfig = field(default_factory=BenchCompileConfig)
     bench_tracking: BenchTrackingConfig = field(default_factory=BenchTrackingConfig)
+    bench_gate: BenchGateConfig = field(default_factory=BenchGateConfig)
 
     def __post_init__(self) -> None:
         # optim.clip_norm is the old name of clip.max_norm: accept it, and keep it mirroring clip.max_norm.

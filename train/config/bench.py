@@ -1,5 +1,5 @@
 """The benchmark sections of ``RunConfig``: ``bench``, ``bench_batching``, ``bench_precision``, ``bench_compile``,
-``bench_tracking``. Their defaults live here only: each command's flags (``--rounds`` …) just set these keys,
+``bench_tracking``, ``bench_gate``. Their defaults live here only: each command's flags (``--rounds`` …) just set these keys,
 as ``section.key=value`` overrides and a YAML block do. Each field has its docstring; its accepted values
 are declared on the field (``allowed(…)``, train/errors.py) and checked in ``__post_init__``.
 
@@ -120,3 +120,25 @@ class BenchTrackingConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "bench_tracking")
+
+
+@dataclass
+class BenchGateConfig:
+    """``python -m train bench-gate`` / ``bench-baseline``: the performance regression gate (train/bench/gate.py).
+    The run's length comes from the ``bench`` section (configs/bench-gate.yaml keeps it short)."""
+
+    baseline: Optional[str] = None
+    """The committed baseline JSON; null = ``bench/baseline-gpu.json`` on CUDA, else ``bench/baseline-cpu.json``."""
+    configs: str = "naive,hf-style,optimized"
+    """The ``make bench`` rows the gate runs (ratios are taken between them)."""
+    precision: str = allowed("fp32", choices=("fp32", "bf16", "fp16", "auto"))
+    """Every row's precision. ``fp32`` on a CPU: the ratios then measure the batching code alike on an AVX2-only and an
+    AVX512-BF16 CPU (``auto`` would pick differently); a GPU baseline uses ``auto``."""
+    repeats: int = allowed(5, ge=1)
+    """``bench-baseline``: measurements taken; the baseline holds their medians and the band their spread gives."""
+    band_floor: float = allowed(0.15, gt=0, lt=1)
+    """Smallest tolerance band on a timing ratio (a fraction: 0.15 = a ratio may fall 15% below the baseline's);
+    ``bench-baseline`` widens it to twice the largest relative deviation it measured over ``repeats``."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "bench_gate")

@@ -6,7 +6,7 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -23,17 +23,52 @@ def git_sha() -> tuple[str | None, str | None]:
     return out.stdout.strip(), None
 
 
+def cpuinfo() -> tuple[str, str]:
+    """(model name, flags line) of the first processor in /proc/cpuinfo; ("", "") where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "", ""
+    name = flags = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not name:
+            name = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = value.strip()
+        if name and flags:
+            break
+    return name, flags
+
+
+def machine_load() -> Optional[float]:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+PERF_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
+"""The CPU flags that decide kernel choice and precision (a bench.json records which of these the CPU has)."""
+
+
+def machine_facts(device: torch.device) -> dict[str, Any]:
+    """What makes two benchmark results comparable or not: CPU model and its performance flags (or the GPU's
+    name), logical cores, torch threads and the 1-minute load average now."""
+    name, flags = cpuinfo()
+    have = set(flags.split())
+    return {"cpu_model": name or platform.processor() or platform.machine(),
+            "cpu_flags": [f for f in PERF_FLAGS if f in have], "logical_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "load_1min": machine_load(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    name = cpuinfo()[0] or platform.processor() or platform.machine()
     return f"cpu ({name}, {os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads)"
 
 

@@ -4,6 +4,10 @@ Reads each run's ``report.json`` (and ``metrics.jsonl`` for curves) and writes
 ``compare.md`` (a markdown table: quality, throughput, step time, memory, padding, W&B) and
 ``compare.png`` (matplotlib, Agg backend: loss, throughput, token efficiency per logged step, and
 peak memory). Ratios are against the first run.
+
+Given ``bench.json`` files (``make bench`` results, e.g. from two machines), it compares benchmarks instead
+(:func:`compare_bench`): the machines (CPU model and flags or GPU, torch, threads, load) and, per training
+configuration, samples/s of each file and its ratio to the first.
 """
 
 from __future__ import annotations
@@ -174,3 +178,53 @@ def compare(run_args: list[str], out_dir: Optional[str] = None, runs_root: str =
     plot(names, reports, records, png_path)
     atomic_write_text(md_path, f"# Run comparison\n\n{md}\n![curves](compare.png)\n")
     return md, md_path, png_path
+
+
+def is_bench_file(arg: str) -> bool:
+    """True for a ``bench.json`` file (or a directory holding ``bench.json`` or ``bench/bench.json``)."""
+    p = Path(arg)
+    return (p.is_file() and p.suffix == ".json" and p.name != "report.json") or (p / "bench.json").is_file() or \
+        (p / "bench" / "bench.json").is_file()
+
+
+def load_bench(arg: str) -> dict[str, Any]:
+    """A ``make bench`` result. Raises UserError: not JSON, or not a bench.json (no ``training.configs``)."""
+    p = Path(arg)
+    p = p if p.is_file() else (p / "bench.json" if (p / "bench.json").is_file() else p / "bench" / "bench.json")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{p}: not a readable bench.json ({exc.__class__.__name__})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("training", {}).get("configs"), list):
+        raise UserError(f"{p}: not a `make bench` result (no training.configs); pass runs/<id>/bench/bench.json")
+    return data
+
+
+def compare_bench(args: list[str], out_dir: Optional[str] = None, runs_root: str = "runs") -> tuple[str, Path]:
+    """Benchmarks side by side: ``compare_bench.md`` with the machines and, per configuration present in every file,
+    samples/s and the ratio to the first file. Returns ``(markdown, md_path)``."""
+    benches = [load_bench(a) for a in args]
+    lines = ["| | " + " | ".join(args) + " |", "|---|" + "---|" * len(args)]
+    for label, key in (("device", "device"), ("CPU flags", "cpu_flags"), ("torch", "torch"), ("torch threads", "num_threads"),
+                       ("load at start / end", None)):
+        cells = []
+        for b in benches:
+            env = b.get("env", {})
+            value = (f"{_fmt(env.get('load_1min'), '.2f')} / {_fmt(env.get('load_1min_at_end'), '.2f')}" if key is None
+                     else ", ".join(env[key]) if isinstance(env.get(key), list) else _fmt(env.get(key), ""))
+            cells.append(value)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    rows = [{r["name"]: r for r in b["training"]["configs"]} for b in benches]
+    common = [n for n in rows[0] if all(n in r for r in rows[1:])]
+    lines += ["", "| config | " + " | ".join(f"samples/s ({i + 1})" for i in range(len(args))) + " | "
+              + " | ".join(f"× ({i + 1} vs 1)" for i in range(1, len(args))) + " |",
+              "|---|" + "---|" * (2 * len(args) - 1)]
+    for name in common:
+        values = [r[name]["samples_per_s"] for r in rows]
+        ratios = [_fmt(v / values[0] if values[0] else None, ".2f") for v in values[1:]]
+        lines.append(f"| {name} | " + " | ".join(_fmt(v, ".1f") for v in values) + " | " + " | ".join(ratios) + " |")
+    md = "\n".join(lines) + "\n"
+    out = Path(out_dir) if out_dir else Path(runs_root) / "compare"
+    md_path = out / "compare_bench.md"
+    atomic_write_text(md_path, f"# Benchmark comparison\n\n{md}")
+    return md, md_path
