@@ -2,7 +2,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-CONFIG ?= configs/cpu-tiny.yaml
+# CONFIG: the GPU defaults (bert-base, bf16, token budget, compile + warm-up) when an NVIDIA GPU answers
+# (`nvidia-smi -L` lists one), else the CPU run. Resolved once, only when a target reads CONFIG.
+GPU_CONFIG ?= configs/gpu-bert-base.yaml
+CPU_CONFIG ?= configs/cpu-tiny.yaml
+NVIDIA_SMI ?= nvidia-smi
+HAS_GPU = $(eval HAS_GPU := $(shell $(NVIDIA_SMI) -L 2>/dev/null | grep -q '^GPU' && echo yes))$(HAS_GPU)
+CONFIG ?= $(if $(HAS_GPU),$(GPU_CONFIG),$(CPU_CONFIG))
 ARGS ?=
 PYTEST_ARGS ?=
 RUNS ?=
@@ -90,8 +96,9 @@ setup: $(VENV)/.installed ## create .venv and install the pinned dependencies (C
 data: setup ## make the WordNet database available (apt-get install wordnet-base when root)
 	PY=$(PY) scripts/install_wordnet.sh
 
-train: $(RT_DEPS_DATA) ## train with CONFIG (default configs/cpu-tiny.yaml); ARGS="section.key=value ..." overrides; RUNTIME=auto|docker|local; NPROC=2 for DDP
+train: $(RT_DEPS_DATA) ## train with CONFIG (default configs/cpu-tiny.yaml; configs/gpu-bert-base.yaml when nvidia-smi lists a GPU); ARGS="section.key=value ..." overrides; RUNTIME=auto|docker|local; NPROC=2 for DDP
 	@echo "$(RT_LINE)"
+	@echo "config: $(CONFIG)$(if $(filter command line environment,$(origin CONFIG)),, ($(if $(HAS_GPU),nvidia-smi lists a GPU,no GPU found by $(NVIDIA_SMI) -L)))"
 	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) $(LAUNCH_IN_IMAGE) train --config $(CONFIG) $(ARGS),$(LAUNCH) train --config $(CONFIG) $(ARGS))
 
 smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.json (NPROC=2: the same under DDP)
@@ -191,6 +198,9 @@ profile-nsys: $(RT_DEPS_DATA) ## Nsight Systems capture of a few steps (needs ns
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m train profile --tools nsys --config $(CONFIG) $(ARGS),,$(NSYS_DOCKER_FLAGS))
 
+
+gpu-check: ## every CUDA path once with the host's python3 (<= 8 min on one H200) → runs/gpu-check/gpu_check.{json,md}; DRY_RUN=1: on the CPU, tiny
+	scripts/gpu_check.sh
 
 shell: $(RT_DEPS) ## an interactive shell in the image (or with .venv on PATH)
 	@echo "$(RT_LINE)"

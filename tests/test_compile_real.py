@@ -174,7 +174,7 @@ def test_two_processes_share_one_cache_and_survive_damaged_entries(tmp_path: Pat
         assert p.returncode == 0, err[-3000:]
     for i in range(2):
         w = json.loads((tmp_path / "runs" / f"p{i}" / "warmup.json").read_text())
-        assert w["restored_bit_exact"] and w["totals"]["shapes"] == 3 and w["cache"]["dir"] == str(cache.resolve())
+        assert w["restored_bit_exact"] and w["totals"]["shapes"] == 2 and w["cache"]["dir"] == str(cache.resolve())
     # half-written entries (as a crash mid-write would leave them) mean recompiling, never a crash
     damaged = 0
     for f in cache.rglob("*"):

@@ -158,3 +158,15 @@ def test_bad_runtime_is_an_error():
                                     "bench", "shell", "test", "lint", "clean", "lock", "test-torch21", "clean-cache"])
 def test_every_target_exists(target):
     make_n(target)
+
+
+def test_train_config_defaults_to_the_gpu_config_only_when_nvidia_smi_lists_a_gpu(tmp_path: Path) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n')
+    smi.chmod(0o755)
+    gpu = make_n("RUNTIME=local", "train", f"NVIDIA_SMI={smi}")
+    assert "train --config configs/gpu-bert-base.yaml" in gpu and "nvidia-smi lists a GPU" in gpu
+    for absent in ("false", str(tmp_path / "missing")):  # no GPU listed, or no nvidia-smi at all
+        cpu = make_n("RUNTIME=local", "train", f"NVIDIA_SMI={absent}")
+        assert "train --config configs/cpu-tiny.yaml" in cpu
+    assert "train --config configs/smoke.yaml" in make_n("RUNTIME=local", "train", f"NVIDIA_SMI={smi}", "CONFIG=configs/smoke.yaml")

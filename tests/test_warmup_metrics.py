@@ -56,6 +56,7 @@ def test_warmup_compiles_the_training_shapes_plus_their_evaluation_graphs(tiny_c
     train = {(r["batch_size"], r["seq_len"]) for r in warm["shapes"] if r["phase"] == "train"}
     evals = {(r["batch_size"], r["seq_len"]) for r in warm["shapes"] if r["phase"] == "eval"}
     assert evals <= train and warm["totals"]["shapes"] == len(train) + len(evals)
+    assert len(evals) <= len(report["batching"]["bucket_bounds"])  # one evaluation graph per bucket
     # the training shapes are the plan's: per bucket the full batch and (no drop_last) one partial batch
     assert len(train) <= 2 * len(report["batching"]["bucket_bounds"])
     assert report["compile"]["recompiles_after_warmup"] == 0
@@ -72,6 +73,7 @@ def test_evaluation_batches_take_training_shapes_and_filler_rows_count_nowhere(t
         loader = make_loader(bundle, split, cfg, train=False, device=device)
         shapes = {k[1:] for k in planned_shapes(loader, "eval")}
         assert shapes <= train_shapes, (split, shapes, train_shapes)
+        assert len({s for _, s in shapes}) == len(shapes) <= len(bundle.bounds)  # one batch size per bucket
     loader = make_loader(bundle, "validation", cfg, train=False, device=device)
     batches = list(loader)
     assert sum(b["samples"] for b in batches) == len(bundle.splits["validation"])

@@ -162,14 +162,15 @@ def fit_bucket_plan(cfg: RunConfig) -> BucketPlan:
                           p.data_fingerprint, p.tokenizer_info["fingerprint"])
 
 
-def training_batch_sizes(bundle: DataBundle, cfg: RunConfig) -> list[list[int]]:
-    """Per bucket (aligned with ``bundle.bounds``): the batch sizes an epoch of training yields there, the full
-    size and, unless ``batching.drop_last``, the last partial one (the full size alone for an empty bucket)."""
+def eval_batch_rows(bundle: DataBundle, cfg: RunConfig) -> list[list[int]]:
+    """Per bucket (aligned with ``bundle.bounds``): the one batch size evaluation batches are filled up to, the
+    largest batch training runs in that bucket (the full size; the partial size where the training split has fewer
+    samples than one full batch and keeps it; the full size for a bucket training never uses)."""
     b = cfg.batching
     s = BucketBatchSampler(bundle.splits["train"].lengths, bundle.bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
                            round_batch_to=8 if b.round_to % 8 == 0 else 1)
     counts = np.bincount(s.bucket_of, minlength=len(bundle.bounds))
-    return [[size] + ([int(n % size)] if n % size and not b.drop_last else []) for size, n in zip(s.batch_sizes, counts)]
+    return [[int(n) if 0 < n < size and not b.drop_last else size] for size, n in zip(s.batch_sizes, counts)]
 
 
 def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, device: torch.device,
@@ -177,8 +178,9 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
     """A DataLoader over ``split`` with a :class:`BucketBatchSampler` and :class:`PadCollate`.
 
     Training: seeded shuffle, the configured token budget and ``drop_last``. Evaluation: no
-    shuffle, nothing dropped, the same buckets and batch sizes, each bucket's last (partial) batch filled up
-    to the full batch with ignored rows (``pad_to="bound"``), so eval shapes are the training shapes; under DDP
+    shuffle, nothing dropped, the same buckets and batch sizes, each bucket's last (partial) batch filled up to
+    the full training batch with ignored rows (``pad_to="bound"``: :func:`eval_batch_rows`), so evaluation runs
+    one training shape per bucket and compiles one graph per bucket; under DDP
     each rank gets every ``world_size``-th batch (:class:`ShardedBatchSampler`, nothing repeated).
     Each loader draws its workers' base seed from its own generator, not the global torch RNG, so
     starting an epoch or an evaluation never shifts the dropout stream (exact resume relies on it).
@@ -198,7 +200,7 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
         batches = sampler if train or world_size == 1 else ShardedBatchSampler(sampler, world_size, rank)
     generator = torch.Generator()
     generator.manual_seed(cfg.train.seed)
-    rows = training_batch_sizes(bundle, cfg) if not train and bundle.pad_to == "bound" else None
+    rows = eval_batch_rows(bundle, cfg) if not train and bundle.pad_to == "bound" else None
     return DataLoader(TokenDataset(bundle.splits[split]), batch_sampler=batches,
                       collate_fn=PadCollate(bundle.pad_id, bundle.bounds, bundle.pad_to, rows),
                       num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",

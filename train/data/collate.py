@@ -38,10 +38,10 @@ class PadCollate:
     A sample longer than the largest bound is cut to it, keeping its final ([SEP]) token;
     ``batch["truncated"]`` counts those.
 
-    ``rows`` (evaluation, ``pad_to="bound"`` only): per bound (aligned with ``bounds``), the batch sizes training
-    produces in that bucket (full, and partial unless dropped); a batch is filled up to the smallest of them
-    that holds it with copies of its first sample labelled :data:`IGNORE_LABEL`, so evaluation runs only the
-    training shapes (no shapes of its own for partial batches). Filler rows add no real tokens and no samples.
+    ``rows`` (evaluation, ``pad_to="bound"`` only): per bound (aligned with ``bounds``), the batch sizes a batch
+    may have; a batch is filled up to the smallest of them that holds it with copies of its first sample labelled
+    :data:`IGNORE_LABEL` (evaluation passes the training batch size: no shapes of its own for partial batches).
+    Filler rows add no real tokens and no samples.
 
     Returns a dict: ``input_ids`` LongTensor[B, S], ``attention_mask`` BoolTensor[B, S] (True = real
     token), ``labels`` LongTensor[B] (:data:`IGNORE_LABEL` on filler rows), ``samples`` int (real rows),

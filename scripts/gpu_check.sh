@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# scripts/gpu_check.sh: one command that runs every CUDA path of the project once and returns every number
+# (docs/gpu-check.md). Budget: <= 8 min on one H200 (the steps' timeouts add up to 480 s).
+#
+#   scripts/gpu_check.sh                      # on the GPU host, with its own python3 (no .venv, pins not enforced)
+#   DRY_RUN=1 scripts/gpu_check.sh            # the same steps on the CPU with tiny sizes (a slow test runs this)
+#
+# Environment: PYTHON (default python3), OUT (default runs/gpu-check; gets gpu_check.json, gpu_check.md and a few
+# PNGs/traces, at most 8 files), WORK (scratch run directories, default $OUT.work; kept for inspection),
+# WORDNET_DIR (a directory with WordNet's data.* files; default shared/wordnet or wordnet/ in the repo if present,
+# else the usual places: WNHOME, /usr/share/wordnet), STEPS (comma-separated subset of the steps, to rerun only
+# those), CONFIG (default configs/gpu-bert-base.yaml), TIMEOUT_PCT (scales every step's timeout, in percent: 100
+# on a GPU, 300 in a dry run). Each step has a timeout; a failing or timed-out step is
+# recorded in gpu_check.json and the script goes on; the exit status is 1 if any step failed, else 0.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu-check}
+WORK=${WORK:-$OUT.work}
+CONFIG=${CONFIG:-configs/gpu-bert-base.yaml}
+DRY_RUN=${DRY_RUN:-0}
+ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit"
+STEPS=${STEPS:-$ALL_STEPS}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+if [ -n "${WORDNET_DIR:-}" ]; then
+  export WNHOME="$WORDNET_DIR"
+else
+  for d in shared/wordnet wordnet shared/wordnet/dict; do
+    if [ -f "$d/data.noun" ]; then export WNHOME="$ROOT/$d"; break; fi
+  done
+fi
+
+mkdir -p "$OUT" "$WORK/steps" || exit 2
+rm -f "$OUT"/gpu_check.json "$OUT"/gpu_check.md "$OUT"/*.png "$OUT"/*.json.gz
+
+# Per step: timeout in seconds (GPU) and the overrides every step shares.
+if [ "$DRY_RUN" = 1 ]; then
+  MODE=dry-run
+  COMMON=(train.device=cpu train.progress=false "train.output_dir=$WORK" "data.cache_dir=$WORK/cache"
+          data.max_samples=400 data.vocab_size=300 data.max_len=32 data.num_workers=0 model.num_layers=1
+          model.hidden_size=32 model.num_heads=2 model.ffn_size=64 batching.num_buckets=2 batching.max_tokens=512
+          train.precision=fp32 compile.backend=eager compile.warmup_window=2 compile.warmup_max_steps=3
+          compile.warmup_cv=0.9 train.num_threads=1)
+  TIMEOUT_PCT=${TIMEOUT_PCT:-300}; PRECISION_STEPS=4; BENCH=(--warmup-steps 1 --rounds 1 --window 2 --requests 4 --inference-batch-size 2)
+  COMPILE_STEPS=(--steps 2 --rounds 1); RUN_STEPS=4; SYNC_STEPS=6; RO_MODE=default  # no CUDA graphs on a CPU
+else
+  MODE=gpu
+  COMMON=(train.device=cuda train.progress=false "train.output_dir=$WORK")
+  TIMEOUT_PCT=${TIMEOUT_PCT:-100}; PRECISION_STEPS=120; BENCH=(--warmup-steps 3 --rounds 3 --window 8 --requests 100)
+  COMPILE_STEPS=(--steps 8 --rounds 3); RUN_STEPS=40; SYNC_STEPS=30; RO_MODE=reduce-overhead
+fi
+# Compile steps: 2 buckets, no partial batches: 2 training shapes (+ their evaluation graphs), so cold compiles fit.
+FEW_SHAPES=(batching.num_buckets=2 batching.drop_last=true)
+
+echo "gpu-check ($MODE): python $PYTHON, config $CONFIG, out $OUT, work $WORK, wordnet ${WNHOME:-default search}"
+"$PYTHON" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" \
+  || echo "gpu-check: warning: $PYTHON cannot import torch"
+
+FAILED=0
+# run_step NAME TIMEOUT_S COMMAND...: runs it with a timeout, its output in $WORK/steps/NAME.log (and the console),
+# its status in $WORK/steps/NAME.status (rc seconds timeout), then a one-line summary.
+run_step() {
+  local name=$1 limit=$2; shift 2
+  case ",$STEPS," in *",$name,"*) ;; *) return 0 ;; esac
+  local log="$WORK/steps/$name.log" t0 t1 rc
+  limit=$(((limit * TIMEOUT_PCT + 99) / 100))
+  echo "== $name (timeout ${limit}s): $*"
+  t0=$(date +%s)
+  timeout --kill-after=15 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  t1=$(date +%s)
+  tail -n 5 "$log" | sed "s/^/   [$name] /"
+  echo "$rc $((t1 - t0)) $limit" >"$WORK/steps/$name.status"
+  "$PYTHON" scripts/gpu_check_report.py line "$WORK" "$name" "$MODE" || echo "$name: (no summary: see $log)"
+  if ! "$PYTHON" scripts/gpu_check_report.py ok "$WORK" "$name" "$MODE"; then FAILED=1; fi
+}
+
+M=(-m train)
+run_step verify-gpu 20 "$PYTHON" -m train.tools.verify_gpu --json "$WORK/verify_gpu.json"
+run_step bench-precision 60 "$PYTHON" "${M[@]}" bench-precision --config "$CONFIG" --run-id gc-precision \
+  "${COMMON[@]}" compile.enabled=false --steps "$PRECISION_STEPS" --bf16-cpu-steps 0 --warmup 2
+run_step bench 75 "$PYTHON" "${M[@]}" bench --config "$CONFIG" --run-id gc-bench "${COMMON[@]}" compile.enabled=false \
+  --configs naive,hf-style,optimized "${BENCH[@]}"
+run_step compile-default 75 "$PYTHON" "${M[@]}" bench-compile --config "$CONFIG" --run-id gc-compile-default \
+  "${COMMON[@]}" "${FEW_SHAPES[@]}" compile.mode=default "${COMPILE_STEPS[@]}"
+run_step compile-reduce-overhead 75 "$PYTHON" "${M[@]}" bench-compile --config "$CONFIG" --run-id gc-compile-ro \
+  "${COMMON[@]}" "${FEW_SHAPES[@]}" "compile.mode=$RO_MODE" "${COMPILE_STEPS[@]}"
+run_step compile-run 90 "$PYTHON" "${M[@]}" train --config "$CONFIG" --run-id gc-compile-run "${COMMON[@]}" \
+  "${FEW_SHAPES[@]}" compile.enabled=true "compile.mode=$RO_MODE" "train.max_steps=$RUN_STEPS" train.eval_every=100000 \
+  train.log_every=10
+run_step profile 45 "$PYTHON" "${M[@]}" profile --config "$CONFIG" --run-id gc-profile --tools torch,gpu "${COMMON[@]}" \
+  compile.enabled=false
+run_step sync-audit 40 "$PYTHON" -m train.perf.sync_audit --config "$CONFIG" --mode warn --out "$WORK/sync_audit.json" \
+  "${COMMON[@]}" train.run_id=gc-sync train.overwrite=true compile.enabled=false "train.max_steps=$SYNC_STEPS" \
+  train.log_every=10 train.eval_every=100000
+
+"$PYTHON" scripts/gpu_check_report.py write "$WORK" "$OUT" "$MODE" "$ALL_STEPS" || FAILED=1
+echo "gpu-check ($MODE): $([ "$FAILED" = 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED'); see $OUT/gpu_check.md"
+exit "$FAILED"
