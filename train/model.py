@@ -144,12 +144,44 @@ class EncoderClassifier(nn.Module):
             pooled = (h * m).sum(1) / m.sum(1).clamp_min(1.0)
         return self.head(pooled).float()
 
+    supports_packing = True
+    """Packed rows (``position_ids`` + ``seq_index``) run exactly: see :meth:`forward`."""
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                blocks_context: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
-        x = self.embed(input_ids)
+                blocks_context: Callable[[], ContextManager] = contextlib.nullcontext,
+                position_ids: Optional[torch.Tensor] = None, seq_index: Optional[torch.Tensor] = None,
+                num_seqs: Optional[int] = None) -> torch.Tensor:
+        """Logits FloatTensor[B, num_classes]; or, for packed rows (``position_ids``, ``seq_index`` LongTensor[R, C],
+        ``num_seqs`` int), logits FloatTensor[num_seqs, num_classes], one row per packed sample, equal to its
+        unpacked logits: positions restart at each sample, attention is block-diagonal (a bool mask
+        [R, 1, C, C] where ``seq_index`` is equal; padding attends to padding, so no query row is fully masked:
+        ``scaled_dot_product_attention`` works on torch 2.1), pooling runs per sample (Krell et al. 2021,
+        arXiv:2107.02027)."""
+        if position_ids is None:
+            x = self.embed(input_ids)
+            with blocks_context():
+                h = self.encode(x, attention_mask)
+            return self.pool_and_classify(h, attention_mask)
+        if seq_index is None or num_seqs is None:
+            raise ValueError("packed rows need position_ids, seq_index and num_seqs")
+        x = self.emb_drop(self.emb_norm(self.tok_emb(input_ids) + self.pos_emb(position_ids)))  # [R, C, H]
+        block_mask = (seq_index[:, :, None] == seq_index[:, None, :])[:, None]  # [R, 1, C, C]
         with blocks_context():
-            h = self.encode(x, attention_mask)
-        return self.pool_and_classify(h, attention_mask)
+            for layer in self.layers:
+                x = layer(x, block_mask)
+        h = self.final_norm(x.float()).reshape(-1, x.shape[-1])  # [R·C, H]
+        idx = seq_index.reshape(-1)
+        # padding (−1) goes to an extra slot num_seqs, dropped below: no data-dependent indexing, no host sync
+        slot = torch.where(idx >= 0, idx, torch.full_like(idx, num_seqs))
+        if self.spec.pooling == "cls":
+            first = (idx >= 0) & (position_ids.reshape(-1) == 0)
+            slot = torch.where(first, slot, torch.full_like(idx, num_seqs))
+            pooled = torch.zeros(num_seqs + 1, h.shape[1], dtype=h.dtype, device=h.device).index_add(0, slot, h)
+        else:
+            sums = torch.zeros(num_seqs + 1, h.shape[1], dtype=h.dtype, device=h.device).index_add(0, slot, h)
+            counts = torch.bincount(slot, minlength=num_seqs + 1).clamp_min(1).to(h.dtype)
+            pooled = sums / counts[:, None]
+        return self.head(pooled[:num_seqs]).float()
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

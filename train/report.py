@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from train.config import RunConfig
-from train.data import DataBundle
+from train.data import DataBundle, pack_layout
 from train.errors import atomic_write_text
 from train.model import EncoderClassifier
 from train.numerics import NumericsAbort
@@ -138,6 +138,7 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
             "dropped_samples": sampler_counts["dropped"],
             "repeated_samples": sampler_counts["repeated"],
             "truncated_in_collate": stats.truncated_in_collate,
+            **_packing_fields(cfg, bundle, stats),
         },
         "perf": perf,
         "env": r.env,
@@ -158,6 +159,17 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
         report["quality"]["test_unavailable_reason"] = "interrupted before the final evaluation"
     return report
 
+
+
+def _packing_fields(cfg: RunConfig, bundle: DataBundle, stats: TrainStats) -> dict[str, Any]:
+    """batching.* for ``batching.method=packed``: rows per step, samples per row, pack efficiency, attention path."""
+    if cfg.batching.method != "packed":
+        return {}
+    layout = pack_layout(cfg, bundle.splits["train"].lengths)
+    rows = stats.padded_tokens / layout.capacity if layout.capacity else 0
+    return {"pack_len": layout.capacity, "rows_per_step": layout.rows, "label_slots_per_step": layout.max_seqs,
+            "samples_per_row": _ratio(stats.samples, rows), "pack_efficiency": _ratio(stats.real_tokens, stats.padded_tokens),
+            "attention_path": "scaled_dot_product_attention with a block-diagonal bool mask [R, 1, C, C]"}
 
 
 def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: float, energy: dict,

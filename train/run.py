@@ -265,6 +265,10 @@ def _build(r: _Run) -> None:
     """Model (checked against the resume checkpoint), loaders, compile session, tracking and the trainer."""
     cfg, ctx, device, bundle = r.cfg, r.ctx, r.device, r.bundle
     r.model = agreed(lambda: build_model(cfg, bundle), ctx).to(device)
+    if cfg.batching.method == "packed" and not getattr(r.model, "supports_packing", False):
+        raise UserError(f"batching.method=packed: the model {type(r.model).__name__} cannot take per-sample positions and "
+                        "a block-diagonal mask (forward(..., position_ids=, seq_index=, num_seqs=)); use "
+                        "batching.method=optimal")
     if r.state is not None:
         r.state = agreed(lambda: check_resume_state(r.state, r.ckpt_path, ctx, bundle, r.model.spec), ctx)
         r.say(f"resuming from {r.ckpt_path} (step {r.state['step']})", flush=True)

@@ -72,6 +72,16 @@ def move(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
             batch["labels"].to(device, non_blocking=nb))
 
 
+def packed_inputs(batch: dict, device: torch.device) -> dict[str, Any]:
+    """A packed batch's extra forward arguments (train/data/packing.py): ``position_ids`` and ``seq_index``
+    (LongTensor[R, C], on ``device``) and ``num_seqs`` (its label slots); ``{}`` for an ordinary batch."""
+    if "position_ids" not in batch:
+        return {}
+    nb = device.type == "cuda"
+    return {"position_ids": batch["position_ids"].to(device, non_blocking=nb),
+            "seq_index": batch["seq_index"].to(device, non_blocking=nb), "num_seqs": int(batch["labels"].shape[0])}
+
+
 @torch.no_grad()
 def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPolicy, num_classes: int,
              device: torch.device, dist_ctx: Optional[DistContext] = None) -> dict[str, float]:
@@ -193,14 +203,16 @@ class Trainer:
             self.epoch += 1
             self.batches_in_epoch = 0
 
-    def train_step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def train_step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                   **packed: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One optimizer step. Returns (loss, pre-clip global grad norm in true units) as device tensors.
+        ``packed``: :func:`packed_inputs` of a packed batch (then ``labels`` has one slot per packed sample).
 
         A step with non-finite loss or gradients is skipped and counted by ``self.guard`` (no host sync).
         """
         with self.ranges("forward"):
             with self.guard.forward_context():  # hooks only while diagnosing a bad step
-                logits = self.train_model(ids, mask, self.policy.blocks_autocast)  # [B, C] fp32
+                logits = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # [B or N, C] fp32
         return self.optimize(logits, labels)
 
     def optimize(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -221,10 +233,10 @@ class Trainer:
             self.scheduler.step()
         return loss.detach(), clip.grad_norm
 
-    def _diagnostic_pass(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _diagnostic_pass(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, **packed: Any) -> torch.Tensor:
         """Forward + backward on one batch, no optimizer step (for the numerics guard's diagnosis)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(ids, mask, self.policy.blocks_autocast), labels)
+        loss = F.cross_entropy(self.model(ids, mask, self.policy.blocks_autocast, **packed), labels)
         loss.backward()
         return loss.detach()
 
@@ -241,14 +253,16 @@ class Trainer:
             with self.ranges("data_wait"):
                 batch = next(batches)  # data wait is part of the step time
                 ids, mask, labels = move(batch, self.device)
-            loss, self.last_grad_norm = self.train_step(ids, mask, labels)
+                packed = packed_inputs(batch, self.device)
+            loss, self.last_grad_norm = self.train_step(ids, mask, labels, **packed)
             # on CUDA, the duration is known now only on the first step (time to first step) or when a callback asks
             ms = self.timer.stop(resolve=step == self.start_step + 1 or
                                  any(getattr(cb, "needs_step_ms", False) for cb in self.callbacks))
             if step == self.start_step + 1:
                 s.first_step_end = time.perf_counter()
-            b, seq = ids.shape
-            s.steps, s.samples = step, s.samples + b
+            b, seq = ids.shape  # rows for a packed batch, which holds n samples
+            n = batch.get("samples", b)
+            s.steps, s.samples = step, s.samples + n
             s.real_tokens += batch["real_tokens"]
             s.padded_tokens += b * seq
             s.truncated_in_collate += batch["truncated"]
@@ -256,17 +270,17 @@ class Trainer:
             s.batch_shapes.add((b, seq))
             if step > self.start_step + 1:  # steady state: after this process's first (cold) step
                 s.steady_shape_counts[(b, seq)] += 1
-                s.steady_samples += b
+                s.steady_samples += n
                 s.steady_real_tokens += batch["real_tokens"]
             window["steps"] += 1
-            window["samples"] += b
+            window["samples"] += n
             window["real"] += batch["real_tokens"]
             window["padded"] += b * seq
             if step % t.log_every == 0 or step == self.total_steps:
                 record = self._log_record(step, window)
                 self.logger.log(record)
                 if self.guard.should_abort():
-                    self.guard.diagnose_batch(functools.partial(self._diagnostic_pass, ids, mask, labels))
+                    self.guard.diagnose_batch(functools.partial(self._diagnostic_pass, ids, mask, labels, **packed))
                     bar.close()
                     raise self.guard.abort(step)
                 for cb in tuple(self.callbacks):  # this step's gradients are still in .grad

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from train.config import RunConfig, build_config, parse_override
-from train.data import DataBundle, bucket_plan, make_loader
+from train.data import DataBundle, bucket_plan, make_loader, pack_layout
 from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.flops import StepFlops
@@ -31,7 +31,7 @@ from train.perf.timer import StepTimer, percentiles
 from train.precision import PrecisionPolicy
 from train.setup import build_model
 from train.tools.progress import beside, progress_bar
-from train.trainer import Trainer, move
+from train.trainer import Trainer, move, packed_inputs
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,8 @@ CONFIGS: dict[str, BenchRow] = {
                                       "hf-style", "fitted buckets instead of HF length grouping"),
     "optimized": BenchRow(("batching.method=optimal", "train.precision=auto"), "optimized-fixed-batch",
                           "token budget instead of a fixed batch size"),
+    "optimized-packed": BenchRow(("batching.method=packed", "train.precision=auto"), "optimized",
+                                 "sequence packing (rows of data.max_len, block-diagonal attention) instead of buckets"),
 }
 
 
@@ -71,6 +73,10 @@ def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
         b.method, f"{b.method} buckets (K={b.num_buckets}) padded to the {'bucket bound' if b.pad_to == 'bound' else 'batch max'}")
     size = f"token budget {b.max_tokens}" if b.max_tokens and b.method in ("optimal", "quantile", "kmeans") else \
         f"batch size {b.batch_size}"
+    if b.method == "packed":
+        batching = f"sequence packing into rows of {b.pack_len or cfg.data.max_len} tokens (block-diagonal attention)"
+        size = f"{'token budget ' + str(b.max_tokens) if b.max_tokens else 'about batch size ' + str(b.batch_size)} " \
+               "worth of rows per step"
     precision = policy.mode + (" (auto)" if cfg.train.precision == "auto" else "")
     return f"{precision}; {batching}; {size}; compile off (eager steps; make bench-compile measures compile)"
 
@@ -145,16 +151,16 @@ def _build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch
     return arm
 
 
-def _step(arm: _Arm, timer: StepTimer, resolve: bool = False) -> tuple[int, int, int]:
-    """One timed training step: (batch, length, real tokens). Its duration is read by ``timer.flush()``
-    (``resolve``: now, waiting for the device)."""
+def _step(arm: _Arm, timer: StepTimer, resolve: bool = False) -> tuple[int, int, int, int]:
+    """One timed training step: (rows, length, samples, real tokens); rows = samples except for packed batches.
+    Its duration is read by ``timer.flush()`` (``resolve``: now, waiting for the device)."""
     timer.start()
     batch = next(arm.batches)
     ids, mask, labels = move(batch, arm.trainer.device)
-    arm.trainer.train_step(ids, mask, labels)
+    arm.trainer.train_step(ids, mask, labels, **packed_inputs(batch, arm.trainer.device))
     timer.stop(resolve=resolve)
     b, s = ids.shape
-    return b, s, batch["real_tokens"]
+    return b, s, batch.get("samples", b), batch["real_tokens"]
 
 
 def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.device, names: list[str],
@@ -204,8 +210,8 @@ def _window(arm: _Arm, window: int, device: torch.device, memory: WindowPeakMemo
     meter.start()
     w_samples, w_tokens = 0, 0
     for _ in range(window):
-        b, s, real = _step(arm, timer)
-        w_samples += b
+        b, s, n, real = _step(arm, timer)
+        w_samples += n
         w_tokens += real
         arm.padded_tokens += b * s
         arm.flops_total += arm.flops(b, s)
@@ -241,6 +247,8 @@ def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
         "precision": arm.policy.mode,
         "precision_reason": arm.policy.reason,
         "batching_method": arm.cfg.batching.method,
+        "rows_per_step": pack_layout(arm.cfg, arm.bundle.splits["train"].lengths).rows
+        if arm.cfg.batching.method == "packed" else None,
         "bucket_bounds": arm.bundle.bounds,
         "timed_steps": steps,
         "samples_per_s": float(np.median(arm.window_samples_per_s)),

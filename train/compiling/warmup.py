@@ -269,7 +269,8 @@ def warm_up_for_run(session: CompileSession, trainer: Any, model: torch.nn.Modul
     if not (c.warmup or force):
         session.warmup_skipped_reason = "compile.warmup=false"
     elif session.shapes is None and session.enabled:
-        session.warmup_skipped_reason = "batches are padded to the batch maximum (batching.method=random): no fixed shapes"
+        session.warmup_skipped_reason = (f"batching.method={trainer.cfg.batching.method}: batches padded to their longest "
+                                         "sample (evaluation at least): no fixed set of shapes to warm")
     else:
         shapes = session.shapes if session.shapes is not None else plan_all_shapes(
             trainer.train_loader, [trainer.eval_loader] if trainer.eval_loader is not None else [])

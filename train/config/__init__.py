@@ -75,6 +75,9 @@ class RunConfig:
                 raise UserError("optim.clip_norm must be > 0 (disable clipping with clip.method=none)")
             self.clip.max_norm = float(legacy)
         self.optim.clip_norm = self.clip.max_norm if self.clip.method == "global-norm" else None
+        if self.batching.pack_len is not None and self.batching.pack_len > self.data.max_len:
+            raise UserError(f"batching.pack_len={self.batching.pack_len} exceeds data.max_len={self.data.max_len} (the "
+                            "position table); lower batching.pack_len or raise data.max_len")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

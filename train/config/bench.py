@@ -129,7 +129,7 @@ class BenchGateConfig:
 
     baseline: Optional[str] = None
     """The committed baseline JSON; null = ``bench/baseline-gpu.json`` on CUDA, else ``bench/baseline-cpu.json``."""
-    configs: str = "naive,hf-style,optimized"
+    configs: str = "naive,hf-style,optimized,optimized-packed"
     """The ``make bench`` rows the gate runs (ratios are taken between them)."""
     precision: str = allowed("fp32", choices=("fp32", "bf16", "fp16", "auto"))
     """Every row's precision. ``fp32`` on a CPU: the ratios then measure the batching code alike on an AVX2-only and an

@@ -9,7 +9,7 @@ from typing import Optional
 
 from train.errors import UserError, allowed, check_fields
 
-BATCHING_METHODS = ("optimal", "quantile", "kmeans", "pad-to-max", "random", "hf-group-by-length")
+BATCHING_METHODS = ("optimal", "quantile", "kmeans", "pad-to-max", "random", "hf-group-by-length", "packed")
 
 
 @dataclass
@@ -59,7 +59,9 @@ class BatchingConfig:
     method: str = allowed("optimal", choices=BATCHING_METHODS)
     """Bucket boundaries: ``optimal`` (minimum-padding DP), ``quantile``, ``kmeans``; or no buckets:
     ``pad-to-max`` (every batch padded to ``data.max_len``), ``random`` (random batches padded to the batch max),
-    ``hf-group-by-length`` (Hugging Face's megabatch length grouping, padded to the batch max; a baseline)."""
+    ``hf-group-by-length`` (Hugging Face's megabatch length grouping, padded to the batch max; a baseline);
+    ``packed``: whole samples back to back in rows of ``pack_len`` tokens (best-fit decreasing; per-sample positions,
+    block-diagonal attention: every sample's logits are its unpacked logits), one shape for the whole run."""
     num_buckets: int = allowed(8, ge=1)
     """K, the number of buckets (= distinct sequence lengths) for the bucketed methods."""
     batch_size: int = allowed(64, ge=1)
@@ -72,6 +74,13 @@ class BatchingConfig:
     """Drop each bucket's last incomplete batch (counted in the report) instead of keeping it."""
     boundaries_file: Optional[str] = None
     """A bucket-boundaries JSON from ``python -m train buckets``; None = fit on the fly and save into the run."""
+    pack_len: Optional[int] = allowed(None, ge=3)
+    """``packed``: tokens per row; null = ``data.max_len`` (it may not exceed it: the position table)."""
+    pack_window: int = allowed(4096, ge=1)
+    """``packed``: samples packed together at a time (a shuffled window: bounded memory and packing time)."""
+    pack_rows: Optional[int] = allowed(None, ge=1)
+    """``packed``: rows per step; null = ``max_tokens // pack_len`` with a token budget, else about ``batch_size``
+    samples' worth of rows (``ceil(batch_size × mean training length / pack_len)``)."""
     pad_to: str = allowed("bound", choices=("bound", "batch-max"))
     """Bucketed methods: ``bound`` pads every batch to its bucket bound (static shapes, at most K lengths);
     ``batch-max`` pads to the longest sample in the batch (less padding, more distinct shapes: see

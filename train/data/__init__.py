@@ -16,6 +16,7 @@ from train.data import cache
 from train.data.buckets import BucketPlan
 from train.data.collate import PadCollate, TokenDataset
 from train.data.grouping import LengthGroupedBatchSampler
+from train.data.packing import PackCollate, PackedBatchSampler, RowDataset
 from train.data.sampler import BucketBatchSampler, ShardedBatchSampler
 from train.data.sources import Corpus, check_classes, load_corpus
 from train.data.tokenizer import TokenizedSplit, encode, load_or_train, pad_id, texts_fingerprint
@@ -63,6 +64,9 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         return [cfg.data.max_len], "batch-max", None, "none (random batches, pad to batch max)"
     if b.method == "hf-group-by-length":
         return [cfg.data.max_len], "batch-max", None, "none (megabatch length grouping, pad to batch max)"
+    if b.method == "packed":  # training: packed rows of pack_len; evaluation: batches padded to their longest sample
+        c = b.pack_len or cfg.data.max_len
+        return [c], "batch-max", None, f"none (sequence packing into rows of {c} tokens)"
     if b.boundaries_file:
         plan = BucketPlan.load(b.boundaries_file, data_fp, tok_fp, force=force)
         return plan.bounds, b.pad_to, plan, str(b.boundaries_file)
@@ -75,6 +79,30 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
     notice(f"no batching.boundaries_file: fitted {b.method} buckets {plan.bounds} on the fly "
            f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); {where}")
     return plan.bounds, b.pad_to, plan, source
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """``batching.method=packed``: ``capacity`` tokens per row, ``rows`` rows per step, ``max_seqs`` label slots per
+    step (rows × capacity // the shortest training sample: a static label shape)."""
+
+    capacity: int
+    rows: int
+    max_seqs: int
+
+
+def pack_layout(cfg: RunConfig, lengths: np.ndarray) -> PackLayout:
+    """The packed batch shape for these training ``lengths`` (see ``batching.pack_rows``)."""
+    b = cfg.batching
+    c = b.pack_len or cfg.data.max_len
+    if b.pack_rows:
+        rows = b.pack_rows
+    elif b.max_tokens:
+        rows = max(1, b.max_tokens // c)
+    else:
+        rows = max(1, -(-b.batch_size * float(np.mean(np.minimum(lengths, c))) // c)) if len(lengths) else 1
+    shortest = max(1, int(np.min(lengths))) if len(lengths) else 1
+    return PackLayout(capacity=c, rows=int(rows), max_seqs=int(rows) * max(1, c // shortest))
 
 
 def check_token_budget(max_tokens: Optional[int], bounds: list[int], max_len: int) -> None:
@@ -186,6 +214,16 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
     starting an epoch or an evaluation never shifts the dropout stream (exact resume relies on it).
     """
     b = cfg.batching
+    generator = torch.Generator()
+    generator.manual_seed(cfg.train.seed)
+    if b.method == "packed" and train:
+        layout = pack_layout(cfg, bundle.splits[split].lengths)
+        packed = PackedBatchSampler(bundle.splits[split].lengths, layout.capacity, layout.rows, seed=cfg.train.seed,
+                                    window=b.pack_window, drop_last=b.drop_last, world_size=world_size, rank=rank)
+        return DataLoader(RowDataset(bundle.splits[split]), batch_sampler=packed,
+                          collate_fn=PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs).collate_items,
+                          num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
+                          persistent_workers=cfg.data.num_workers > 0, generator=generator)
     batches: BucketBatchSampler | LengthGroupedBatchSampler | ShardedBatchSampler
     if b.method == "hf-group-by-length" and train:
         if world_size > 1:
@@ -198,8 +236,6 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
             round_batch_to=8 if b.round_to % 8 == 0 else 1, shuffle=train, seed=cfg.train.seed,
             drop_last=b.drop_last if train else False, world_size=shard_train, rank=rank if train else 0)
         batches = sampler if train or world_size == 1 else ShardedBatchSampler(sampler, world_size, rank)
-    generator = torch.Generator()
-    generator.manual_seed(cfg.train.seed)
     rows = eval_batch_rows(bundle, cfg) if not train and bundle.pad_to == "bound" else None
     return DataLoader(TokenDataset(bundle.splits[split]), batch_sampler=batches,
                       collate_fn=PadCollate(bundle.pad_id, bundle.bounds, bundle.pad_to, rows),

@@ -12,12 +12,16 @@ decreasing bin packing; a batch is a fixed number of rows, so a run sees one sha
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.utils.data import Dataset, Sampler
+
+from train.data.collate import IGNORE_LABEL
 
 
 def pack_rows(lengths: Sequence[int], capacity: int, seed: int = 0, epoch: int = 0) -> list[list[int]]:
@@ -61,18 +65,122 @@ def packed_batches(lengths: Sequence[int], capacity: int, rows_per_batch: int, s
     return [rows[i : i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
 
 
+class PackedBatchSampler(Sampler[list[tuple[int, int]]]):
+    """Packed training batches: each batch is ``rows`` rows of ``capacity`` tokens, rows filled by best-fit
+    decreasing over a shuffled window of ``window`` samples at a time (bounded memory and packing cost).
+
+    Deterministic per (seed, epoch); rank-aware like ``DistributedSampler``: rank r gets batches r, r + w, …, and
+    every sample lands in exactly one batch of one rank per epoch, except, counted in ``dropped_samples`` /
+    ``repeated_samples``: a last partial batch (dropped with ``drop_last``) and the batches that even out the
+    ranks (repeated from the start without ``drop_last``, dropped with it). Resumable mid-epoch
+    (``state_dict``). Yields, per batch, ``[(row, sample index), …]`` for :meth:`PackCollate.collate_items`.
+
+    Raises:
+        ValueError: ``capacity``, ``rows`` or ``window`` < 1, or a rank outside ``[0, world_size)``.
+    """
+
+    def __init__(self, lengths: Sequence[int], capacity: int, rows: int, seed: int = 0, window: int = 4096,
+                 drop_last: bool = False, world_size: int = 1, rank: int = 0) -> None:
+        if capacity < 1 or rows < 1 or window < 1:
+            raise ValueError("capacity, rows and window must be ≥ 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.capacity, self.rows, self.window, self.seed = capacity, rows, window, seed
+        self.drop_last, self.world_size, self.rank = drop_last, world_size, rank
+        self.epoch, self._start = 0, 0
+        self.dropped_samples = self.repeated_samples = 0
+        self._plan: tuple[int, list[list[list[int]]]] = (-1, [])
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self._start = 0
+        self.epoch = epoch
+
+    def _global_plan(self) -> list[list[list[int]]]:
+        """All ranks' batches (lists of rows of sample indices) of this epoch; updates the drop/repeat counters."""
+        if self._plan[0] == self.epoch:
+            return self._plan[1]
+        perm = np.random.default_rng([self.seed, self.epoch, 2]).permutation(len(self.lengths))
+        rows: list[list[int]] = []
+        for w0 in range(0, len(perm), self.window):
+            ids = perm[w0 : w0 + self.window]
+            rows += [[int(ids[j]) for j in row] for row in pack_rows(self.lengths[ids], self.capacity, self.seed,
+                                                                   self.epoch * 1_000_003 + w0)]
+        rows = [rows[i] for i in np.random.default_rng([self.seed, self.epoch, 3]).permutation(len(rows))]
+        batches = [rows[i : i + self.rows] for i in range(0, len(rows), self.rows)]
+        dropped = repeated = 0
+        if batches and len(batches[-1]) < self.rows and self.drop_last:
+            dropped += sum(len(r) for r in batches.pop())
+        w = self.world_size
+        if len(batches) % w:
+            if self.drop_last or not batches:
+                keep = len(batches) - len(batches) % w
+                dropped += sum(len(r) for b in batches[keep:] for r in b)
+                batches = batches[:keep]
+            else:
+                extra = [batches[i % len(batches)] for i in range(w - len(batches) % w)]
+                repeated = sum(len(r) for b in extra for r in b)
+                batches += extra
+        self.dropped_samples, self.repeated_samples = dropped, repeated
+        self._plan = (self.epoch, batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        mine = self._global_plan()[self.rank :: self.world_size]
+        for i in range(self._start, len(mine)):
+            self._start = i + 1
+            yield [(r, idx) for r, row in enumerate(mine[i]) for idx in row]
+        self._start = 0
+
+    def __len__(self) -> int:
+        return len(self._global_plan()) // self.world_size
+
+    def state_dict(self) -> dict:
+        """Plain ints only (safe for ``torch.load(weights_only=True)``)."""
+        return {"epoch": self.epoch, "start": self._start, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self._start, self.seed = int(state["epoch"]), int(state["start"]), int(state["seed"])
+
+
+class RowDataset(Dataset):
+    """``dataset[(row, i)] -> (row, ids int32 [L_i], label int)``: what :class:`PackedBatchSampler` indexes."""
+
+    def __init__(self, split) -> None:
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, np.ndarray, int]:
+        row, i = key
+        return row, self.split.ids[i], int(self.split.labels[i])
+
+
 class PackCollate:
     """Collate rows of samples ``[[(ids, label), …], …]`` into one packed batch of static shape [R, C].
 
     Returns a dict: ``input_ids`` LongTensor[R, C], ``position_ids`` LongTensor[R, C] (restarting at 0
     per sample), ``seq_index`` LongTensor[R, C] (the sample's number in ``labels``, −1 on padding),
-    ``attention_mask`` BoolTensor[R, C] (True = real token), ``labels`` LongTensor[N], ``real_tokens``
+    ``attention_mask`` BoolTensor[R, C] (True = real token), ``labels`` LongTensor[N] (N = ``max_seqs`` when
+    given: the slots after the batch's samples hold :data:`IGNORE_LABEL`), ``samples`` int, ``real_tokens``
     int, ``truncated`` int (samples longer than C, cut keeping their last token). Missing rows of a
     short last batch are all padding, so the shape never changes.
     """
 
-    def __init__(self, pad_id: int, capacity: int, rows_per_batch: int) -> None:
-        self.pad_id, self.capacity, self.rows = pad_id, capacity, rows_per_batch
+    def __init__(self, pad_id: int, capacity: int, rows_per_batch: int, max_seqs: Optional[int] = None) -> None:
+        self.pad_id, self.capacity, self.rows, self.max_seqs = pad_id, capacity, rows_per_batch, max_seqs
+
+    def collate_items(self, items: list[tuple[int, np.ndarray, int]]) -> dict:
+        """The DataLoader's collate for :class:`PackedBatchSampler` + :class:`RowDataset`: items ``(row, ids,
+        label)`` grouped back into rows, then :meth:`__call__`."""
+        rows: list[list[tuple[np.ndarray, int]]] = []
+        for row, ids, label in items:
+            while len(rows) <= row:
+                rows.append([])
+            rows[row].append((ids, label))
+        return self(rows)
 
     def __call__(self, rows: list[list[tuple[np.ndarray, int]]]) -> dict:
         if len(rows) > self.rows:
@@ -97,31 +205,19 @@ class PackCollate:
                 labels.append(label)
                 at += n
         mask = seq >= 0
+        samples = len(labels)
+        if self.max_seqs is not None:  # a static number of label slots: one compiled graph, no per-batch shape
+            if samples > self.max_seqs:
+                raise ValueError(f"{samples} samples in a packed batch of at most {self.max_seqs}")
+            labels += [IGNORE_LABEL] * (self.max_seqs - samples)
         return {"input_ids": ids, "position_ids": pos, "seq_index": seq, "attention_mask": mask,
-                "labels": torch.tensor(labels, dtype=torch.long), "real_tokens": int(mask.sum()), "truncated": truncated}
+                "labels": torch.tensor(labels, dtype=torch.long), "samples": samples, "real_tokens": int(mask.sum()),
+                "truncated": truncated}
 
 
 def packed_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_index: torch.Tensor,
                    num_seqs: int, blocks_context: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
-    """Logits FloatTensor[num_seqs, C] of an :class:`~train.model.EncoderClassifier` on a packed batch.
-
-    The same modules as ``model.forward`` with per-sample positions, a block-diagonal bool mask
-    [R, 1, C, C] (``seq_index`` equal; padding attends to padding, so no query row is fully
-    masked) and pooling per sample (mean over its tokens, or its first token for ``cls``).
-    """
-    x = model.emb_drop(model.emb_norm(model.tok_emb(input_ids) + model.pos_emb(position_ids)))  # [R, C, H]
-    attn_mask = (seq_index[:, :, None] == seq_index[:, None, :])[:, None]  # [R, 1, C, C]
-    with blocks_context():
-        for layer in model.layers:
-            x = layer(x, attn_mask)
-    h = model.final_norm(x.float()).reshape(-1, x.shape[-1])  # [R·C, H]
-    idx = seq_index.reshape(-1)
-    if model.spec.pooling == "cls":
-        first = (idx >= 0) & (position_ids.reshape(-1) == 0)
-        pooled = torch.zeros(num_seqs, h.shape[1], dtype=h.dtype, device=h.device).index_copy(0, idx[first], h[first])
-    else:
-        real = idx >= 0
-        sums = torch.zeros(num_seqs, h.shape[1], dtype=h.dtype, device=h.device).index_add(0, idx[real], h[real])
-        counts = torch.bincount(idx[real], minlength=num_seqs).clamp_min(1).to(h.dtype)
-        pooled = sums / counts[:, None]
-    return model.head(pooled).float()
+    """Logits FloatTensor[num_seqs, C] of an :class:`~train.model.EncoderClassifier` on a packed batch (its forward's
+    packed path: per-sample positions, a block-diagonal mask, per-sample pooling)."""
+    return model(input_ids, seq_index >= 0, blocks_context, position_ids=position_ids, seq_index=seq_index,
+                 num_seqs=num_seqs)
