@@ -46,3 +46,50 @@ def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
     result = run_bench(cfg, notice=lambda _m: None)
     assert result["inference"]["model"].endswith("checkpoint.pt")
     assert result["inference"]["accuracy_on_requests"] > 0.3  # a trained model, not chance (1/45)
+
+
+def test_open_loop_load_counts_queueing_and_batches_dynamically() -> None:
+    import time as _time
+
+    from train.bench.inference import open_loop
+
+    calls: list[int] = []
+
+    def answer(texts):  # a server that takes 2 ms per call whatever the batch size
+        calls.append(len(texts))
+        _time.sleep(0.002)
+        return ["x"] * len(texts)
+
+    slow = open_loop(answer, ["t"] * 60, rate=100.0, max_batch=8, max_delay_s=0.001, seed=0)
+    calls.clear()
+    fast = open_loop(answer, ["t"] * 200, rate=4000.0, max_batch=8, max_delay_s=0.001, seed=0)
+    assert slow["mean_batch_size"] < 2 and fast["mean_batch_size"] > 4 and max(calls) <= 8  # batches grow with load
+    assert slow["latency_ms"]["p50"] >= 2.0 and fast["latency_ms"]["p99"] > fast["latency_ms"]["p50"]
+    assert 0 < slow["achieved_requests_per_s"] <= 200 and fast["achieved_requests_per_s"] > slow["achieved_requests_per_s"]
+
+
+def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
+    from train.bench.inference import Classifier
+    from train.data import prepare_data
+    from train.data.tokenizer import load_or_train
+    from train.precision import PrecisionPolicy
+    from train.setup import build_model
+
+    import torch
+
+    cfg = tiny_cfg()
+    bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
+    tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir)
+    model = build_model(cfg, bundle)
+    clf = Classifier(model, tok, bundle, bundle.corpus.label_names, PrecisionPolicy.for_config(cfg, torch.device("cpu")),
+                     torch.device("cpu"), cfg.data.max_len)
+    texts = bundle.corpus.validation.texts[:12]
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    together = clf(texts)
+    hook.remove()
+    lengths = [len(tok.encode(t).ids) for t in texts]
+    needed = {next(b for b in bundle.bounds if b >= min(n, bundle.bounds[-1])) for n in lengths}
+    assert sorted(s for _, s in shapes) == sorted(needed)  # one forward per bucket present, padded to its bound
+    assert sum(b for b, _ in shapes) == len(texts)
+    assert together == [clf([t])[0] for t in texts]  # grouping changes nothing but the padding

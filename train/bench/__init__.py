@@ -99,10 +99,21 @@ def markdown(result: dict[str, Any]) -> str:
         for mode in ("single", "batched"):
             m = inf[mode]
             lat = m["latency_ms"]
-            label = mode if mode == "single" else f"batched ({m['batch_size']}/call; latency per call)"
+            label = mode if mode == "single" else f"batched ({m['batch_size']}/call, grouped by bucket; latency per call)"
             lines.append(f"| {label} | {m['requests']} | {_fmt(m['requests_per_s'])} | {_fmt(lat['p50'], '.2f')} "
                          f"| {_fmt(lat['p90'], '.2f')} | {_fmt(lat['p99'], '.2f')} | {m['peak_memory_bytes'] / 2**20:.0f} "
                          f"| {_fmt(m.get('energy_j_per_request'), '.3g')} |")
+        if inf.get("load"):
+            ls = inf["load_settings"]
+            lines += ["", f"Batched / single requests/s: {_fmt(inf.get('batched_vs_single_requests_per_s'), '.2f')}×. "
+                      f"Open loop: Poisson arrivals at shares of the batched maximum ({ls['max_rate_requests_per_s']:.0f} "
+                      f"requests/s), dynamic batching up to {ls['max_batch']} with a {ls['max_queue_delay_ms']:g} ms "
+                      "maximum queueing delay; latency from arrival to answer.", "",
+                      "| load | offered req/s | achieved req/s | p50 ms | p99 ms | mean batch |", "|---|---|---|---|---|---|"]
+            for lv in inf["load"]:
+                lines.append(f"| {lv['load']:.0%} | {lv['offered_requests_per_s']:.0f} | "
+                             f"{_fmt(lv['achieved_requests_per_s'], '.0f')} | {_fmt(lv['latency_ms']['p50'], '.2f')} "
+                             f"| {_fmt(lv['latency_ms']['p99'], '.2f')} | {lv['mean_batch_size']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

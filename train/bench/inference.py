@@ -1,10 +1,20 @@
-"""Inference benchmark: the evaluation split answered as single requests and as batched requests.
+"""Inference benchmark: the evaluation split answered as single requests, as batched requests, and under an
+open-loop load.
 
 A request is the whole path a caller waits for: tokenize → pad to the bucket bound (static
-shapes) → forward → arg-max → label name. Figures: time to first response (model load + the
-first, cold request, including any compilation), per-request latency p50/p90/p99 of the
-following requests, requests/s, peak memory and energy per request (null + reason where
-unmeasurable).
+shapes) → forward → arg-max → label name. A batch of queued requests is first **grouped by length**
+(each bucket's requests together, up to ``bench.inference_batch_size`` per forward), so a short request
+is never padded to the bound of the longest one in its batch.
+
+* ``single``: one request per call; ``batched``: ``bench.inference_batch_size`` requests per call (closed loop:
+  its requests/s is the measured maximum rate).
+* ``load``: open loop, as an inference server sees it: Poisson arrivals at 25/50/90 % of that maximum rate, a
+  dynamic batcher that serves the queue when it holds a full batch or its oldest request has waited
+  ``bench.max_queue_delay_ms`` (Triton's / TorchServe's ``max_queue_delay``), latency = completion − arrival
+  (queueing included); achieved requests/s and p50/p99 latency per level.
+
+Figures also: time to first response (model load + the first, cold request, including any compilation),
+peak memory and energy per request (null + reason where unmeasurable).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from tokenizers import Tokenizer
 from train.checkpoint import load_checkpoint
 from train.config import RunConfig
 from train.data import DataBundle
+from train.data.buckets import assign_buckets
 from train.data.collate import PadCollate
 from train.data.tokenizer import encode
 from train.errors import UserError
@@ -30,6 +41,9 @@ from train.perf.timer import Timed, percentiles
 from train.precision import PrecisionPolicy
 from train.setup import build_model
 from train.tools.progress import progress_bar
+
+LOAD_LEVELS = (0.25, 0.5, 0.9)
+"""Open-loop offered load as shares of the measured maximum (closed-loop batched) rate."""
 
 
 class Classifier:
@@ -43,12 +57,19 @@ class Classifier:
 
     @torch.inference_mode()
     def __call__(self, texts: list[str]) -> list[str]:
+        """Label names for ``texts``, in order; requests are grouped by bucket, one forward per bucket present."""
         split = encode(self.tokenizer, texts, np.zeros(len(texts), dtype=np.int64), self.max_len)
-        batch = self.collate([(ids, 0) for ids in split.ids])
-        ids = batch["input_ids"].to(self.device, non_blocking=True)
-        mask = batch["attention_mask"].to(self.device, non_blocking=True)
-        logits = self.model(ids, mask, self.policy.blocks_autocast)
-        return [self.label_names[i] for i in logits.argmax(-1).tolist()]  # .tolist(): sync point
+        bucket = assign_buckets(split.lengths, self.collate.bounds)
+        answers: list[str] = [""] * len(texts)
+        for k in np.unique(bucket).tolist():
+            members = np.flatnonzero(bucket == k).tolist()
+            batch = self.collate([(split.ids[i], 0) for i in members])
+            ids = batch["input_ids"].to(self.device, non_blocking=True)
+            mask = batch["attention_mask"].to(self.device, non_blocking=True)
+            logits = self.model(ids, mask, self.policy.blocks_autocast)
+            for i, label in zip(members, logits.argmax(-1).tolist()):  # .tolist(): sync point
+                answers[i] = self.label_names[label]
+        return answers
 
 
 def load_model(cfg: RunConfig, bundle: DataBundle, device: torch.device,
@@ -98,6 +119,38 @@ def _measure(answer: Callable[[list[str]], list[str]], groups: list[list[str]], 
     return out
 
 
+def open_loop(answer: Callable[[list[str]], list[str]], texts: list[str], rate: float, max_batch: int,
+              max_delay_s: float, seed: int = 0) -> dict[str, Any]:
+    """Serve ``texts`` arriving as a Poisson process of ``rate`` requests/s (seeded) with a dynamic batcher: a batch
+    (at most ``max_batch``) starts when the queue holds a full batch, its oldest request has waited ``max_delay_s``,
+    or no more requests will come. Returns achieved requests/s, latency percentiles (ms, queueing included) and
+    the mean batch size."""
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, len(texts)))
+    latency = np.zeros(len(texts))
+    queue: list[int] = []
+    nxt, sizes = 0, []
+    t0 = time.perf_counter()
+    while nxt < len(texts) or queue:
+        now = time.perf_counter() - t0
+        while nxt < len(texts) and arrivals[nxt] <= now:
+            queue.append(nxt)
+            nxt += 1
+        due = queue and (len(queue) >= max_batch or now - arrivals[queue[0]] >= max_delay_s or nxt == len(texts))
+        if not due:
+            wake = min(arrivals[queue[0]] + max_delay_s if queue else np.inf, arrivals[nxt] if nxt < len(texts) else np.inf)
+            time.sleep(max(0.0, wake - now))
+            continue
+        batch, queue = queue[:max_batch], queue[max_batch:]
+        answer([texts[i] for i in batch])
+        done = time.perf_counter() - t0
+        latency[batch] = done - arrivals[batch]
+        sizes.append(len(batch))
+    span = float((arrivals + latency).max() - arrivals[0])  # first arrival → last completion
+    return {"offered_requests_per_s": rate, "achieved_requests_per_s": len(texts) / span if span > 0 else None,
+            "latency_ms": percentiles((latency * 1e3).tolist()), "mean_batch_size": float(np.mean(sizes)),
+            "requests": len(texts)}
+
+
 def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer, device: torch.device,
                         notice: Callable[[str], None] = print) -> dict[str, Any]:
     """Serve ``bench.requests`` validation texts one by one, then in batches of ``bench.inference_batch_size``
@@ -119,6 +172,13 @@ def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer
         batched = _measure(clf, [texts[1 + i : 1 + i + batch_size] for i in range(0, num_requests, batch_size)], device,
                            bar.update)
     answers = clf(texts[1:])
+    peak = batched["requests_per_s"]
+    delay = cfg.bench.max_queue_delay_ms / 1e3
+    load = [{"load": share, **open_loop(clf, texts[1:], share * peak, batch_size, delay, seed=cfg.train.seed)}
+            for share in LOAD_LEVELS] if peak else []
+    for level in load:
+        notice(f"bench: inference at {level['load']:.0%} load: {level['achieved_requests_per_s']:.0f} requests/s, "
+               f"p50 {level['latency_ms']['p50']:.1f} ms, p99 {level['latency_ms']['p99']:.1f} ms")
     return {
         "model": source,
         "precision": policy.mode,
@@ -127,5 +187,10 @@ def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer
         "first_answer": first[0],
         "accuracy_on_requests": float(np.mean([a == b for a, b in zip(answers, truth[1:])])),
         "single": single,
-        "batched": {**batched, "batch_size": batch_size},
+        "batched": {**batched, "batch_size": batch_size, "grouped_by": "bucket (one forward per bucket present)"},
+        "batched_vs_single_requests_per_s": peak / single["requests_per_s"] if peak and single["requests_per_s"] else None,
+        "load": load,
+        "load_settings": {"arrivals": "Poisson", "levels_of_max_rate": list(LOAD_LEVELS),
+                          "max_rate_requests_per_s": peak, "max_batch": batch_size,
+                          "max_queue_delay_ms": cfg.bench.max_queue_delay_ms},
     }

@@ -34,6 +34,8 @@ class BenchConfig:
     """Inference requests, answered one by one and then in batches."""
     inference_batch_size: int = allowed(32, ge=1)
     """Requests per call in the batched inference mode."""
+    max_queue_delay_ms: float = allowed(5.0, ge=0)
+    """Open-loop load: the dynamic batcher serves the queue once its oldest request has waited this long."""
     skip_inference: bool = False
     """Run the training benchmark only."""
 
