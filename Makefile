@@ -20,30 +20,50 @@ RUNTIME ?= auto
 STACK ?= torch21
 IMAGE ?= deep-model-perf
 TAG ?= $(STACK_TAG_$(STACK))
-GPUS ?= all
+# GPUS: the --gpus value; empty (no --gpus: it fails without the NVIDIA runtime) for the cpu stack.
+GPUS ?= $(if $(filter cpu,$(STACK)),,all)
 DOCKER ?= docker
 CACHE_VOLUME ?= deep-model-perf-cache
 DOCKER_ARGS ?=
 BENCH ?= bench
 STACK_TAG_torch21 := cu121-torch2.1.0
 STACK_TAG_torch2x := cu124-torch2.6.0
+STACK_TAG_cpu := cpu-torch2.1.0
 STACK_VERSIONS_torch21 := --build-arg CUDA_VERSION=12.1.1 --build-arg TORCH_VERSION=2.1.0 --build-arg TRITON_VERSION=2.1.0
 STACK_VERSIONS_torch2x := --build-arg CUDA_VERSION=12.4.1 --build-arg TORCH_VERSION=2.6.0 --build-arg TRITON_VERSION=3.2.0
+STACK_VERSIONS_cpu := --build-arg CUDA_VERSION=none --build-arg TORCH_VERSION=2.1.0 --build-arg TRITON_VERSION=2.1.0
+# Per stack: base image (CUDA bases pinned by digest; debian:bookworm-slim is what ../shared/tools/docker-sandbox.sh
+# builds where no registry answers), the distribution's Python, the lock, Nsight Systems (none on cpu).
+STACK_BASE_torch21 := nvidia/cuda:12.1.1-runtime-ubuntu22.04@sha256:8bbc6e304b193e84327fa30d93eea70ec0213b808239a46602a919a479a73b12
+STACK_BASE_torch2x := nvidia/cuda:12.4.1-runtime-ubuntu22.04@sha256:517da2300c184c9999ec203c2665244bdebd3578d12fcc7065e83667932643d9
+STACK_BASE_cpu := debian:bookworm-slim
+STACK_BUILD_torch21 := --build-arg PYTHON=python3.10 --build-arg LOCK=requirements.lock
+STACK_BUILD_torch2x := --build-arg PYTHON=python3.10 --build-arg LOCK=requirements-torch2x.lock
+STACK_BUILD_cpu := --build-arg PYTHON=python3.11 --build-arg LOCK=requirements-cpu.lock --build-arg NSYS_VERSION=
+BASE_IMAGE ?= $(STACK_BASE_$(STACK))
+# The group that owns /cache in the image: every container joins it, so host users share the volume.
+CACHE_GID ?= 47474
 IMG = $(IMAGE):$(TAG)
 HOST_UID := $(shell id -u)
 HOST_GID := $(shell id -g)
+# The image's own (default) user: the caller, or 1000:1000 when root builds, so the image never defaults to root.
+IMAGE_UID ?= $(if $(filter 0,$(HOST_UID)),1000,$(HOST_UID))
+IMAGE_GID ?= $(if $(filter 0,$(HOST_UID)),1000,$(HOST_GID))
 # Resolved once per make invocation (memoised), only when a container-aware target is read.
 RT_LINE_RAW = $(eval RT_LINE_RAW := $(shell RUNTIME='$(RUNTIME)' DOCKER='$(DOCKER)' scripts/detect_runtime.sh))$(RT_LINE_RAW)
 RT = $(firstword $(RT_LINE_RAW))
 RT_LINE = runtime: $(RT) ($(wordlist 2,99,$(RT_LINE_RAW)))$(if $(filter docker,$(RT)), image $(IMG),)
-RT_DEPS = $(if $(filter docker,$(RT)),image-present,$(if $(filter local,$(RT)),setup,bad-runtime))
-RT_DEPS_DATA = $(if $(filter docker,$(RT)),image-present,$(if $(filter local,$(RT)),setup data,bad-runtime))
+RT_DEPS = $(if $(filter docker,$(RT)),image-ready,$(if $(filter local,$(RT)),setup,bad-runtime))
+RT_DEPS_DATA = $(if $(filter docker,$(RT)),image-ready,$(if $(filter local,$(RT)),setup data,bad-runtime))
 # Container runs: GPUs; host IPC (DataLoader workers need more than the default 64 MB /dev/shm: "bus error");
 # unlimited locked memory (pinned host buffers); the shared cache volume; runs/ and wandb/ bind-mounted and
-# written as the calling user; W&B credentials passed through from the environment, never baked in; ptrace
-# for py-spy.
-DOCKER_RUN_FLAGS = --rm --gpus $(GPUS) --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
-	--user $(HOST_UID):$(HOST_GID) -v $(CACHE_VOLUME):/cache \
+# written as the calling user, in the cache volume's group; W&B credentials passed through from the
+# environment, never baked in; ptrace for py-spy; --init (signals reach the trainer, zombies are reaped);
+# the host network across nodes (NNODES > 1: the rendezvous and NCCL/Gloo need the nodes' real addresses).
+# Unlimited locked memory only with GPUs (pinned host buffers); raising it needs CAP_SYS_RESOURCE in the engine.
+DOCKER_RUN_FLAGS = --rm --init $(if $(GPUS),--gpus $(GPUS) --ulimit memlock=-1) --ipc=host --ulimit stack=67108864 \
+	$(if $(filter-out 1,$(NNODES)),--network=host) \
+	--user $(HOST_UID):$(HOST_GID) --group-add $(CACHE_GID) -v $(CACHE_VOLUME):/cache \
 	-v $(CURDIR)/runs:/app/runs -v $(CURDIR)/wandb:/app/wandb \
 	-e WANDB_API_KEY -e WANDB_MODE -e WANDB_PROJECT -e WANDB_ENTITY --cap-add SYS_PTRACE
 # nsys additionally needs perf_event_open (CPU sampling, OS runtime trace): blocked by the default seccomp
@@ -56,6 +76,8 @@ TORCH21_VENV ?= .venv-torch21
 UV ?= $(VENV)/bin/uv
 LOCK_FLAGS = --python-platform x86_64-manylinux_2_28 --python-version 3.10 --generate-hashes --quiet \
 	--custom-compile-command "make lock"
+# The cpu stack: the torch21 input for Debian bookworm's Python 3.11, constrained to the torch21 lock's versions.
+LOCK_FLAGS_cpu = $(subst --python-version 3.10,--python-version 3.11,$(LOCK_FLAGS)) -c docker/requirements.lock
 
 # Scale-out (docs/scale-out.md): NPROC processes per node through torchrun; NNODES > 1 adds a static rendezvous
 # at MASTER_ADDR:MASTER_PORT (run the same command on every node with its NODE_RANK). NPROC=1, NNODES=1: plain python.
@@ -101,8 +123,9 @@ train: $(RT_DEPS_DATA) ## train with CONFIG (default configs/cpu-tiny.yaml; conf
 	@echo "config: $(CONFIG)$(if $(filter command line environment,$(origin CONFIG)),, ($(if $(HAS_GPU),nvidia-smi lists a GPU,no GPU found by $(NVIDIA_SMI) -L)))"
 	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) $(LAUNCH_IN_IMAGE) train --config $(CONFIG) $(ARGS),$(LAUNCH) train --config $(CONFIG) $(ARGS))
 
-smoke: setup data ## a <= 60 s CPU run on a subset; writes runs/smoke/report.json (NPROC=2: the same under DDP)
-	$(LAUNCH) train --config configs/smoke.yaml $(ARGS)
+smoke: $(RT_DEPS_DATA) ## a <= 60 s CPU run on a subset; writes runs/smoke/report.json (NPROC=2: the same under DDP)
+	@$(if $(filter docker,$(RT)),echo "$(RT_LINE)",:)
+	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) $(LAUNCH_IN_IMAGE),$(LAUNCH)) train --config configs/smoke.yaml $(ARGS)
 
 smoke-2node: setup data ## the smoke run as two simulated nodes (two torchrun launches, loopback rendezvous) → runs/smoke-2node
 	PY=$(PY) NPROC=$(NPROC) MASTER_PORT=$(MASTER_PORT) scripts/simulate_2node.sh --config configs/smoke.yaml train.run_id=smoke-2node $(ARGS)
@@ -165,15 +188,21 @@ distclean: clean ## also remove .venv and .venv-torch21
 
 # ---- the image and container-aware targets (issue 8) ---------------------------------------------------------
 DOCKER_BUILD = $(DOCKER) build -f docker/Dockerfile --build-arg STACK=$(STACK) $(STACK_VERSIONS_$(STACK)) \
-	--build-arg UID=$(HOST_UID) --build-arg GID=$(HOST_GID) \
+	--build-arg BASE_IMAGE=$(BASE_IMAGE) $(STACK_BUILD_$(STACK)) \
+	--build-arg UID=$(IMAGE_UID) --build-arg GID=$(IMAGE_GID) --build-arg CACHE_GID=$(CACHE_GID) \
 	--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
+	--build-arg SOURCE_HASH=$$(scripts/docker_image.sh source-hash $(STACK)) \
 	--build-arg CREATED=$$(date -u +%Y-%m-%dT%H:%M:%SZ) $(BUILD_ARGS) -t $(IMG) .
+# Checks before a build or a container run (scripts/docker_image.sh): each problem is one line + the fix, exit 2.
+DOCKER_IMAGE_SH = DOCKER='$(DOCKER)' IMG='$(IMG)' STACK='$(STACK)' GPUS='$(GPUS)' BASE_IMAGE='$(BASE_IMAGE)' \
+	AUTO_BUILD='$(AUTO_BUILD)' scripts/docker_image.sh
 
-build: ## build the image IMAGE:TAG (STACK=torch21 default: CUDA 12.1/torch 2.1.0; STACK=torch2x: CUDA 12.4/torch 2.6.0)
+build: ## build the image IMAGE:TAG (STACK=torch21 default: CUDA 12.1/torch 2.1.0; torch2x: CUDA 12.4/torch 2.6.0; cpu: Debian, torch 2.1.0, no GPU)
+	@$(DOCKER_IMAGE_SH) pre-build
 	$(DOCKER_BUILD)
 
-image-present: # build the image only when it does not exist yet
-	@$(DOCKER) image inspect $(IMG) >/dev/null 2>&1 || { echo "image $(IMG) not found: building it"; $(DOCKER_BUILD); }
+image-ready: # before a container run: engine, GPU runtime, image present (built when missing; AUTO_BUILD=1: also when stale)
+	@$(DOCKER_IMAGE_SH) pre-run || { rc=$$?; [ $$rc = 3 ] || exit $$rc; $(DOCKER_IMAGE_SH) pre-build && $(DOCKER_BUILD); }
 
 bad-runtime:
 	@echo "error: RUNTIME=$(RUNTIME) is not one of auto, docker, local" >&2; exit 2
@@ -209,9 +238,10 @@ shell: $(RT_DEPS) ## an interactive shell in the image (or with .venv on PATH)
 clean-cache: ## remove the shared inductor/Triton cache volume
 	-$(DOCKER) volume rm $(CACHE_VOLUME)
 
-lock: setup ## regenerate docker/requirements*.lock for linux x86_64 / Python 3.10 with hashes (uv)
+lock: setup ## regenerate docker/requirements*.lock for linux x86_64 / Python 3.10 (cpu: 3.11) with hashes (uv)
 	$(UV) pip compile $(LOCK_FLAGS) docker/requirements-torch21.in -o docker/requirements.lock
 	$(UV) pip compile $(LOCK_FLAGS) docker/requirements-torch2x.in -o docker/requirements-torch2x.lock
+	$(UV) pip compile $(LOCK_FLAGS_cpu) docker/requirements-torch21.in -o docker/requirements-cpu.lock
 
 $(TORCH21_VENV)/.installed: requirements-torch21.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(TORCH21_VENV)

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Image entrypoint: preflight checks (train/tools/preflight.py), a cache fallback, then exec the command.
-# DMP_PREFLIGHT=0 skips the checks.
+# Image entrypoint: the shared cache volume must be writable, preflight checks (train/tools/preflight.py),
+# then exec the command. DMP_PREFLIGHT=0 skips the preflight.
 set -euo pipefail
+# Files on the shared /cache volume stay writable by the volume's group (dmp-cache, which `make` adds every
+# container to), so host users with different UIDs share it.
+umask 0002
 cache=${TORCHINDUCTOR_CACHE_DIR:-/cache/inductor}
-if ! mkdir -p "$cache" 2>/dev/null || ! touch "$cache/.writable" 2>/dev/null; then
-  fallback=$(mktemp -d /tmp/dmp-cache.XXXXXX)
-  echo "preflight: warning: $cache is not writable by uid $(id -u); using $fallback (not shared, lost on exit)." \
-       "Fix: make clean-cache, or docker volume rm the cache volume" >&2
-  export TORCHINDUCTOR_CACHE_DIR=$fallback/inductor TRITON_CACHE_DIR=$fallback/triton \
-         HYPOTHESIS_STORAGE_DIRECTORY=$fallback/hypothesis
-fi
+for dir in "$cache" "${TRITON_CACHE_DIR:-/cache/triton}" /cache/deep-model-perf; do
+  if ! mkdir -p "$dir" 2>/dev/null || ! touch "$dir/.writable" 2>/dev/null; then
+    echo "error: the cache volume is not writable by uid $(id -u) gid $(id -g) (groups: $(id -G)) at $dir:" \
+         "make clean-cache removes the volume (the next run creates it writable); run containers with" \
+         "--group-add ${DMP_CACHE_GID:-47474} as make does" >&2
+    exit 2
+  fi
+done
 if [ "${DMP_PREFLIGHT:-1}" != "0" ]; then
   python -m train.tools.preflight "$@"
 fi

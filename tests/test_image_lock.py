@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
-LOCKS = {"torch21": DOCKER / "requirements.lock", "torch2x": DOCKER / "requirements-torch2x.lock"}
+LOCKS = {"torch21": DOCKER / "requirements.lock", "torch2x": DOCKER / "requirements-torch2x.lock",
+         "cpu": DOCKER / "requirements-cpu.lock"}
 # torch's own `triton==` pin for each torch in a lock (torch's wheel metadata, Requires-Dist).
 TORCH_TRITON_PIN = {"2.1.0": "2.1.0", "2.6.0": "3.2.0"}
 pytestmark = pytest.mark.skipif(not (DOCKER / "Dockerfile").exists(), reason="docker/ is not in this tree (inside the image)")
@@ -72,7 +73,8 @@ def test_default_lock_is_the_torch21_stack_with_numpy1():
         assert name in entries
 
 
-@pytest.mark.parametrize("stack,infile", [("torch21", "requirements-torch21.in"), ("torch2x", "requirements-torch2x.in")])
+@pytest.mark.parametrize("stack,infile", [("torch21", "requirements-torch21.in"), ("torch2x", "requirements-torch2x.in"),
+                                          ("cpu", "requirements-torch21.in")])
 def test_lock_covers_its_input_and_the_project_dependencies(stack, infile):
     entries = parse_lock(LOCKS[stack])
     assert in_names(DOCKER / infile) <= set(entries)
@@ -82,16 +84,36 @@ def test_lock_covers_its_input_and_the_project_dependencies(stack, infile):
         assert dep.lower().replace("_", "-") in entries, f"project dependency {dep} missing from {LOCKS[stack].name}"
 
 
+def test_cpu_lock_is_the_torch21_lock_for_python311():
+    """The cpu stack: torch 2.1.0 and the torch21 image's other versions, minus the Python 3.10-only backports."""
+    cpu, cuda = parse_lock(LOCKS["cpu"]), parse_lock(LOCKS["torch21"])
+    assert cpu["torch"][0] == "2.1.0" and cpu["triton"][0] == "2.1.0"
+    assert {n: v for n, (v, _) in cpu.items()} == {n: v for n, (v, _) in cuda.items() if n in cpu}
+    assert set(cuda) - set(cpu) <= {"exceptiongroup", "tomli", "async-timeout", "typing-extensions"}
+
+
+def makefile_var(name: str) -> str:
+    return re.search(rf"^{name} :?= (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+
+
 def test_dockerfile_installs_each_lock_with_hashes_and_checks():
     text = (DOCKER / "Dockerfile").read_text()
     assert "--require-hashes" in text and "pip check" in text
+    assert text.count("\nFROM ") == 1, "one recipe: the stacks differ by build arguments, not by stages"
+    assert re.search(r"^ARG BASE_IMAGE=.*\n(#.*\n)*FROM \$\{BASE_IMAGE\}\n", text, re.M) and 'COPY docker/${LOCK}' in text
     for stack, lock in LOCKS.items():
-        assert re.search(rf"AS cuda-{stack}\nENV DMP_STACK={stack} DMP_LOCK={lock.name}\n", text), stack
+        assert f"--build-arg LOCK={lock.name}" in makefile_var(f"STACK_BUILD_{stack}"), stack
         assert (ROOT / ".dockerignore").read_text().count(f"!docker/{lock.name}") == 1
-    assert re.search(r"FROM nvidia/cuda:12\.1\.1-(runtime|devel)-ubuntu22\.04 AS cuda-torch21", text)
-    for var in ("TORCHINDUCTOR_CACHE_DIR=/cache/", "TRITON_CACHE_DIR=/cache/"):
+    for stack, cuda in (("torch21", "12.1.1"), ("torch2x", "12.4.1")):
+        assert re.fullmatch(rf"nvidia/cuda:{cuda}-runtime-ubuntu22\.04@sha256:[0-9a-f]{{64}}", makefile_var(f"STACK_BASE_{stack}"))
+        assert "PYTHON=python3.10" in makefile_var(f"STACK_BUILD_{stack}")
+    assert makefile_var("STACK_BASE_cpu") == "debian:bookworm-slim"
+    assert "PYTHON=python3.11" in makefile_var("STACK_BUILD_cpu") and "NSYS_VERSION= " in makefile_var("STACK_BUILD_cpu") + " "
+    for var in ("TORCHINDUCTOR_CACHE_DIR=/cache/", "TRITON_CACHE_DIR=/cache/", "ln -s /cache /app/.cache"):
         assert var in text
-    assert re.search(r'nsight-systems-cli=\$\{NSYS_VERSION\}', text) and re.search(r"ARG NSYS_VERSION=\d", text)
+    # Nsight Systems: the devtools repository's own key, the versioned package name.
+    assert "devtools/repos/" in text and "/nvidia.pub" in text and "cuda-archive-keyring" not in text
+    assert re.search(r'nsight-systems-cli-\$\{NSYS_VERSION\}', text) and re.search(r"ARG NSYS_VERSION=\d{4}\.\d+\.\d+\n", text)
     assert "USER ${UID}:${GID}" in text and "ARG UID=" in text and "ARG GID=" in text
     assert "org.opencontainers.image.version" in text and "wordnet-base" in text
     assert "WANDB_API_KEY" not in text, "credentials are passed at run time, never baked into a layer"
@@ -101,6 +123,8 @@ def test_makefile_build_args_match_the_locks():
     makefile = (ROOT / "Makefile").read_text()
     for stack, lock in LOCKS.items():
         entries = parse_lock(lock)
+        if stack == "torch21":  # torch's CUDA libraries follow the stack's CUDA minor (12.1), nvjitlink too
+            assert entries["nvidia-nvjitlink-cu12"][0].startswith("12.1."), entries["nvidia-nvjitlink-cu12"]
         line = re.search(rf"^STACK_VERSIONS_{stack} := (.*)$", makefile, re.M).group(1)
         assert f"TORCH_VERSION={entries['torch'][0]}" in line
         assert f"TRITON_VERSION={entries['triton'][0]}" in line

@@ -24,6 +24,7 @@ CONTAINER_COMMANDS = {
     "bench": "python -m train bench",
     "verify-gpu": "python -m train.tools.verify_gpu",
     "test": "python -m pytest",
+    "smoke": "python -m train train --config configs/smoke.yaml",
     "shell": "bash",
 }
 
@@ -62,7 +63,9 @@ def test_docker_run_has_every_required_flag_and_volume(target):
     env = flag_values(words, "-e")
     assert "WANDB_API_KEY" in env and "WANDB_MODE" in env, "passed through by name, value never on the command line"
     assert "SYS_PTRACE" in flag_values(words, "--cap-add")
-    assert "--rm" in words
+    assert "--rm" in words and "--init" in words, "--init: signals reach the trainer, zombies are reaped"
+    assert flag_values(words, "--group-add") == ["47474"], "the cache volume's group: host users share /cache"
+    assert "--network=host" not in words, "one node: the default bridge network"
     image_at = words.index("deep-model-perf:cu121-torch2.1.0")
     assert " ".join(words[image_at + 1:]).startswith(CONTAINER_COMMANDS[target])
     if target != "shell":
@@ -92,10 +95,34 @@ def test_variables_override_image_tag_gpus_and_args():
     assert words[-4:] == ["train", "bench-compile", "--config", "configs/bench-cpu.yaml"]
 
 
-def test_docker_targets_build_the_image_when_missing():
+def test_docker_targets_check_the_image_and_build_it_when_missing():
     out = make_n("RUNTIME=docker", "train")
-    assert "docker image inspect deep-model-perf:cu121-torch2.1.0" in out
+    assert "IMG='deep-model-perf:cu121-torch2.1.0' STACK='torch21' GPUS='all'" in out and "scripts/docker_image.sh pre-run" in out
     assert "docker build -f docker/Dockerfile --build-arg STACK=torch21" in out
+
+
+@pytest.mark.parametrize("target", ["train", "smoke", "profile", "warmup", "bench", "bench-compile", "verify-gpu", "test"])
+def test_cpu_stack_runs_without_gpus_on_its_own_image(target):
+    words = docker_run(make_n("RUNTIME=docker", "STACK=cpu", target))
+    assert "--gpus" not in words and not [w for w in words if w.startswith("--gpus")], "--gpus fails without the NVIDIA runtime"
+    assert "deep-model-perf:cpu-torch2.1.0" in words and "--init" in words
+    words = docker_run(make_n("RUNTIME=docker", "STACK=cpu", "GPUS=all", target))
+    assert flag_values(words, "--gpus") == ["all"], "asked for explicitly: passed (and refused by pre-run without the runtime)"
+
+
+def test_cpu_stack_builds_on_debian_with_python311_and_its_lock():
+    words = shlex.split(make_n("build", "STACK=cpu").strip().splitlines()[-1])
+    args = flag_values(words, "--build-arg")
+    assert {"STACK=cpu", "BASE_IMAGE=debian:bookworm-slim", "PYTHON=python3.11", "LOCK=requirements-cpu.lock",
+            "NSYS_VERSION=", "TORCH_VERSION=2.1.0"} <= set(args)
+    assert any(a.startswith("SOURCE_HASH=") for a in args) and words[-3:] == ["-t", "deep-model-perf:cpu-torch2.1.0", "."]
+    uid = os.getuid()
+    assert f"UID={uid if uid else 1000}" in args, "the image's default user is never root"
+
+
+def test_several_nodes_use_the_host_network():
+    words = docker_run(make_n("RUNTIME=docker", "train", "NNODES=2", "NPROC=2", "MASTER_ADDR=10.0.0.1"))
+    assert "--network=host" in words and "torchrun" in words
 
 
 def test_build_passes_stack_versions_and_caller_ids():
@@ -103,7 +130,7 @@ def test_build_passes_stack_versions_and_caller_ids():
     words = shlex.split(out.strip().splitlines()[-1])
     args = flag_values(words, "--build-arg")
     assert {"STACK=torch2x", "TORCH_VERSION=2.6.0", "TRITON_VERSION=3.2.0", "CUDA_VERSION=12.4.1",
-            f"UID={os.getuid()}", f"GID={os.getgid()}"} <= set(args)
+            f"UID={os.getuid() or 1000}", f"GID={os.getgid() if os.getuid() else 1000}"} <= set(args)
     assert words[-3:] == ["-t", "deep-model-perf:cu124-torch2.6.0", "."]
 
 

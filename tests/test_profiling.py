@@ -154,19 +154,53 @@ def test_elementwise_intensity() -> None:
     assert estimated_flops("aten::some_new_op", [[n]], ["float"]) == (None, "unknown")
 
 
+def _attach_works(_exe: str) -> tuple[bool, str]:
+    return True, ""
+
+
+def _attach_denied(_exe: str) -> tuple[bool, str]:
+    return False, "Error: Operation not permitted (os error 1)"
+
+
 def test_pyspy_preflight_denied_and_allowed(tmp_path: Path) -> None:
-    denied = ptrace_preflight("/usr/bin/py-spy", fake_proc(tmp_path / "a", scope="2"))
+    spy = "/usr/bin/py-spy"
+    denied = ptrace_preflight(spy, fake_proc(tmp_path / "a", scope="2"), attach=_attach_works)
     assert not denied.ok and "--cap-add SYS_PTRACE" in denied.message() and "kernel.yama.ptrace_scope=2" in denied.message()
-    off = ptrace_preflight("/usr/bin/py-spy", fake_proc(tmp_path / "b", cap_eff="00000000000800000", scope="3"))
+    off = ptrace_preflight(spy, fake_proc(tmp_path / "b", cap_eff="00000000000800000", scope="3"), attach=_attach_works)
     assert not off.ok and "ptrace_scope=3" in off.message()
-    traced = ptrace_preflight("/usr/bin/py-spy", fake_proc(tmp_path / "c", cap_eff="0000000000080000", scope="1", tracer="77"))
+    traced = ptrace_preflight(spy, fake_proc(tmp_path / "c", cap_eff="0000000000080000", scope="1", tracer="77"),
+                              attach=_attach_works)
     assert not traced.ok and "pid 77" in traced.message()
-    ok = ptrace_preflight("/usr/bin/py-spy", fake_proc(tmp_path / "d", cap_eff="0000000000080000", scope="1"))
+    ok = ptrace_preflight(spy, fake_proc(tmp_path / "d", cap_eff="0000000000080000", scope="1"), attach=_attach_works)
     assert ok.ok, ok.message()
-    scoped = ptrace_preflight("/usr/bin/py-spy", fake_proc(tmp_path / "e", scope="1"))
+    scoped = ptrace_preflight(spy, fake_proc(tmp_path / "e", scope="1"), attach=_attach_works)
     assert scoped.ok and "PR_SET_PTRACER" in scoped.message()
-    missing = ptrace_preflight("", fake_proc(tmp_path / "f", cap_eff="0000000000080000", scope=None))
+    missing = ptrace_preflight("", fake_proc(tmp_path / "f", cap_eff="0000000000080000", scope=None), attach=_attach_works)
     assert not missing.ok and "requirements-dev.txt" in missing.message()
+
+
+def test_pyspy_preflight_trusts_a_real_attach_over_capability_bits(tmp_path: Path) -> None:
+    """A container's non-root user: CapEff=0 despite --cap-add SYS_PTRACE, Yama scope 1 or no Yama at all.
+    It may still trace itself (PR_SET_PTRACER), so the preflight decides by attaching, not by the bits."""
+    for name, scope in (("yama1", "1"), ("no-yama", None)):
+        proc = fake_proc(tmp_path / name, scope=scope)
+        (tmp_path / ".dockerenv").touch()  # root = proc/.. = tmp_path: "in a container"
+        allowed = ptrace_preflight("/usr/bin/py-spy", proc, attach=_attach_works)
+        assert allowed.ok and "test attach" in allowed.message(), allowed.message()
+        denied = ptrace_preflight("/usr/bin/py-spy", proc, attach=_attach_denied)
+        assert not denied.ok and "--cap-add SYS_PTRACE" in denied.message() and "os error 1" in denied.message()
+
+
+def test_pyspy_preflight_attaches_for_real() -> None:
+    """The default attach: a py-spy dump of this very process (what the capture will do)."""
+    from train.profiling.pyspy import find_pyspy, try_attach
+
+    exe = find_pyspy()
+    if exe is None:
+        pytest.skip("py-spy not installed")
+    ok, detail = try_attach(exe)
+    assert ok, detail
+    assert not try_attach("/nonexistent/py-spy")[0]
 
 
 def test_nsys_absent_is_a_clear_skip(tiny_cfg, capsys) -> None:

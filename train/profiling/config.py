@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.errors import allowed, check_fields
+from train.errors import UserError, allowed, check_fields
 
 
 @dataclass
@@ -27,6 +27,9 @@ class ProfileConfig:
     """py-spy sampling rate (samples per second)."""
     pyspy_native: bool = True
     """py-spy ``--native``: include C/C++ frames (torch's kernels) in the stacks."""
+    pyspy_nonblocking: bool = False
+    """py-spy ``--nonblocking``: read the stacks without pausing the process (cheaper, occasionally torn stacks;
+    py-spy cannot combine it with ``--native``)."""
     nsys_steps: int = allowed(5, ge=1)
     """Nsight Systems: steps inside the capture range (cudaProfilerStart/Stop)."""
     gpu_sample_ms: int = allowed(100, ge=10)
@@ -51,3 +54,6 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "profile")
+        if self.pyspy_native and self.pyspy_nonblocking:
+            raise UserError("profile.pyspy_native=true and profile.pyspy_nonblocking=true: py-spy cannot read native "
+                            "stacks without pausing the process; set one of them to false")

@@ -7,8 +7,11 @@ one per output format, interleaved with windows without it: off / on (flamegraph
 each window left out (attach/detach transitions). Step times come from the trainer's own
 synchronised StepTimer; the hooks run between steps, so attaching and detaching are not timed.
 
-Preflight (:func:`ptrace_preflight`) says exactly what blocks ptrace before trying; a failure at
-attach time is reported too, and training always goes on.
+Preflight (:func:`ptrace_preflight`) tries the real thing, a ``py-spy dump`` of this process, after the
+static blockers (Yama scope 3, scope 2 without CAP_SYS_PTRACE, another tracer); capability bits alone say
+nothing under Yama scope 1 or without Yama (a container's non-root user has CapEff=0 even with
+``--cap-add SYS_PTRACE``, yet may trace its own processes). A failure at attach time is reported too, and
+training always goes on.
 Source: py-spy README (https://github.com/benfred/py-spy), Linux Yama docs (ptrace_scope).
 """
 
@@ -21,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -71,10 +75,23 @@ def _in_container(proc: Path, root: Path) -> bool:
     return (root / ".dockerenv").exists() or any(k in cgroup for k in ("docker", "kubepods", "containerd", "lxc"))
 
 
-def ptrace_preflight(pyspy: Optional[str] = None, proc: Path = Path("/proc"), root: Optional[Path] = None) -> PtraceCheck:
-    """Can a child py-spy ptrace this process? Reads ``proc/self/status`` (CapEff, TracerPid),
-    ``proc/sys/kernel/yama/ptrace_scope`` and, for the container check, ``proc/1/cgroup`` and
-    ``root/.dockerenv`` (``root`` defaults to ``proc/..``); parameters so tests can simulate a denial.
+def try_attach(pyspy: str, timeout_s: float = 30.0) -> tuple[bool, str]:
+    """Attach for real: ``py-spy dump --pid <this process>`` after :func:`allow_tracer` (what the capture does)."""
+    allow_tracer()
+    try:
+        out = subprocess.run([pyspy, "dump", "--pid", str(os.getpid())], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"{exc.__class__.__name__}: {exc}"
+    text = (out.stdout + out.stderr).strip()
+    return out.returncode == 0, (text.splitlines() or [f"exit {out.returncode}"])[-1]
+
+
+def ptrace_preflight(pyspy: Optional[str] = None, proc: Path = Path("/proc"), root: Optional[Path] = None,
+                     attach: Callable[[str], tuple[bool, str]] = try_attach) -> PtraceCheck:
+    """Can a child py-spy ptrace this process? Static blockers first, from ``proc/self/status`` (CapEff,
+    TracerPid) and ``proc/sys/kernel/yama/ptrace_scope``; then ``attach(pyspy)`` tries it (default
+    :func:`try_attach`); on failure ``proc/1/cgroup`` and ``root/.dockerenv`` (``root`` defaults to
+    ``proc/..``) choose the advice. Parameters so tests can simulate any host.
 
     Yama scopes: 0 classic (same uid); 1 restricted: only ancestors may trace, so this process
     declares py-spy with ``prctl(PR_SET_PTRACER)`` (done in :func:`allow_tracer`) unless it has
@@ -105,9 +122,15 @@ def ptrace_preflight(pyspy: Optional[str] = None, proc: Path = Path("/proc"), ro
                              "(docker run --cap-add SYS_PTRACE) or run sysctl kernel.yama.ptrace_scope=1 on the host")
     elif scope == 1 and not has_cap:
         check.notes.append("kernel.yama.ptrace_scope=1: this process allows py-spy via prctl(PR_SET_PTRACER)")
-    if not has_cap and _in_container(proc, root if root is not None else proc.parent) and scope != 3:
-        check.missing.append("running in a container without CAP_SYS_PTRACE: start it with --cap-add SYS_PTRACE "
-                             "(docker run / compose cap_add: [SYS_PTRACE])")
+    if not check.missing and pyspy:
+        ok, detail = attach(pyspy)
+        if ok:
+            check.notes.append("a test attach (py-spy dump of this process) worked")
+        elif not has_cap and _in_container(proc, root if root is not None else proc.parent):
+            check.missing.append(f"a test attach failed ({detail}) in a container without CAP_SYS_PTRACE: start it "
+                                 "with --cap-add SYS_PTRACE (docker run / compose cap_add: [SYS_PTRACE])")
+        else:
+            check.missing.append(f"a test attach (py-spy dump of this process) failed: {detail}")
     check.ok = not check.missing
     return check
 
@@ -172,7 +195,8 @@ class PySpyPhase(Callback):
         out = self.out_dir / ("pyspy.svg" if kind == "flamegraph" else "pyspy.speedscope.json")
         out.unlink(missing_ok=True)  # never report an old capture
         cmd = [self.check.pyspy, "record", "--pid", str(os.getpid()), "--rate", str(self.cfg.pyspy_rate),
-               "--format", kind, "--output", str(out)] + (["--native"] if self.cfg.pyspy_native else [])
+               "--format", kind, "--output", str(out)] + (["--native"] if self.cfg.pyspy_native else []) \
+            + (["--nonblocking"] if self.cfg.pyspy_nonblocking else [])
         self._log = open(self.out_dir / f"pyspy-{kind}.log", "w")
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self._kind, self._out, self._cmd = kind, out, cmd
@@ -208,6 +232,7 @@ class PySpyPhase(Callback):
         on, off = self.times["on"], self.times["off"]
         res: dict[str, Any] = {"outputs": self.outputs, "preflight": self.check.message(),
                                "rate_hz": self.cfg.pyspy_rate, "native": self.cfg.pyspy_native,
+                               "nonblocking": self.cfg.pyspy_nonblocking,
                                "steps_with": len(on), "steps_without": len(off)}
         if self.errors:
             res["errors"] = self.errors
