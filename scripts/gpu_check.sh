@@ -9,7 +9,7 @@
 # PNGs/traces, at most 8 files), WORK (scratch run directories, default $OUT.work; kept for inspection),
 # WORDNET_DIR (a directory with WordNet's data.* files; default shared/wordnet or wordnet/ in the repo if present,
 # else the usual places: WNHOME, /usr/share/wordnet), STEPS (comma-separated subset of the steps, to rerun only
-# those), CONFIG (default configs/gpu-bert-base.yaml), TIMEOUT_PCT (scales every step's timeout, in percent: 100
+# those), CONFIG (default configs/gpu-bert-base.yaml), BENCH_CONFIGS (the bench rows), TIMEOUT_PCT (scales every step's timeout, in percent: 100
 # on a GPU, 300 in a dry run). Each step has a timeout; a failing or timed-out step is
 # recorded in gpu_check.json and the script goes on; the exit status is 1 if any step failed, else 0.
 set -uo pipefail
@@ -79,11 +79,15 @@ run_step() {
 }
 
 M=(-m train)
+# bench rows: naive, hf-style, optimized, and the packed / bring-your-own-model rows where this checkout has them
+BENCH_CONFIGS=${BENCH_CONFIGS:-$("$PYTHON" -c "from train.bench.training import CONFIGS as C
+print(','.join(['naive', 'hf-style', 'optimized'] + [n for n in C if 'packed' in n or n.startswith('byo')]))" 2>/dev/null \
+  || echo naive,hf-style,optimized)}
 run_step verify-gpu 20 "$PYTHON" -m train.tools.verify_gpu --json "$WORK/verify_gpu.json"
 run_step bench-precision 60 "$PYTHON" "${M[@]}" bench-precision --config "$CONFIG" --run-id gc-precision \
   "${COMMON[@]}" compile.enabled=false --steps "$PRECISION_STEPS" --bf16-cpu-steps 0 --warmup 2
 run_step bench 75 "$PYTHON" "${M[@]}" bench --config "$CONFIG" --run-id gc-bench "${COMMON[@]}" compile.enabled=false \
-  --configs naive,hf-style,optimized "${BENCH[@]}"
+  --configs "$BENCH_CONFIGS" "${BENCH[@]}"
 run_step compile-default 75 "$PYTHON" "${M[@]}" bench-compile --config "$CONFIG" --run-id gc-compile-default \
   "${COMMON[@]}" "${FEW_SHAPES[@]}" compile.mode=default "${COMPILE_STEPS[@]}"
 run_step compile-reduce-overhead 75 "$PYTHON" "${M[@]}" bench-compile --config "$CONFIG" --run-id gc-compile-ro \

@@ -42,7 +42,7 @@ def test_dry_run_passes_every_step_and_writes_a_small_output(tmp_path: Path, wnd
     run = steps["compile-run"]["result"]
     assert run["report"]["compile"]["recompiles_after_warmup"] == 0 and run["warmup"]["totals"]["shapes"] > 0
     assert {r["requested"] for r in steps["bench-precision"]["result"]["rows"]} >= {"fp32"}
-    assert {r["name"] for r in steps["bench"]["result"]["training"]["configs"]} == {"naive", "hf-style", "optimized"}
+    assert {r["name"] for r in steps["bench"]["result"]["training"]["configs"]} >= {"naive", "hf-style", "optimized"}
 
 
 def test_a_failing_and_a_hanging_step_are_recorded_and_the_script_goes_on(tmp_path: Path, wndb: Path) -> None:
