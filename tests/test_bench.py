@@ -69,13 +69,13 @@ def test_open_loop_load_counts_queueing_and_batches_dynamically() -> None:
 
 
 def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
+    import torch
+
     from train.bench.inference import Classifier
     from train.data import prepare_data
     from train.data.tokenizer import load_or_train
     from train.precision import PrecisionPolicy
     from train.setup import build_model
-
-    import torch
 
     cfg = tiny_cfg()
     bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
