@@ -166,6 +166,10 @@ bench-gate: setup data ## performance regression gate: a short bench (configs/be
 bench-baseline: setup data ## measure the gate's figures 5 times and rewrite bench/baseline-cpu.json deliberately (says what changed)
 	$(PY) -m train bench-baseline $(ARGS)
 
+.PHONY: bench-vs-hf
+bench-vs-hf: setup data ## the same Hugging Face model: HF Trainer vs this project, interleaved (configs/bench-vs-hf.yaml) → runs/bench-vs-hf/
+	$(PY) -m train bench-vs-hf $(ARGS)
+
 test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m pytest -q -m "not slow" $(PYTEST_ARGS))

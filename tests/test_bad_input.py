@@ -208,6 +208,57 @@ def _value_case(override: str, *fragments: str) -> Case:
     return case
 
 
+def _hf_dir(tmp: Path, weights: bool = False, **config) -> Path:
+    """A Hugging Face model directory: config.json of a tiny BERT (+ its safetensors weights)."""
+    transformers = pytest.importorskip("transformers")
+    d = tmp / "hf-model"
+    sizes = dict(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    model_config = transformers.BertConfig(**sizes)
+    if weights:
+        from train.compat import hf_attn_implementation
+
+        transformers.AutoModelForSequenceClassification.from_config(
+            model_config, attn_implementation=hf_attn_implementation()).save_pretrained(d)
+    else:
+        model_config.save_pretrained(d)
+    raw = json.loads((d / "config.json").read_text())
+    raw.update(config)
+    (d / "config.json").write_text(json.dumps(raw))
+    return d
+
+
+def hf_model_dir_missing(wndb, tmp):
+    return [f"model.source=hf:{tmp / 'no-such-model'}"], ["no such directory", "never downloaded"]
+
+
+def hf_config_without_classification_head(wndb, tmp):
+    d = _hf_dir(tmp, model_type="vit", architectures=["ViTModel"])
+    return [f"model.source=hf:{d}"], ["architecture 'vit' has no sequence-classification head"]
+
+
+def hf_num_labels_mismatch(wndb, tmp):
+    d = _hf_dir(tmp, id2label={"0": "a", "1": "b", "2": "c"})
+    return [f"model.source=hf:{d}"], ["the model has num_labels=3 but the data has", "model.num_labels_mismatch=resize"]
+
+
+def hf_weights_that_do_not_match_the_config(wndb, tmp):
+    d = _hf_dir(tmp, weights=True, id2label={str(i): str(i) for i in range(45)}, hidden_size=48)
+    return [f"model.source=hf:{d}"], [f"the weights in {d} do not match its config.json"]
+
+
+def python_model_that_does_not_import(wndb, tmp):
+    return ["model.source=python:no_such_module_here:make"], ["cannot import 'no_such_module_here'",
+                                                              "ModuleNotFoundError"]
+
+
+def python_model_whose_forward_does_not_fit(wndb, tmp):
+    (tmp / "bad_models.py").write_text("from torch import nn\n\ndef make(num_classes, vocab_size, max_len):\n"
+                                       "    return nn.Linear(4, num_classes)\n")
+    import sys
+    sys.path.insert(0, str(tmp))
+    return ["model.source=python:bad_models:make"], ["forward(input_ids LongTensor[2, 4], attention_mask BoolTensor[2, 4]) failed"]
+
+
 CONFIG_VALUE_CASES = [  # issue 21 #8: each once a traceback from numpy or torch
     _value_case("train.seed=-1", "train.seed=-1 is out of range", "in [0, 4294967295]"),
     _value_case("optim.betas=[0.9,1.5]", "optim.betas=[0.9, 1.5]", "two numbers in [0, 1)"),
@@ -223,7 +274,9 @@ CASES: list[Case] = [missing_data, empty_data, malformed_jsonl, malformed_csv_ro
                      batch_larger_than_token_budget, unwritable_run_dir, disk_full_on_checkpoint_write,
                      sparse_integer_labels, one_sample_dataset, config_yaml_in_latin1, bucket_json_with_string_bounds,
                      bucket_json_with_float_bounds, run_id_that_exists, disk_full_reported_as_runtime_error,
-                     *CONFIG_VALUE_CASES]
+                     hf_model_dir_missing, hf_config_without_classification_head, hf_num_labels_mismatch,
+                     hf_weights_that_do_not_match_the_config, python_model_that_does_not_import,
+                     python_model_whose_forward_does_not_fit, *CONFIG_VALUE_CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])

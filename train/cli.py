@@ -343,6 +343,9 @@ COMMANDS: dict[str, Command] = {
                           cmd_bench_gate, _args_bench_gate, run_id="bench-gate-<UTC time>-<random>"),
     "bench-baseline": Command("measure the gate's figures bench_gate.repeats times and rewrite the baseline (says what "
                               "changed)", cmd_bench_baseline, _args_bench_gate, run_id="bench-baseline-<UTC time>-<random>"),
+    "bench-vs-hf": Command("an HF model: the HF Trainer vs this project, interleaved → runs/<id>/bench-vs-hf.{json,md}",
+                           lambda a, t: __import__("train.bench.vs_hf", fromlist=["command"]).command(a, t),
+                           run_id="bench-vs-hf-<UTC time>-<random>"),
     "bench-batching": Command("batching methods side by side → runs/<id>/bench-batching.{json,md,png}", cmd_bench_batching,
                               _args_bench_batching, run_id="bench-batching-<UTC time>-<random>"),
     "bench-precision": Command("fp32 vs the auto precision (and bf16/fp16 on CUDA) on the same batches",

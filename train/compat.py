@@ -15,6 +15,14 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def hf_attn_implementation() -> str:
+    """The attention transformers models get: ``sdpa``, or ``eager`` on torch 2.1.0, where transformers refuses SDPA
+    (it needs torch >= 2.1.1)."""
+    parts = torch.__version__.split("+")[0].split(".")[:3]
+    patch = int("".join(ch for ch in parts[2] if ch.isdigit()) or 0) if len(parts) > 2 else 0
+    return "eager" if (*torch_version(), patch) < (2, 1, 1) else "sdpa"
+
+
 def make_grad_scaler(device_type: str, enabled: bool = True) -> Any:
     """A GradScaler for ``device_type``: ``torch.amp.GradScaler`` (torch ≥ 2.3) or ``torch.cuda.amp.GradScaler`` (2.1)."""
     amp_scaler = getattr(torch.amp, "GradScaler", None)

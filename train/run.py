@@ -25,6 +25,7 @@ from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader, prepare_data
 from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
 from train.errors import Interrupted, UserError, atomic_write_text
+from train.models.levers import levers_section, model_section
 from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
@@ -264,7 +265,8 @@ def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
 def _build(r: _Run) -> None:
     """Model (checked against the resume checkpoint), loaders, compile session, tracking and the trainer."""
     cfg, ctx, device, bundle = r.cfg, r.ctx, r.device, r.bundle
-    r.model = agreed(lambda: build_model(cfg, bundle), ctx).to(device)
+    hf_config = (r.state or {}).get("spec", {}).get("hf_config")  # resume: the checkpoint's architecture
+    r.model = agreed(lambda: build_model(cfg, bundle, hf_config), ctx).to(device)
     if cfg.batching.method == "packed" and not getattr(r.model, "supports_packing", False):
         raise UserError(f"batching.method=packed: the model {type(r.model).__name__} cannot take per-sample positions and "
                         "a block-diagonal mask (forward(..., position_ids=, seq_index=, num_seqs=)); use "
@@ -298,7 +300,7 @@ def _build(r: _Run) -> None:
                         train_model=r.compiled.forward if r.compiled.enabled else wrap_model(r.model, ctx, device))
     if r.tracking is not None and r.tracking.grad_stats is not None:
         r.trainer.add_callback(GradStatsCallback(r.tracking.grad_stats, r.trainer))
-    r.say(f"model: {cfg.model.preset}, {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters; "
+    r.say(f"model: {cfg.model.preset if cfg.model.source == 'builtin' else cfg.model.source}, {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters; "
           f"{r.trainer.total_steps} steps ({len(r.loaders['train'])} batches per epoch per rank)", flush=True)
 
 
@@ -358,6 +360,8 @@ def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, int
         sections["tracking"] = r.tracking.report()
     sections["compile"] = r.compiled.report()
     sections["resumed_from"] = None if r.state is None else {"checkpoint": str(r.ckpt_path), "step": r.state["step"]}
+    sections["model"] = model_section(cfg, r.model)
+    sections["levers"] = levers_section(cfg, r.model, r.policy, r.compiled, r.ctx, profiled=bool(hooks))
     efficiency = efficiency_fields(r.model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, r.policy.mode)
     report = build_report(ReportInputs(
         cfg, r.run_dir, r.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),

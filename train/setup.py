@@ -133,13 +133,20 @@ def start_run(cfg: RunConfig, prefix: str = "", run_dir: bool = True) -> RunStar
     return RunStart(run_dir=directory, device=device, policy=PrecisionPolicy.for_config(cfg, device))
 
 
-def build_model(cfg: RunConfig, bundle) -> EncoderClassifier:
-    """The model for ``cfg.model`` sized to ``bundle`` (vocabulary, classes); weights from torch's RNG.
+def build_model(cfg: RunConfig, bundle, hf_config: Optional[str] = None) -> torch.nn.Module:
+    """The model for ``cfg.model`` sized to ``bundle`` (vocabulary, classes); weights from torch's RNG (or, for
+    ``model.source=hf:<dir>``, the directory's). ``model.source`` other than ``builtin``: see train/models/
+    (``hf_config``: a checkpoint's Hugging Face config JSON, to rebuild that architecture on resume).
 
     Raises:
-        UserError: ``hidden_size`` not divisible by ``num_heads``, or a bucket bound beyond ``data.max_len``.
+        UserError: ``hidden_size`` not divisible by ``num_heads``, a bucket bound beyond ``data.max_len``, or an
+            external model that cannot be built (train.models.build_external).
     """
     m = cfg.model
+    if m.source != "builtin":
+        from train.models import build_external
+
+        return build_external(cfg, bundle, hf_config)
     spec = resolve_spec(m.preset, bundle.vocab_size, bundle.num_classes, cfg.data.max_len, m.dropout, m.pooling,
                         num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, ffn_size=m.ffn_size)
     if spec.hidden_size % spec.num_heads:

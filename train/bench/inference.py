@@ -82,12 +82,13 @@ def load_model(cfg: RunConfig, bundle: DataBundle, device: torch.device,
     if checkpoint is None:
         return build_model(cfg, bundle).to(device), list(bundle.corpus.label_names), "freshly initialised (no bench.checkpoint)"
     state = load_checkpoint(checkpoint)
-    spec = EncoderSpec(**state["spec"])
-    if spec.vocab_size != bundle.vocab_size or spec.num_classes != bundle.num_classes:
-        raise UserError(f"checkpoint {checkpoint} was trained with vocab {spec.vocab_size} / {spec.num_classes} classes, "
-                        f"this config gives {bundle.vocab_size} / {bundle.num_classes}; pass that run's config "
+    spec = state["spec"]
+    if spec["vocab_size"] != bundle.vocab_size or spec["num_classes"] != bundle.num_classes:
+        raise UserError(f"checkpoint {checkpoint} was trained with vocab {spec['vocab_size']} / {spec['num_classes']} "
+                        f"classes, this config gives {bundle.vocab_size} / {bundle.num_classes}; pass that run's config "
                         "(--config runs/<id>/config.yaml)")
-    model = EncoderClassifier(spec)
+    # a model from model.source (train/models) is rebuilt from the run's config (+ the checkpoint's HF config)
+    model = build_model(cfg, bundle, spec.get("hf_config") or None) if "source" in spec else EncoderClassifier(EncoderSpec(**spec))
     model.load_state_dict(state["model"])
     return model.to(device), list(state.get("label_names") or bundle.corpus.label_names), checkpoint
 

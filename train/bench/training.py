@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from train.config import RunConfig, build_config, parse_override
+from train.config.hf_aliases import expand_hf_alias
 from train.data import DataBundle, bucket_plan, make_loader, pack_layout
+from train.model import EncoderSpec
 from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.flops import StepFlops
@@ -113,7 +115,9 @@ def arm_config(base: RunConfig, overrides: list[str]) -> RunConfig:
     raw = base.to_dict()
     for text in overrides:
         (section, key), value = parse_override(text)
-        raw[section][key] = value
+        pairs = expand_hf_alias(key, value)[0] if not section else [((section, key), value)]  # an HF flag name
+        for (section, key), value in pairs:
+            raw[section][key] = value
     return build_config(raw, "bench configuration")
 
 
@@ -145,7 +149,8 @@ def _build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader, num_classes=bundle.num_classes)
     description = describe(cfg, policy)
     arm = _Arm(name=name, description=description, cfg=cfg, bundle=bundle, trainer=trainer, batches=_endless(loader),
-               flops=StepFlops(model.spec), policy=policy)
+               flops=StepFlops(model.spec) if isinstance(model.spec, EncoderSpec) else lambda _b, _s: 0,  # MFU: encoder only
+               policy=policy)
     arm.first_step_s = -t0  # completed after the first step
     notice(f"bench: {name}: {description}; buckets {bounds}")
     return arm
@@ -265,7 +270,8 @@ def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
     }
     e = per_unit(energy, steps, arm.samples, arm.real_tokens)
     row.update({k: v for k, v in e.items() if k != "energy_j" or v is not None})
-    row.update(mfu_fields(arm.flops_total / total_s if total_s else None, device, device_name, arm.policy.mode))
+    row.update(mfu_fields(arm.flops_total / total_s if total_s and arm.flops_total else None, device, device_name,
+                          arm.policy.mode))
     return row
 
 

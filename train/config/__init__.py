@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from train.config.bench import (
     BenchPrecisionConfig,
     BenchTrackingConfig,
 )
+from train.config.hf_aliases import expand_hf_alias
 from train.config.sections import (
     BatchingConfig,
     ClipConfig,
@@ -75,6 +77,10 @@ class RunConfig:
                 raise UserError("optim.clip_norm must be > 0 (disable clipping with clip.method=none)")
             self.clip.max_norm = float(legacy)
         self.optim.clip_norm = self.clip.max_norm if self.clip.method == "global-norm" else None
+        from train.models import model_dir_tokenizer
+
+        if self.data.tokenizer_path is None and model_dir_tokenizer(self.model.source):  # the model's own tokenizer
+            self.data.tokenizer_path = model_dir_tokenizer(self.model.source)
         if self.batching.pack_len is not None and self.batching.pack_len > self.data.max_len:
             raise UserError(f"batching.pack_len={self.batching.pack_len} exceeds data.max_len={self.data.max_len} (the "
                             "position table); lower batching.pack_len or raise data.max_len")
@@ -111,6 +117,8 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if hint is dict and isinstance(value, dict):
+        return value
     if hint is tuple and isinstance(value, (list, tuple)):
         return tuple(value)
     if hint in (int, float, str, bool) and (type(value) is hint):
@@ -163,12 +171,15 @@ def build_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Parse ``section.key=value`` (value as YAML). Raises UserError for a malformed override."""
+    """Parse ``section.key=value`` (value as YAML); a bare ``key=value`` gives ``["", key]``: a Hugging Face flag name
+    (:func:`train.config.hf_aliases.expand_hf_alias`). Raises UserError for a malformed override."""
     if "=" not in text:
         raise UserError(f"override {text!r} must look like section.key=value, e.g. train.max_steps=200")
     key, value = text.split("=", 1)
     parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) == 1 and parts[0]:  # a Hugging Face flag name (train/config/hf_aliases.py)
+        parts = ["", parts[0]]
+    elif len(parts) != 2 or not all(parts):
         raise UserError(f"override {text!r}: the key must be section.key, e.g. train.max_steps")
     try:
         parsed = yaml.safe_load(value) if value.strip() else None
@@ -203,10 +214,15 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
             raise UserError(f"{p}: expected a mapping of sections (data, batching, model, optim, train)")
     for text in overrides:
         (section, key), value = parse_override(text)
-        sec = raw.setdefault(section, {})
-        if not isinstance(sec, dict):
-            raise UserError(f"{where}: section {section!r} must be a mapping of keys")
-        sec[key] = value
+        pairs = [((section, key), value)]
+        if not section:  # a Hugging Face flag: one notice line says what it became
+            pairs, notice = expand_hf_alias(key, value)
+            print(notice, file=sys.stderr, flush=True)
+        for (section, key), value in pairs:
+            sec = raw.setdefault(section, {})
+            if not isinstance(sec, dict):
+                raise UserError(f"{where}: section {section!r} must be a mapping of keys")
+            sec[key] = value
         where = f"{where} + overrides" if "overrides" not in where else where
     return build_config(raw, where)
 

@@ -104,9 +104,21 @@ class ModelConfig:
     """Dropout probability on embeddings, attention output and FFN output."""
     pooling: str = allowed("mean", choices=("mean", "cls"))
     """``mean`` (average of real tokens) or ``cls`` (the first token)."""
+    source: str = "builtin"
+    """``builtin`` (the encoder above), ``hf:<dir>`` (a local Hugging Face model directory, never downloaded),
+    ``hf:<model_type>`` (e.g. ``hf:bert``: random init sized by ``preset``) or ``python:package.module:function``
+    (any nn.Module factory); see docs/models.md."""
+    hf_overrides: Optional[dict] = None
+    """``hf:`` sources: config keys set on the transformers config (e.g. ``{num_hidden_layers: 2}``), over the preset."""
+    num_labels_mismatch: str = allowed("refuse", choices=("refuse", "resize"))
+    """An ``hf:`` model whose ``num_labels`` differs from the data's classes: ``refuse`` (exit 2) or ``resize``
+    (re-initialise the classification head, with a notice)."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "model")  # preset's choices are train.model.PRESETS' keys (a test keeps them equal)
+        check_fields(self, "model")
+        from train.models import source_kind
+
+        source_kind(self.source)  # UserError for a malformed source  # preset's choices are train.model.PRESETS' keys (a test keeps them equal)
 
 
 @dataclass

@@ -1,0 +1,237 @@
+"""Bring your own model (train/models/): tiny Hugging Face models built offline from configs (BERT, DistilBERT,
+RoBERTa), a save_pretrained directory round trip, a custom python: model, exact resume on an HF model, the
+wrapper's logits against the HF model's own forward, the HF flag aliases, and transformers imported lazily."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_resume import assert_same_final_state
+from train.compat import hf_attn_implementation, load_state
+from train.config import load_config
+from train.data import prepare_data
+from train.errors import UserError
+from train.resume import list_checkpoints
+from train.run import run_training
+from train.setup import build_model, seed_everything
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {"bert": "{num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, intermediate_size: 64}",
+         "roberta": "{num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, intermediate_size: 64}",
+         "distilbert": "{n_layers: 1, dim: 32, n_heads: 2, hidden_dim: 64}"}
+CUSTOM = '''
+import torch
+from torch import nn
+
+class Bag(nn.Module):
+    def __init__(self, num_classes, vocab_size, max_len):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, 16)
+        self.head = nn.Linear(16, num_classes)
+    def forward(self, input_ids, attention_mask):
+        m = attention_mask[..., None].float()
+        return self.head((self.emb(input_ids) * m).sum(1) / m.sum(1).clamp_min(1))
+
+def make(num_classes, vocab_size, max_len):
+    return Bag(num_classes, vocab_size, max_len)
+
+def wrong_shape(num_classes, vocab_size, max_len):
+    return Bag(num_classes + 1, vocab_size, max_len)
+
+def wrong_forward(num_classes, vocab_size, max_len):
+    return nn.Linear(4, 3)
+'''
+
+
+def hf_overrides(kind: str) -> list[str]:
+    return [f"model.source=hf:{kind}", f"model.hf_overrides={SIZES[kind]}"]
+
+
+def test_tiny_hf_models_train_offline_and_report_their_levers(tiny_cfg) -> None:
+    for kind in ("bert", "distilbert", "roberta"):
+        cfg = tiny_cfg(*hf_overrides(kind), "train.max_steps=4", "train.eval_every=4", f"train.run_id={kind}",
+                       "train.precision=fp32")
+        report = run_training(cfg, time.perf_counter())
+        assert report["status"] == "completed"
+        m = report["model"]
+        assert m["source"] == f"hf:{kind}" and m["hf_model_type"] == kind and m["class"].endswith("ForSequenceClassification")
+        inner = transformers.AutoConfig.for_model(kind, **{"num_labels": report["data"]["num_classes"]})
+        assert inner.num_labels == report["data"]["num_classes"]
+        assert 1000 < m["parameters"] < 200_000  # the tiny override, not the preset's 4 x 256
+        levers = report["levers"]
+        assert levers["buckets"]["applied"] and not levers["packing"]["applied"]
+        assert "supports_packing" in levers["packing"]["reason"]
+        assert levers["precision"]["applied"] is False and levers["clipping"]["applied"] is True
+        assert report["perf"]["mfu"] is None and "built-in encoder only" in report["perf"]["mfu_unavailable_reason"]
+        state = load_state(str(Path(report["run_dir"]) / "checkpoint.pt"))  # weights_only=True
+        assert json.loads(state["spec"]["hf_config"])["model_type"] == kind
+
+
+def test_preset_sizes_map_to_each_architectures_keys(tiny_cfg) -> None:
+    from train.models.hf import preset_sizes
+
+    assert preset_sizes("distilbert", "tiny") == {"n_layers": 4, "dim": 256, "n_heads": 4, "hidden_dim": 1024}
+    assert preset_sizes("bert", "small") == {"num_hidden_layers": 6, "hidden_size": 512, "num_attention_heads": 8,
+                                             "intermediate_size": 2048}
+    cfg = tiny_cfg("model.source=hf:bert", "model.preset=tiny")
+    bundle = prepare_data(cfg, None)
+    model = build_model(cfg, bundle)
+    c = model.inner.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.intermediate_size) == (4, 256, 4, 1024)
+    assert (c.vocab_size, c.num_labels, c.pad_token_id) == (bundle.vocab_size, bundle.num_classes, bundle.pad_id)
+
+
+def _padded_vs_alone(model, bundle, cfg) -> None:
+    from train.data import make_loader
+
+    loader = make_loader(bundle, "validation", cfg, train=False, device=torch.device("cpu"))
+    model.eval()
+    checked = 0
+    with torch.no_grad():
+        for batch in loader:
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            assert mask.dtype == torch.bool
+            ours = model(ids, mask)  # padded to the bucket bound
+            assert ours.dtype == torch.float32
+            for i in range(ids.shape[0]):
+                n = int(mask[i].sum())
+                if n == 0:
+                    continue  # a fill row of evaluation (label -100)
+                own = model.inner(input_ids=ids[i:i + 1, :n]).logits  # the HF model's own forward, unpadded
+                torch.testing.assert_close(ours[i:i + 1], own, rtol=0, atol=1e-6)
+                checked += 1
+    assert checked >= 4 and ids.shape[1] > int(mask.sum(1).min())  # some rows really were padded
+
+
+@pytest.mark.parametrize("kind", ["bert", "distilbert", "roberta"])
+def test_wrapper_logits_equal_the_hf_forward_on_padded_bucketed_batches(tiny_cfg, kind) -> None:
+    cfg = tiny_cfg(*hf_overrides(kind), "train.precision=fp32")
+    bundle = prepare_data(cfg, None)
+    seed_everything(0)
+    _padded_vs_alone(build_model(cfg, bundle), bundle, cfg)
+
+
+def _save_tiny_bert(tmp_path: Path, tiny_cfg, num_labels: int, tokenizer: bool = True) -> tuple[Path, object]:
+    """A save_pretrained directory of a tiny BERT (+ the project's trained tokenizer.json), and its model."""
+    cfg = tiny_cfg()
+    bundle = prepare_data(cfg, None)
+    d = tmp_path / "my-bert"
+    config = transformers.BertConfig(vocab_size=bundle.vocab_size, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64, num_labels=num_labels,
+                                     pad_token_id=bundle.pad_id, max_position_embeddings=64)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation=hf_attn_implementation())
+    model.save_pretrained(d)
+    if tokenizer:
+        (d / "tokenizer.json").write_text(Path(bundle.tokenizer_info["path"]).read_text())
+    return d, model
+
+
+def test_save_pretrained_directory_round_trip(tiny_cfg, tmp_path) -> None:
+    n = prepare_data(tiny_cfg(), None).num_classes
+    d, saved = _save_tiny_bert(tmp_path, tiny_cfg, n)
+    cfg = tiny_cfg(f"model.source=hf:{d}", "train.max_steps=3", "train.run_id=dir", "train.precision=fp32")
+    assert cfg.data.tokenizer_path == str(d / "tokenizer.json")  # the model directory's tokenizer
+    bundle = prepare_data(cfg, None)
+    loaded = build_model(cfg, bundle)
+    mine = loaded.inner.state_dict()
+    theirs = saved.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs if "classifier" not in k)  # the saved weights
+    report = run_training(cfg, time.perf_counter())
+    assert report["data"]["tokenizer"]["source"] == "user"  # data.tokenizer_path, the directory's file
+    assert report["model"]["source"] == f"hf:{d}"
+
+
+def test_num_labels_mismatch_resizes_the_head_when_asked(tiny_cfg, tmp_path, capsys) -> None:
+    d, saved = _save_tiny_bert(tmp_path, tiny_cfg, num_labels=3)
+    cfg = tiny_cfg(f"model.source=hf:{d}", "model.num_labels_mismatch=resize")
+    bundle = prepare_data(cfg, None)
+    model = build_model(cfg, bundle)
+    assert "num_labels 3 →" in capsys.readouterr().out
+    assert model.inner.classifier.out_features == bundle.num_classes
+    assert torch.equal(model.inner.bert.embeddings.word_embeddings.weight,
+                       saved.bert.embeddings.word_embeddings.weight)  # the body keeps its weights
+
+
+def test_custom_python_model_trains(tiny_cfg, tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_models.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = run_training(tiny_cfg("model.source=python:my_models:make", "train.max_steps=5", "train.run_id=py"),
+                          time.perf_counter())
+    assert report["model"]["class"] == "Bag" and report["model"]["parameters"] > 0
+    assert report["quality"]["evals"] and report["quality"]["final_train_loss"] is not None
+    bundle = prepare_data(tiny_cfg(), None)
+    with pytest.raises(UserError, match=rf"forward returned \(2, {bundle.num_classes + 1}\), expected float logits"):
+        build_model(tiny_cfg("model.source=python:my_models:wrong_shape"), bundle)
+
+
+def test_packing_is_refused_for_an_hf_model(tiny_cfg) -> None:
+    with pytest.raises(UserError, match="ExternalClassifier cannot take per-sample positions"):
+        run_training(tiny_cfg(*hf_overrides("bert"), "batching.method=packed"), time.perf_counter())
+
+
+def test_resume_on_an_hf_model_is_bit_identical(wndb, tmp_path) -> None:
+    from tests.ddp_helpers import tiny_overrides
+
+    overrides = tiny_overrides(wndb, tmp_path, *hf_overrides("bert"), "train.max_steps=12", "train.log_every=1",
+                               "train.precision=fp32")
+    run_training(load_config(None, overrides + ["train.run_id=ref"]), time.perf_counter())
+    cfg = load_config(None, overrides + ["train.run_id=mid", "train.checkpoint_every=5"])
+    run_training(cfg, time.perf_counter())
+    run_dir = tmp_path / "runs" / "mid"
+    (run_dir / "checkpoint.pt").unlink()
+    (run_dir / "report.json").unlink()
+    report = run_training(cfg, time.perf_counter(), resume=str(list_checkpoints(run_dir)[0]))
+    assert report["resumed_from"]["step"] == 5
+    assert_same_final_state(tmp_path / "runs" / "ref", run_dir)
+
+
+def test_hf_flag_names_map_to_project_keys_with_one_notice_each(capsys) -> None:
+    cfg = load_config(None, ["bf16=true", "group_by_length=true", "per_device_train_batch_size=16",
+                             "learning_rate=5e-5", "max_grad_norm=0.5", "num_train_epochs=2", "max_steps=100",
+                             "report_to=none", "torch_compile=true"])
+    err = capsys.readouterr().err
+    assert err.count("notice: Hugging Face flag") == 9 and err.count("\n") == 9
+    assert (cfg.train.precision, cfg.batching.method, cfg.batching.batch_size, cfg.batching.max_tokens) == \
+        ("bf16", "optimal", 16, None)
+    assert (cfg.optim.lr, cfg.clip.max_norm, cfg.train.epochs, cfg.train.max_steps) == (5e-5, 0.5, 2.0, 100)
+    assert (cfg.tracking.wandb, str(cfg.compile.enabled).lower()) == ("off", "true")
+    assert load_config(None, ["fp16=true", "max_grad_norm=0", "max_steps=-1"]).clip.method == "none"
+    with pytest.raises(UserError, match="Did you mean the Hugging Face flag 'learning_rate'"):
+        load_config(None, ["learning_rat=1e-3"])
+    with pytest.raises(UserError, match="report_to=.*expected wandb or none"):
+        load_config(None, ["report_to=tensorboard"])
+
+
+def test_importing_train_does_not_import_transformers() -> None:
+    code = "import sys, train.cli, train.run, train.config, train.models; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_bench_vs_hf_runs_both_sides_on_equal_samples(wndb, tmp_path) -> None:
+    pytest.importorskip("accelerate")
+    from tests.ddp_helpers import tiny_overrides
+    from train.bench.vs_hf import run_bench_vs_hf
+
+    cfg = load_config(str(ROOT / "configs" / "bench-vs-hf.yaml"), tiny_overrides(
+        wndb, tmp_path, *hf_overrides("bert"), "data.max_samples=null", "batching.max_tokens=128", "train.max_steps=null",
+        "bench.rounds=1", "train.run_id=vs", "train.precision=fp32"))
+    result = run_bench_vs_hf(cfg, notice=lambda *_: None)
+    hf, ours = (result["sides"][s]["median"] for s in ("hf-trainer", "this-project"))
+    n = result["train_samples"]
+    assert hf["samples_seen"] == ours["samples_seen"] == n  # one epoch each: equal samples seen
+    for side in (hf, ours):
+        assert side["samples_per_s"] > 0 and side["tokens_per_s"] > side["samples_per_s"]
+        assert 0 <= side["eval_accuracy"] <= 1 and side["peak_memory_bytes"] > 0 and side["time_to_first_step_s"] > 0
+    assert result["speedup_samples_per_s"] == pytest.approx(ours["samples_per_s"] / hf["samples_per_s"])
+    assert (tmp_path / "runs" / "vs" / "bench-vs-hf.md").read_text().count("| hf-trainer |") == 1

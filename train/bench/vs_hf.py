@@ -1,0 +1,225 @@
+"""``make bench-vs-hf``: one Hugging Face model trained by the real Hugging Face ``Trainer`` and by this project,
+interleaved in one process on the same data, for the same number of samples.
+
+Both sides start from the same initial weights (``build_model`` under the same seed) and see ``train.epochs``
+passes over the same training split (so equal samples seen, up to each side's last partial batch):
+
+* ``hf-trainer``: ``transformers.Trainer`` with its best settings on this device: ``bf16=True`` where
+  ``train.precision=auto`` picks bf16 (``fp16=True`` where it picks fp16), ``group_by_length=True``,
+  ``per_device_train_batch_size=batching.batch_size``, the same learning rate, warm-up, weight decay and
+  clipping; no checkpoints, no logging, no tracking;
+* ``this-project``: this project's trainer with the config as given (``configs/bench-vs-hf.yaml``: the
+  ``optimized`` settings: fitted buckets, a token budget, the ``auto`` precision).
+
+They take turns for ``bench.rounds`` rounds (the order alternates), so machine noise hits them alike. Per run:
+samples/s and real tokens/s over the steady steps (the first excluded; wall clock between the ends of steps,
+batch loading included), time to first step (model build → end of step 1), peak memory (the run's window),
+and accuracy on the validation split, measured for both by the same evaluation. Figures: medians over rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from train.callbacks import Callback
+from train.config import RunConfig
+from train.data import make_loader, prepare_data
+from train.errors import UserError, atomic_write_text
+from train.perf.memory import WindowPeakMemory
+from train.setup import build_model, seed_everything, start_run
+from train.tools.env import collect_env, machine_facts
+from train.trainer import Trainer, evaluate
+
+SIDES = ("hf-trainer", "this-project")
+
+
+class _StepEnds(Callback):
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_step_end(self, step: int, step_ms: float) -> bool:
+        self.ends.append(time.perf_counter())
+        return False
+
+
+def _hf_side(cfg: RunConfig, bundle, device, policy, tmp: Path) -> dict[str, Any]:
+    """One run of the Hugging Face Trainer; returns its figures and the trained (wrapped) model."""
+    import transformers
+
+    split = bundle.splits["train"]
+    data = [{"input_ids": torch.from_numpy(np.array(split.ids[i], dtype=np.int64)), "labels": int(split.labels[i])}
+            for i in range(len(split))]
+    counts: list[tuple[int, int]] = []
+
+    def collate(items: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(x["input_ids"]) for x in items)
+        ids = torch.full((len(items), longest), bundle.pad_id, dtype=torch.long)
+        for r, x in enumerate(items):
+            ids[r, :len(x["input_ids"])] = x["input_ids"]
+        counts.append((len(items), sum(len(x["input_ids"]) for x in items)))
+        return {"input_ids": ids, "attention_mask": _mask(items, longest),
+                "labels": torch.tensor([x["labels"] for x in items])}
+
+    ends: list[float] = []
+
+    class Ends(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.perf_counter())
+
+    b = cfg.batching.batch_size
+    steps = max(1, math.ceil(cfg.train.epochs * math.ceil(len(data) / b)))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp), per_device_train_batch_size=b, max_steps=steps, learning_rate=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay, warmup_steps=math.ceil(cfg.optim.warmup_fraction * steps),
+        lr_scheduler_type="linear", max_grad_norm=cfg.clip.max_norm if cfg.clip.method == "global-norm" else 0.0,
+        bf16=policy.mode == "bf16", fp16=policy.mode == "fp16", report_to="none", **_group_by_length(transformers),
+        save_strategy="no", logging_strategy="no", eval_strategy="no", disable_tqdm=True, seed=cfg.train.seed,
+        dataloader_num_workers=cfg.data.num_workers, use_cpu=device.type == "cpu")
+    t0 = time.perf_counter()
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg, bundle)
+    trainer = transformers.Trainer(model=model.inner, args=args, train_dataset=data, data_collator=collate,
+                                   callbacks=[Ends()])
+    trainer.train()
+    model = model.to(device)
+    return {**_figures(t0, ends, counts[:len(ends)]), "steps": len(ends), "batch_size": b}, model
+
+
+def _group_by_length(transformers) -> dict[str, Any]:
+    """HF's length grouping under the installed version's name (transformers 5: train_sampling_strategy)."""
+    names = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    return ({"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in names
+            else {"group_by_length": True})
+
+
+def _mask(items: list[dict], longest: int) -> torch.Tensor:
+    mask = torch.zeros(len(items), longest, dtype=torch.long)
+    for r, x in enumerate(items):
+        mask[r, :len(x["input_ids"])] = 1
+    return mask
+
+
+def _figures(t0: float, ends: list[float], counts: list[tuple[int, int]]) -> dict[str, Any]:
+    """samples/s and tokens/s over steps 2..N (wall clock between step ends), time to first step, samples seen."""
+    steady_s = ends[-1] - ends[0] if len(ends) > 1 else 0.0
+    steady = counts[1:]
+    return {"samples_per_s": sum(n for n, _ in steady) / steady_s if steady_s else None,
+            "tokens_per_s": sum(t for _, t in steady) / steady_s if steady_s else None,
+            "time_to_first_step_s": ends[0] - t0 if ends else None,
+            "samples_seen": sum(n for n, _ in counts)}
+
+
+def _our_side(cfg: RunConfig, bundle, device, policy) -> tuple[dict[str, Any], torch.nn.Module]:
+    """One run of this project's trainer (the config as given: the optimized settings)."""
+    t0 = time.perf_counter()
+    seed_everything(cfg.train.seed)
+    model = build_model(cfg, bundle).to(device)
+    loader = make_loader(bundle, "train", cfg, train=True, device=device)
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader,
+                      num_classes=bundle.num_classes)
+    ends = _StepEnds()
+    trainer.add_callback(ends)
+    stats = trainer.fit()
+    steady_s = ends.ends[-1] - ends.ends[0] if len(ends.ends) > 1 else 0.0
+    out = {"samples_per_s": stats.steady_samples / steady_s if steady_s else None,
+           "tokens_per_s": stats.steady_real_tokens / steady_s if steady_s else None,
+           "time_to_first_step_s": ends.ends[0] - t0 if ends.ends else None, "samples_seen": stats.samples,
+           "steps": stats.steps, "batch_size": cfg.batching.batch_size, "max_tokens": cfg.batching.max_tokens,
+           "batching_method": cfg.batching.method}
+    return out, model
+
+
+def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:
+    """The interleaved comparison (module docstring); writes ``<run_dir>/bench-vs-hf.{json,md}``; returns the dict.
+
+    Raises:
+        UserError: ``model.source`` is not an ``hf:`` model, transformers/accelerate missing, or bad data/config.
+    """
+    if not cfg.model.source.startswith("hf:"):
+        raise UserError(f"bench-vs-hf compares on a Hugging Face model: set model.source=hf:<dir> or hf:<model_type> "
+                        f"(got {cfg.model.source})")
+    try:
+        import accelerate  # noqa: F401  (the Trainer needs it)
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise UserError(f"bench-vs-hf needs transformers and accelerate ({exc}); pip install -r requirements.txt") from None
+    start = start_run(cfg, prefix="bench-vs-hf-")
+    device, policy = start.device, start.policy
+    bundle = prepare_data(cfg, None, notice=notice)
+    val = make_loader(bundle, "validation", cfg, train=False, device=device)
+    memory = WindowPeakMemory(device)
+    runs: dict[str, list[dict]] = {s: [] for s in SIDES}
+    env = {**collect_env(device), **machine_facts(device)}
+    for r in range(cfg.bench.rounds):
+        for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+            memory.start()
+            with tempfile.TemporaryDirectory() as tmp:
+                fig, model = (_hf_side(cfg, bundle, device, policy, Path(tmp)) if side == "hf-trainer"
+                              else _our_side(cfg, bundle, device, policy))
+            fig.update(memory.stop())
+            fig["eval_accuracy"] = evaluate(model, val, policy, bundle.num_classes, device)["accuracy"]
+            runs[side].append(fig)
+            notice(f"bench-vs-hf: round {r + 1}/{cfg.bench.rounds} {side}: {_fmt(fig['samples_per_s'])} samples/s, "
+                   f"eval accuracy {_fmt(fig['eval_accuracy'], '.4f')}, {fig['samples_seen']} samples")
+    result = {"model_source": cfg.model.source, "precision": policy.mode, "precision_reason": policy.reason,
+              "epochs": cfg.train.epochs, "rounds": cfg.bench.rounds, "train_samples": len(bundle.splits["train"]),
+              "sides": {s: {"median": _median(runs[s]), "runs": runs[s]} for s in SIDES},
+              "env": {**env, "load_1min_at_end": machine_facts(device)["load_1min"]}}
+    ours, theirs = (result["sides"][s]["median"] for s in ("this-project", "hf-trainer"))
+    result["speedup_samples_per_s"] = (ours["samples_per_s"] / theirs["samples_per_s"]
+                                       if ours["samples_per_s"] and theirs["samples_per_s"] else None)
+    result["eval_accuracy_delta"] = (ours["eval_accuracy"] - theirs["eval_accuracy"]
+                                     if None not in (ours["eval_accuracy"], theirs["eval_accuracy"]) else None)
+    atomic_write_text(start.run_dir / "bench-vs-hf.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(start.run_dir / "bench-vs-hf.md", markdown(result))
+    notice(markdown(result))
+    return result
+
+
+def _median(runs: list[dict]) -> dict[str, Any]:
+    keys = ("samples_per_s", "tokens_per_s", "time_to_first_step_s", "peak_memory_bytes", "eval_accuracy", "samples_seen")
+    return {k: statistics.median(v) if (v := [x[k] for x in runs if x.get(k) is not None]) else None for k in keys}
+
+
+def _fmt(x: Any, spec: str = ".1f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The comparison as a markdown table (medians over rounds) and the headline ratio."""
+    env = result["env"]
+    lines = [f"bench-vs-hf: {result['model_source']}, precision {result['precision']}, {result['epochs']} epoch(s) of "
+             f"{result['train_samples']} samples, {result['rounds']} interleaved rounds; {env['device']}, "
+             f"load {_fmt(env['load_1min'], '.2f')} → {_fmt(env['load_1min_at_end'], '.2f')}", "",
+             "| side | samples/s | tokens/s | time to first step (s) | peak memory (MiB) | eval accuracy | samples seen |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for side in SIDES:
+        m = result["sides"][side]["median"]
+        mem = None if m["peak_memory_bytes"] is None else m["peak_memory_bytes"] / 2**20
+        lines.append(f"| {side} | {_fmt(m['samples_per_s'])} | {_fmt(m['tokens_per_s'], '.0f')} | "
+                     f"{_fmt(m['time_to_first_step_s'], '.2f')} | {_fmt(mem, '.0f')} | {_fmt(m['eval_accuracy'], '.4f')} | "
+                     f"{_fmt(m['samples_seen'], '.0f')} |")
+    lines += ["", f"this project / HF Trainer samples/s: {_fmt(result['speedup_samples_per_s'], '.2f')}x; eval accuracy "
+              f"difference {_fmt(result['eval_accuracy_delta'], '+.4f')}"]
+    return "\n".join(lines) + "\n"
+
+
+def command(args, t_start: float) -> int:
+    """``python -m train bench-vs-hf [--config FILE] [--run-id ID] [overrides]`` (default config:
+    configs/bench-vs-hf.yaml)."""
+    from train.config import load_config
+
+    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
+    run_bench_vs_hf(load_config(args.config or "configs/bench-vs-hf.yaml", overrides))
+    return 0

@@ -1,0 +1,95 @@
+"""Hugging Face ``TrainingArguments`` names as overrides: ``bf16=true`` → ``train.precision=bf16`` and so on.
+
+An override without a section (``key=value``) is read as a Hugging Face flag name: :data:`HF_ALIASES` maps it to
+this project's keys, and one ``notice:`` line says what it became. Anything else without a section is an error
+naming the nearest alias.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from train.errors import UserError
+
+
+def _switch(key: str, on: Any, off: Any) -> Callable[[Any], list[tuple[str, Any]]]:
+    def f(v: Any) -> list[tuple[str, Any]]:
+        if not isinstance(v, bool):
+            raise UserError(f"expected true or false, got {v!r}")
+        return [(key, on if v else off)]
+    return f
+
+
+def _number(key: str, cast: type, extra: tuple = ()) -> Callable[[Any], list[tuple[str, Any]]]:
+    def f(v: Any) -> list[tuple[str, Any]]:
+        if isinstance(v, str):  # YAML 1.1 reads 5e-5 (no dot) as a string
+            try:
+                v = float(v)
+            except ValueError:
+                pass
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (cast is int and float(v) != int(v)):
+            raise UserError(f"expected a{'n integer' if cast is int else ' number'}, got {v!r}")
+        return [(key, cast(v)), *extra]
+    return f
+
+
+def _max_steps(v: Any) -> list[tuple[str, Any]]:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise UserError(f"expected an integer, got {v!r}")
+    return [("train.max_steps", v if v > 0 else None)]  # HF: -1 = no limit (use the epochs)
+
+
+def _grad_norm(v: Any) -> list[tuple[str, Any]]:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise UserError(f"expected a number >= 0, got {v!r}")
+    return [("clip.method", "none")] if v == 0 else [("clip.method", "global-norm"), ("clip.max_norm", float(v))]
+
+
+def _report_to(v: Any) -> list[tuple[str, Any]]:
+    v = "none" if v is None else str(v).lower()
+    if v not in ("wandb", "none"):
+        raise UserError(f"expected wandb or none (this project's other tracker is metrics.jsonl, always on), got {v!r}")
+    return [("tracking.wandb", "on" if v == "wandb" else "off")]
+
+
+HF_ALIASES: dict[str, Callable[[Any], list[tuple[str, Any]]]] = {
+    "bf16": _switch("train.precision", "bf16", "fp32"),
+    "fp16": _switch("train.precision", "fp16", "fp32"),
+    "group_by_length": _switch("batching.method", "optimal", "random"),
+    "per_device_train_batch_size": _number("batching.batch_size", int, (("batching.max_tokens", None),)),
+    "learning_rate": _number("optim.lr", float),
+    "max_grad_norm": _grad_norm,
+    "num_train_epochs": _number("train.epochs", float, (("train.max_steps", None),)),
+    "max_steps": _max_steps,
+    "report_to": _report_to,
+    "torch_compile": _switch("compile.enabled", True, False),
+}
+"""HF flag → its values as this project's ``(section.key, value)`` pairs. ``group_by_length=true`` becomes the
+length buckets (``batching.method=optimal``: less padding than HF's megabatches, which
+``batching.method=hf-group-by-length`` reproduces); ``num_train_epochs`` clears ``train.max_steps`` (put
+``max_steps`` after it to keep both, as HF lets ``max_steps`` win); ``max_grad_norm=0`` turns clipping off."""
+
+
+def expand_hf_alias(key: str, value: Any) -> tuple[list[tuple[list[str], Any]], str]:
+    """``(overrides as ([section, key], value), notice line)`` for an HF flag ``key=value``.
+
+    Raises:
+        UserError: not a known HF flag (naming the nearest one), or a value of the wrong kind.
+    """
+    if key not in HF_ALIASES:
+        close = difflib.get_close_matches(key, list(HF_ALIASES), n=1, cutoff=0.6)
+        hint = f" Did you mean the Hugging Face flag {close[0]!r}?" if close else \
+            f" Hugging Face flags understood: {', '.join(HF_ALIASES)}."
+        raise UserError(f"override {key}={value!r}: the key must be section.key, e.g. train.max_steps.{hint}")
+    try:
+        pairs = HF_ALIASES[key](value)
+    except UserError as exc:
+        raise UserError(f"override {key}={value!r} (a Hugging Face flag): {exc}") from None
+    shown = " ".join(f"{k}={_yaml(v)}" for k, v in pairs)
+    return [(k.split("."), v) for k, v in pairs], f"notice: Hugging Face flag {key}={_yaml(value)} → {shown}"
+
+
+def _yaml(v: Any) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)

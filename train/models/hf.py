@@ -1,0 +1,166 @@
+"""Hugging Face models through transformers' Auto classes, offline only (never a download).
+
+``hf:<dir>`` loads ``<dir>/config.json`` (+ ``model.safetensors`` / ``pytorch_model.bin`` when present) with
+``local_files_only=True``; ``hf:<model_type>`` builds ``AutoConfig.for_model(model_type, …)`` sized by
+``model.preset`` (:data:`PRESET_KEYS` maps the preset's sizes to the architecture's own key names) and
+``model.hf_overrides``, randomly initialised from torch's RNG. ``num_labels`` must equal the data's classes, or
+``model.num_labels_mismatch=resize`` re-initialises the head with a notice.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from train.compat import hf_attn_implementation
+from train.errors import UserError
+from train.model import PRESETS
+from train.models.wrap import ExternalClassifier, ExternalSpec
+
+PRESET_KEYS: dict[str, tuple[str, str, str, str]] = {
+    "default": ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"),
+    "distilbert": ("n_layers", "dim", "n_heads", "hidden_dim"),
+}
+"""The architecture's config keys for (num_layers, hidden_size, num_heads, ffn_size), per model_type."""
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never a download at run time
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("model.source=hf:…: the transformers package is not installed (pip install -r "
+                        "requirements.txt)") from None
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars on stderr
+    return transformers
+
+
+def preset_sizes(model_type: str, preset: str) -> dict[str, int]:
+    """``model.preset``'s sizes under ``model_type``'s config key names (see :data:`PRESET_KEYS`)."""
+    keys = PRESET_KEYS.get(model_type, PRESET_KEYS["default"])
+    p = PRESETS[preset]
+    return dict(zip(keys, (p["num_layers"], p["hidden_size"], p["num_heads"], p["ffn_size"])))
+
+
+def _config(cfg, bundle, kind: str, hf_config: Optional[str]):
+    """The transformers config for this run (from the checkpoint's JSON, the directory, or the model type)."""
+    tf = _transformers()
+    src = cfg.model.source
+    if hf_config:
+        import json
+
+        raw = json.loads(hf_config)
+        return tf.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    if kind == "hf-dir":
+        d = Path(src[3:]).expanduser()
+        if not d.is_dir():
+            raise UserError(f"model.source={src}: no such directory {d} (a Hugging Face model directory with "
+                            "config.json; models are never downloaded at run time)")
+        if not (d / "config.json").is_file():
+            raise UserError(f"model.source={src}: {d / 'config.json'} is missing (save the model with "
+                            "save_pretrained, or use hf:<model_type> for a random init)")
+        try:
+            config = tf.AutoConfig.from_pretrained(str(d), local_files_only=True)
+        except (ValueError, KeyError, OSError) as exc:
+            raise UserError(f"model.source={src}: {d / 'config.json'} is not a config transformers can read "
+                            f"({str(exc).splitlines()[0][:160]})") from None
+        config.update(dict(cfg.model.hf_overrides or {}))
+        return config
+    model_type = src[3:]
+    if model_type not in tf.CONFIG_MAPPING:
+        raise UserError(f"model.source={src}: {model_type!r} is neither a directory nor a transformers model_type "
+                        "(e.g. hf:bert, hf:distilbert, hf:roberta)")
+    kwargs: dict[str, Any] = {**preset_sizes(model_type, cfg.model.preset), "vocab_size": bundle.vocab_size,
+                              "pad_token_id": bundle.pad_id, "num_labels": bundle.num_classes}
+    kwargs.update(dict(cfg.model.hf_overrides or {}))
+    try:
+        return tf.AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"model.source={src}: cannot build its config ({str(exc).splitlines()[0][:160]})") from None
+
+
+def _check_fits(cfg, bundle, config) -> None:
+    """Raises UserError: no sequence-classification head, labels or vocabulary or positions that do not fit."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as heads
+
+    src = cfg.model.source
+    if config.model_type not in heads:
+        raise UserError(f"model.source={src}: architecture {config.model_type!r} has no sequence-classification head "
+                        "(AutoModelForSequenceClassification does not support it); use an encoder such as bert, "
+                        "distilbert or roberta")
+    n = bundle.num_classes
+    if config.num_labels != n:
+        if cfg.model.num_labels_mismatch != "resize":
+            raise UserError(f"model.source={src}: the model has num_labels={config.num_labels} but the data has {n} "
+                            f"classes; set model.num_labels_mismatch=resize to re-initialise the head for {n} classes")
+        print(f"notice: model.source={src}: num_labels {config.num_labels} → {n} (the data's classes): the "
+              "classification head is re-initialised (model.num_labels_mismatch=resize)", flush=True)
+        config.num_labels = n
+    config.id2label = dict(enumerate(bundle.corpus.label_names))
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    if config.vocab_size < bundle.vocab_size:
+        raise UserError(f"model.source={src}: the model's vocabulary ({config.vocab_size}) is smaller than the "
+                        f"tokenizer's ({bundle.vocab_size}); give the model directory its tokenizer.json or set "
+                        "data.tokenizer_path to the model's tokenizer")
+    positions = getattr(config, "max_position_embeddings", None)
+    offset = config.pad_token_id + 1 if "roberta" in config.model_type and config.pad_token_id is not None else 0
+    if positions is not None and max(bundle.bounds) + offset > positions:
+        raise UserError(f"model.source={src}: max_position_embeddings={positions} is below the longest batch "
+                        f"({max(bundle.bounds)} tokens{f' + offset {offset}' if offset else ''}); lower data.max_len")
+
+
+def _load(cfg, config, kind: str, fresh: bool):
+    """The transformers model: weights from the directory when it has them (and not ``fresh``), else random."""
+    tf = _transformers()
+    auto = tf.AutoModelForSequenceClassification
+    src = cfg.model.source
+    d = Path(src[3:]).expanduser()
+    attn = {"attn_implementation": hf_attn_implementation()}
+    if fresh or kind != "hf-dir" or not any((d / f).is_file() for f in WEIGHT_FILES):
+        return auto.from_config(config, **attn)
+    resize = cfg.model.num_labels_mismatch == "resize"
+    try:
+        model, info = auto.from_pretrained(str(d), config=config, local_files_only=True, output_loading_info=True,
+                                           ignore_mismatched_sizes=resize, **attn)
+    except (RuntimeError, ValueError, OSError) as exc:
+        first = next((ln for ln in str(exc).splitlines() if "size mismatch" in ln or "shape" in ln),
+                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise UserError(f"model.source={src}: the weights in {d} do not match its config.json "
+                        f"({first.strip()[:200]})") from None
+    head = ("classifier", "score", "pre_classifier", "pooler")
+    missing = [k for k in info.get("missing_keys", []) if not any(h in k for h in head)]
+    mismatched = [m if isinstance(m, str) else m[0] for m in info.get("mismatched_keys", [])]
+    bad = missing + [m for m in mismatched if not any(h in m for h in head)]
+    if bad:
+        raise UserError(f"model.source={src}: the weights in {d} do not match its config.json ({len(bad)} "
+                        f"parameters missing or of another shape, e.g. {bad[0]})")
+    return model
+
+
+def build_hf(cfg, bundle, kind: str, hf_config: Optional[str] = None) -> ExternalClassifier:
+    """The wrapped transformers model (see :func:`train.models.build_external`). Raises UserError (bad input)."""
+    config = _config(cfg, bundle, kind, hf_config)
+    _check_fits(cfg, bundle, config)
+    inner = _load(cfg, config, kind, fresh=hf_config is not None)
+    size = {k: int(getattr(config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers")}
+    spec = ExternalSpec(source=cfg.model.source, num_classes=bundle.num_classes, vocab_size=int(config.vocab_size),
+                        max_len=cfg.data.max_len, hidden_size=size["hidden_size"], num_layers=size["num_hidden_layers"],
+                        hf_config=config_json(inner.config))
+    return ExternalClassifier(inner, spec, "hf")
+
+
+def config_json(config) -> str:
+    """A transformers config as sorted JSON with ``model_type`` (enough to rebuild it with ``AutoConfig.for_model``)."""
+    import json
+
+    d = config.to_dict()
+    for k in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "_attn_implementation_autoset"):
+        d.pop(k, None)
+    d["model_type"] = config.model_type
+    d["id2label"] = {str(k): v for k, v in d.get("id2label", {}).items()}
+    return json.dumps(d, sort_keys=True, default=str)

@@ -1,0 +1,62 @@
+"""report.json ``model`` and ``levers``: which model ran, and for every lever whether it applied and why (not)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from train.models import source_kind
+
+BUCKETED = ("optimal", "quantile", "kmeans")
+
+
+def model_section(cfg, model) -> dict[str, Any]:
+    """report.json ``model``: ``source``, ``class`` (the module that ran), ``parameters`` (count), ``preset``
+    (builtin and ``hf:<model_type>`` sizes), ``hf_model_type`` (``hf:`` sources, else null)."""
+    inner = getattr(model, "inner", model)
+    hf_type = getattr(getattr(inner, "config", None), "model_type", None)
+    return {"source": cfg.model.source, "class": type(inner).__name__,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "preset": cfg.model.preset if source_kind(cfg.model.source) in ("builtin", "hf-type") else None,
+            "hf_model_type": hf_type}
+
+
+def _lever(applied: bool, reason: str) -> dict[str, Any]:
+    return {"applied": bool(applied), "reason": reason}
+
+
+def levers_section(cfg, model, policy, compiled, ctx, profiled: bool) -> dict[str, dict[str, Any]]:
+    """report.json ``levers``: each lever ``{"applied": bool, "reason": str}``.
+
+    ``policy``: the run's PrecisionPolicy; ``compiled``: its CompileSession; ``ctx``: its DistContext;
+    ``profiled``: the run is under ``python -m train profile`` (attribution table written).
+    """
+    b, external = cfg.batching, cfg.model.source != "builtin"
+    where = "autocast around the whole forward of the wrapped model (parameters fp32; loss fp32, outside)" if external \
+        else "autocast around the encoder blocks (embeddings, pooling, head and loss fp32)"
+    packing_reason = (f"batching.method={b.method}" if b.method != "packed" else "packed rows, block-diagonal mask")
+    if external and b.method != "packed":
+        packing_reason += "; this model cannot run packed rows (supports_packing is false): refused if asked"
+    comp = compiled.report() if compiled is not None else {}
+    return {
+        "precision": _lever(policy.mode != "fp32", f"{policy.mode} [{policy.source}] {policy.reason}; {where}"),
+        "buckets": _lever(b.method in BUCKETED, f"batching.method={b.method}, pad_to={b.pad_to}"),
+        "token_budget": _lever(b.max_tokens is not None and b.method in (*BUCKETED, "packed"),
+                               f"batching.max_tokens={b.max_tokens} (used by the bucketed and packed methods; "
+                               f"batching.method={b.method})"),
+        "packing": _lever(b.method == "packed", packing_reason),
+        "clipping": _lever(cfg.clip.method != "none", f"clip.method={cfg.clip.method} on the model's parameters"),
+        "numerics_guard": _lever(True, "non-finite steps skipped and counted; culprit named from the model's module tree"),
+        "compile": _lever(bool(comp.get("enabled")), str(comp.get("reason") or "no compile session")),
+        "compile_warmup": _lever(bool(comp.get("enabled")) and comp.get("warmup_s") is not None,
+                                 "per-shape warm-up of every planned batch shape" if comp.get("enabled")
+                                 else "compile is off"),
+        "profile_attribution": _lever(profiled, "python -m train profile (make profile) on this config"
+                                      if not profiled else "torch.profiler attribution table in this run"),
+        "ddp": _lever(ctx.enabled, f"{ctx.world_size} processes ({ctx.backend})" if ctx.enabled
+                      else "a single process (NPROC=1)"),
+        "exact_resume": _lever(True, "weights_only checkpoints (state_dicts, RNG per rank, sampler position)"
+                               + ("; the Hugging Face config as JSON in spec.hf_config" if external
+                                  and cfg.model.source.startswith("hf:") else "")),
+        "mfu": _lever(not external, "FLOPs counted on the built-in encoder" if not external
+                      else "perf.mfu counts FLOPs of the built-in encoder only: null for this model"),
+    }
