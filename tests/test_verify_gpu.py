@@ -78,13 +78,32 @@ def test_preflight_triton_and_pynvml(monkeypatch):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash entrypoint")
-def test_entrypoint_falls_back_when_the_cache_is_unwritable(tmp_path):
+def _entrypoint(tmp_path, cache: str) -> subprocess.CompletedProcess:
+    env = {"PATH": f"{__import__('os').path.dirname(sys.executable)}:/usr/bin:/bin", "DMP_PREFLIGHT": "1",
+           "TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TRITON_CACHE_DIR": f"{cache}/triton",
+           "DMP_DATA_CACHE": f"{cache}/deep-model-perf"}
+    return subprocess.run(["bash", "docker/entrypoint.sh", "sh", "-c", "umask; echo $TORCHINDUCTOR_CACHE_DIR"],
+                          capture_output=True, text=True, env=env, timeout=60,
+                          cwd=__import__("pathlib").Path(__file__).resolve().parent.parent)
+
+
+NO_ENTRYPOINT = pytest.mark.skipif(not (__import__("pathlib").Path(__file__).resolve().parent.parent / "docker").is_dir(),
+                                   reason="docker/ is not in this tree (inside the image)")
+
+
+@NO_ENTRYPOINT
+def test_entrypoint_refuses_an_unwritable_cache_volume_in_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    env = {"PATH": f"{__import__('os').path.dirname(sys.executable)}:/usr/bin:/bin",
-           "TORCHINDUCTOR_CACHE_DIR": str(blocker / "inductor"), "DMP_PREFLIGHT": "1"}
-    out = subprocess.run(["bash", "docker/entrypoint.sh", "sh", "-c", "echo $TORCHINDUCTOR_CACHE_DIR"],
-                         capture_output=True, text=True, env=env, timeout=60,
-                         cwd=__import__("pathlib").Path(__file__).resolve().parent.parent)
+    out = _entrypoint(tmp_path, str(blocker))
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the cache volume is not writable") and "make clean-cache" in lines[0]
+
+
+@NO_ENTRYPOINT
+def test_entrypoint_shares_a_writable_cache_with_the_group(tmp_path):
+    out = _entrypoint(tmp_path, str(tmp_path / "cache"))
     assert out.returncode == 0, out.stderr
-    assert "not writable" in out.stderr and out.stdout.strip().startswith("/tmp/dmp-cache.")
+    assert out.stdout.split() == ["0002", f"{tmp_path}/cache/inductor"], "umask 0002: the volume's group can write"
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()], "the write probe leaves nothing behind"

@@ -25,8 +25,10 @@ class ProfileConfig:
     """py-spy: steps per window; windows run off/on/off/on/off, so overhead compares medians side by side."""
     pyspy_rate: int = allowed(100, ge=1)
     """py-spy sampling rate (samples per second)."""
-    pyspy_native: bool = True
-    """py-spy ``--native``: include C/C++ frames (torch's kernels) in the stacks."""
+    pyspy_native: bool = False
+    """py-spy ``--native``: include C/C++ frames (torch's kernels) in the stacks. Off by default: unwinding native
+    stacks while the process is paused cost +67% to +368% step time at 100 Hz on a 2-core CPU (docs/profiling.md);
+    without it an op's time is attributed to the Python line that called it."""
     pyspy_nonblocking: bool = False
     """py-spy ``--nonblocking``: read the stacks without pausing the process (cheaper, occasionally torn stacks;
     py-spy cannot combine it with ``--native``)."""
