@@ -285,3 +285,18 @@ def test_pyspy_records_the_running_job(tiny_cfg) -> None:
     assert Path(s["outputs"]["flamegraph"]["path"]).read_text().lstrip().startswith("<?xml")
     assert "speedscope" in Path(s["outputs"]["speedscope"]["path"]).read_text()[:200]
     assert s["steps_with"] == 4 and s["steps_without"] == 6 and s["overhead_ratio"] is not None
+
+
+@pytest.mark.parametrize("native,nonblocking,want", [(False, True, ["--nonblocking"]), (True, True, ["--native"]),
+                                                     (False, False, [])])
+def test_pyspy_command_defaults_never_pause_and_native_implies_blocking(tmp_path: Path, native, nonblocking, want) -> None:
+    from train.config import ProfileConfig
+    from train.profiling.pyspy import PtraceCheck
+
+    assert ProfileConfig().pyspy_nonblocking and not ProfileConfig().pyspy_native, "defaults: Python frames, no pauses"
+    phase = PySpyPhase(ProfileConfig(pyspy_native=native, pyspy_nonblocking=nonblocking), tmp_path, 3,
+                       PtraceCheck(ok=True, pyspy="/bin/true"), attach_wait_s=0.0)
+    phase._start("flamegraph")
+    phase._stop()
+    assert [f for f in phase._cmd if f in ("--native", "--nonblocking")] == want
+    assert phase.result()["nonblocking"] == ("--nonblocking" in want)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.errors import UserError, allowed, check_fields
+from train.errors import allowed, check_fields
 
 
 @dataclass
@@ -29,9 +29,10 @@ class ProfileConfig:
     """py-spy ``--native``: include C/C++ frames (torch's kernels) in the stacks. Off by default: unwinding native
     stacks while the process is paused cost +67% to +368% step time at 100 Hz on a 2-core CPU (docs/profiling.md);
     without it an op's time is attributed to the Python line that called it."""
-    pyspy_nonblocking: bool = False
-    """py-spy ``--nonblocking``: read the stacks without pausing the process (cheaper, occasionally torn stacks;
-    py-spy cannot combine it with ``--native``)."""
+    pyspy_nonblocking: bool = True
+    """py-spy ``--nonblocking``: read the stacks without pausing the process (the default: a paused trainer waits for
+    py-spy to be scheduled, which on a loaded machine costs far more than the read; occasionally a torn stack).
+    Ignored with ``pyspy_native=true``: py-spy reads native stacks only from a paused process."""
     nsys_steps: int = allowed(5, ge=1)
     """Nsight Systems: steps inside the capture range (cudaProfilerStart/Stop)."""
     gpu_sample_ms: int = allowed(100, ge=10)
@@ -56,6 +57,4 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "profile")
-        if self.pyspy_native and self.pyspy_nonblocking:
-            raise UserError("profile.pyspy_native=true and profile.pyspy_nonblocking=true: py-spy cannot read native "
-                            "stacks without pausing the process; set one of them to false")
+

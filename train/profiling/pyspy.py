@@ -196,7 +196,7 @@ class PySpyPhase(Callback):
         out.unlink(missing_ok=True)  # never report an old capture
         cmd = [self.check.pyspy, "record", "--pid", str(os.getpid()), "--rate", str(self.cfg.pyspy_rate),
                "--format", kind, "--output", str(out)] + (["--native"] if self.cfg.pyspy_native else []) \
-            + (["--nonblocking"] if self.cfg.pyspy_nonblocking else [])
+            + (["--nonblocking"] if self.cfg.pyspy_nonblocking and not self.cfg.pyspy_native else [])
         self._log = open(self.out_dir / f"pyspy-{kind}.log", "w")
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self._kind, self._out, self._cmd = kind, out, cmd
@@ -232,7 +232,7 @@ class PySpyPhase(Callback):
         on, off = self.times["on"], self.times["off"]
         res: dict[str, Any] = {"outputs": self.outputs, "preflight": self.check.message(),
                                "rate_hz": self.cfg.pyspy_rate, "native": self.cfg.pyspy_native,
-                               "nonblocking": self.cfg.pyspy_nonblocking,
+                               "nonblocking": self.cfg.pyspy_nonblocking and not self.cfg.pyspy_native,
                                "steps_with": len(on), "steps_without": len(off)}
         if self.errors:
             res["errors"] = self.errors
