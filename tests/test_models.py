@@ -234,4 +234,5 @@ def test_bench_vs_hf_runs_both_sides_on_equal_samples(wndb, tmp_path) -> None:
         assert side["samples_per_s"] > 0 and side["tokens_per_s"] > side["samples_per_s"]
         assert 0 <= side["eval_accuracy"] <= 1 and side["peak_memory_bytes"] > 0 and side["time_to_first_step_s"] > 0
     assert result["speedup_samples_per_s"] == pytest.approx(ours["samples_per_s"] / hf["samples_per_s"])
+    assert result["speedup_median_of_rounds"] == pytest.approx(result["speedup_per_round"][0])  # one round
     assert (tmp_path / "runs" / "vs" / "bench-vs-hf.md").read_text().count("| hf-trainer |") == 1
