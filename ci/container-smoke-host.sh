@@ -17,6 +17,15 @@ if ! timeout 20 "$DOCKER" info >/dev/null 2>&1; then
   timeout 20 "$DOCKER" info >/dev/null 2>&1 || skip "$SANDBOX ran but '$DOCKER info' still fails"
 fi
 
+# A cold STACK=cpu build (torch 2.1.0's CUDA wheels: a ~6 GiB image, its layer written twice) needs ~12 GiB.
+need_gib=${CONTAINER_SMOKE_MIN_FREE_GIB:-12}
+docker_root=$("$DOCKER" info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+free=$(df -P -BG "$docker_root" 2>/dev/null | awk 'NR==2 {sub("G", "", $4); print $4}')
+if [ -n "$free" ] && [ "$free" -lt "$need_gib" ] \
+   && ! "$DOCKER" image inspect "$(IMAGE=${IMAGE:-deep-model-perf-ci} STACK=cpu make -s --no-print-directory print-image)" >/dev/null 2>&1; then
+  skip "only ${free} GiB free under $docker_root; a cold STACK=cpu image build needs ~${need_gib} GiB (free space, or set CONTAINER_SMOKE_MIN_FREE_GIB)"
+fi
+
 if [ "$(id -u)" != 0 ]; then
   exec bash ci/container-smoke.sh
 fi
