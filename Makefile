@@ -223,7 +223,7 @@ profile: $(RT_DEPS_DATA) ## profile real training steps: torch.profiler table + 
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m train profile --config $(CONFIG) $(ARGS))
 
-profile-pyspy: $(RT_DEPS_DATA) ## py-spy flame graph + speedscope of the running job (native frames), with its measured overhead
+profile-pyspy: $(RT_DEPS_DATA) ## py-spy flame graph + speedscope of the running job (Python frames, 20 Hz, non-blocking), with its measured overhead
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m train profile --tools pyspy --config $(CONFIG) $(ARGS))
 

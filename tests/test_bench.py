@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from train.bench import run_bench
 from train.bench.training import CONFIGS
 
@@ -68,10 +70,9 @@ def test_open_loop_load_counts_queueing_and_batches_dynamically() -> None:
     assert 0 < slow["achieved_requests_per_s"] <= 200 and fast["achieved_requests_per_s"] > slow["achieved_requests_per_s"]
 
 
-def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
+def _inference_setup(tiny_cfg):
     import torch
 
-    from train.bench.inference import Classifier
     from train.data import prepare_data
     from train.data.tokenizer import load_or_train
     from train.precision import PrecisionPolicy
@@ -80,9 +81,16 @@ def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
     cfg = tiny_cfg()
     bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
     tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir)
-    model = build_model(cfg, bundle)
-    clf = Classifier(model, tok, bundle, bundle.corpus.label_names, PrecisionPolicy.for_config(cfg, torch.device("cpu")),
-                     torch.device("cpu"), cfg.data.max_len)
+    return cfg, bundle, tok, build_model(cfg, bundle), PrecisionPolicy.for_config(cfg, torch.device("cpu"))
+
+
+def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
+    import torch
+
+    from train.bench.inference import Classifier
+
+    cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
+    clf = Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len, "bucket")
     texts = bundle.corpus.validation.texts[:12]
     shapes = []
     hook = model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
@@ -93,3 +101,42 @@ def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
     assert sorted(s for _, s in shapes) == sorted(needed)  # one forward per bucket present, padded to its bound
     assert sum(b for b, _ in shapes) == len(texts)
     assert together == [clf([t])[0] for t in texts]  # grouping changes nothing but the padding
+
+
+def test_packed_inference_is_one_forward_per_call_with_the_same_answers(tiny_cfg) -> None:
+    import torch
+
+    from train.bench.inference import Classifier
+
+    cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
+    cpu = torch.device("cpu")
+    packed = Classifier(model, tok, bundle, bundle.corpus.label_names, policy, cpu, cfg.data.max_len)  # auto
+    bucket = Classifier(model, tok, bundle, bundle.corpus.label_names, policy, cpu, cfg.data.max_len, "bucket")
+    assert packed.batching == "packed", "auto packs a model that supports packing"
+    texts = bundle.corpus.validation.texts[:24]
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, args, kw: calls.append((tuple(args[0].shape), kw.get("num_seqs"))),
+                                           with_kwargs=True)
+    answers = packed(texts)
+    hook.remove()
+    lengths = [min(len(tok.encode(t).ids), cfg.data.max_len) for t in texts]
+    longest_bound = next(b for b in bundle.bounds if b >= max(lengths))
+    assert len(calls) == 1, "one forward for the whole call"
+    (rows, capacity), num_seqs = calls[0]
+    assert capacity == longest_bound and num_seqs == len(texts) and rows * capacity < len(texts) * longest_bound
+    assert rows >= -(-sum(lengths) // capacity)  # every request's tokens fit, none dropped
+    assert answers == bucket(texts) == [packed([t])[0] for t in texts]
+
+
+def test_packed_inference_is_refused_for_a_model_that_cannot_pack(tiny_cfg) -> None:
+    import torch
+
+    from train.bench.inference import Classifier
+    from train.errors import UserError
+
+    cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
+    model.supports_packing = False  # as an external model (train/models/wrap.py)
+    with pytest.raises(UserError, match="inference_batching=packed.*cannot run packed rows"):
+        Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len, "packed")
+    assert Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len,
+                      "auto").batching == "bucket"

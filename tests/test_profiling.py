@@ -300,3 +300,20 @@ def test_pyspy_command_defaults_never_pause_and_native_implies_blocking(tmp_path
     phase._stop()
     assert [f for f in phase._cmd if f in ("--native", "--nonblocking")] == want
     assert phase.result()["nonblocking"] == ("--nonblocking" in want)
+
+
+def test_pyspy_overhead_is_matched_by_batch_shape() -> None:
+    from train.profiling.pyspy import shape_matched_overhead
+
+    short, long_ = (64, 16), (8, 128)
+    off = [(short, 100.0)] * 2 + [(long_, 300.0)] * 3  # the windows without py-spy drew mostly long batches
+    on = [(short, 110.0)] * 3 + [(long_, 330.0), ((1, 512), 900.0)]  # +10% on each shape; (1, 512) never ran without
+    res = shape_matched_overhead(on, off)
+    assert res["overhead_ratio"] == pytest.approx(0.10) and res["steps_matched"] == 4
+    assert res["step_time_ms_with"] == 110.0 and res["step_time_ms_without"] == 300.0
+    assert res["overhead_ratio_unmatched"] == pytest.approx(110 / 300 - 1), "plain medians mix shape with cost"
+    fallback = shape_matched_overhead([((1, 512), 900.0)], off)
+    assert fallback["steps_matched"] == 0 and fallback["overhead_method"].startswith("ratio of medians")
+    assert fallback["overhead_ratio"] == pytest.approx(900 / 300 - 1)
+    with pytest.raises(ValueError):
+        shape_matched_overhead([], off)

@@ -59,6 +59,8 @@ class ReportInputs:
     efficiency: dict = field(default_factory=dict)
     sections: dict = field(default_factory=dict)
     interrupted: Optional[dict] = None
+    batching_auto: Optional[dict] = None
+    """``batching.method=auto``'s decision (train/data/batching_auto.py), reported as ``batching.auto``."""
 
 
 def sampler_counts(loader) -> dict[str, int]:
@@ -139,6 +141,7 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
             "repeated_samples": sampler_counts["repeated"],
             "truncated_in_collate": stats.truncated_in_collate,
             **_packing_fields(cfg, bundle, stats),
+            **({"auto": r.batching_auto} if r.batching_auto else {}),
         },
         "perf": perf,
         "env": r.env,

@@ -23,6 +23,7 @@ import torch
 from train.compiling.warmup import start_compile, warm_up_for_run
 from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader, prepare_data
+from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
 from train.errors import Interrupted, UserError, atomic_write_text
 from train.models.levers import levers_section, model_section
@@ -202,6 +203,7 @@ class _Run:
     compiled: Any = None
     tracking: Optional[Tracking] = None
     trainer: Trainer = None  # type: ignore[assignment]
+    batching_auto: Optional[dict] = None
 
 
 def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
@@ -271,6 +273,13 @@ def _build(r: _Run) -> None:
         raise UserError(f"batching.method=packed: the model {type(r.model).__name__} cannot take per-sample positions and "
                         "a block-diagonal mask (forward(..., position_ids=, seq_index=, num_seqs=)); use "
                         "batching.method=optimal")
+    if cfg.batching.method == "auto":  # resolved once the model exists; config.yaml keeps the choice for --resume
+        decision = broadcast_from_main(choose_batching(r.model, r.policy, cfg, bundle, device) if ctx.is_main else None, ctx)
+        r.bundle = bundle = apply_batching(cfg, bundle, decision.method)
+        r.batching_auto = decision.as_report()
+        r.say(f"batching: {decision.reason}", flush=True)
+        if ctx.is_main:
+            atomic_write_text(r.run_dir / "config.yaml", dump_config(cfg))
     if r.state is not None:
         r.state = agreed(lambda: check_resume_state(r.state, r.ckpt_path, ctx, bundle, r.model.spec), ctx)
         r.say(f"resuming from {r.ckpt_path} (step {r.state['step']})", flush=True)
@@ -366,7 +375,8 @@ def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, int
     report = build_report(ReportInputs(
         cfg, r.run_dir, r.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),
         sampler_counts(r.loaders["train"]), r.t_start, time.perf_counter() - r.t_start, data_prep_s=r.data_s,
-        efficiency={**efficiency, "throughput_valid": True}, sections=sections, interrupted=interrupted))
+        efficiency={**efficiency, "throughput_valid": True}, sections=sections, interrupted=interrupted,
+        batching_auto=r.batching_auto))
     for hook in hooks:
         hook.finish(report)
     if r.ctx.is_main:

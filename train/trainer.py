@@ -170,6 +170,7 @@ class Trainer:
         # the stage ranges (train/profiling/ranges.py): a shared no-op context unless a profiler sets its own
         self.ranges = null_ranges
         self.batches_in_epoch = 0  # consumed by the loop (the DataLoader prefetches ahead of the sampler)
+        self.last_batch_shape: Optional[tuple[int, int]] = None  # (rows, seq) of the step just taken: for callbacks
         self.start_step = 0  # > 0 after resuming from a checkpoint
         self.stopped_at: Optional[int] = None  # the step the loop stopped at when a callback asked
         self.last_grad_norm: Optional[torch.Tensor] = None  # the last step's pre-clip global norm (device tensor)
@@ -261,6 +262,7 @@ class Trainer:
             if step == self.start_step + 1:
                 s.first_step_end = time.perf_counter()
             b, seq = ids.shape  # rows for a packed batch, which holds n samples
+            self.last_batch_shape = (b, seq)
             n = batch.get("samples", b)
             s.steps, s.samples = step, s.samples + n
             s.real_tokens += batch["real_tokens"]

@@ -1,10 +1,16 @@
 """Inference benchmark: the evaluation split answered as single requests, as batched requests, and under an
 open-loop load.
 
-A request is the whole path a caller waits for: tokenize → pad to the bucket bound (static
-shapes) → forward → arg-max → label name. A batch of queued requests is first **grouped by length**
-(each bucket's requests together, up to ``bench.inference_batch_size`` per forward), so a short request
-is never padded to the bound of the longest one in its batch.
+A request is the whole path a caller waits for: tokenize → batch → forward → arg-max → label name. A call's
+requests share forwards in one of two ways (``bench.inference_batching``):
+
+* ``packed`` (the default for models that support packing): the requests are packed back to back into rows
+  (best-fit decreasing, :func:`~train.data.packing.pack_rows`) as long as the bucket bound of the call's longest
+  request, positions restarting per request and attention block-diagonal, so each request's logits are its
+  unpacked logits — **one forward per call**, almost no padding. A single request is one row of its bucket bound.
+* ``bucket``: **grouped by length**, one forward per bucket present, each padded to its bound (static shapes),
+  so a short request is never padded to the longest one's bound — but a call of 32 mixed requests makes
+  several small forwards.
 
 * ``single``: one request per call; ``batched``: ``bench.inference_batch_size`` requests per call (closed loop:
   its requests/s is the measured maximum rate).
@@ -32,6 +38,7 @@ from train.config import RunConfig
 from train.data import DataBundle
 from train.data.buckets import assign_buckets
 from train.data.collate import PadCollate
+from train.data.packing import PackCollate, pack_rows, packed_forward
 from train.data.tokenizer import encode
 from train.errors import UserError
 from train.model import EncoderClassifier, EncoderSpec
@@ -50,17 +57,40 @@ class Classifier:
     """Answers text requests with label names: ``Classifier(...)(texts) -> list[str]``."""
 
     def __init__(self, model: EncoderClassifier, tokenizer: Tokenizer, bundle: DataBundle, label_names: list[str],
-                 policy: PrecisionPolicy, device: torch.device, max_len: int) -> None:
+                 policy: PrecisionPolicy, device: torch.device, max_len: int, batching: str = "auto") -> None:
+        """``batching``: ``packed`` | ``bucket`` | ``auto`` (``packed`` when ``model.supports_packing``).
+
+        Raises:
+            UserError: ``packed`` asked for a model that cannot run packed rows.
+        """
         self.model, self.tokenizer, self.policy, self.device = model.eval(), tokenizer, policy, device
         self.label_names, self.max_len = label_names, max_len
         self.collate = PadCollate(bundle.pad_id, bundle.bounds, "bound")
+        self.pad_id = bundle.pad_id
+        can_pack = bool(getattr(model, "supports_packing", False))
+        if batching == "packed" and not can_pack:
+            raise UserError(f"bench.inference_batching=packed: the model {type(model).__name__} cannot run packed rows "
+                            "(supports_packing is false); use bench.inference_batching=bucket or auto")
+        self.batching = "packed" if batching == "packed" or (batching == "auto" and can_pack) else "bucket"
 
     @torch.inference_mode()
     def __call__(self, texts: list[str]) -> list[str]:
-        """Label names for ``texts``, in order; requests are grouped by bucket, one forward per bucket present."""
+        """Label names for ``texts``, in order: one packed forward (``packed``), or one forward per bucket present."""
         split = encode(self.tokenizer, texts, np.zeros(len(texts), dtype=np.int64), self.max_len)
         bucket = assign_buckets(split.lengths, self.collate.bounds)
         answers: list[str] = [""] * len(texts)
+        if self.batching == "packed":
+            capacity = int(self.collate.bounds[int(bucket.max())])  # the longest request's bound: 1 request = 1 row
+            rows = pack_rows(split.lengths, capacity)
+            batch = PackCollate(self.pad_id, capacity, len(rows))([[(split.ids[i], 0) for i in row] for row in rows])
+            logits = packed_forward(self.model, batch["input_ids"].to(self.device, non_blocking=True),
+                                    batch["position_ids"].to(self.device, non_blocking=True),
+                                    batch["seq_index"].to(self.device, non_blocking=True), batch["samples"],
+                                    self.policy.blocks_autocast)
+            members = [i for row in rows for i in row]  # the collate numbers samples row by row
+            for i, label in zip(members, logits.argmax(-1).tolist()):  # .tolist(): sync point
+                answers[i] = self.label_names[label]
+            return answers
         for k in np.unique(bucket).tolist():
             members = np.flatnonzero(bucket == k).tolist()
             batch = self.collate([(split.ids[i], 0) for i in members])
@@ -163,7 +193,7 @@ def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer
     t0 = time.perf_counter()
     model, label_names, source = load_model(cfg, bundle, device, cfg.bench.checkpoint)
     policy = PrecisionPolicy.for_config(cfg, device)
-    clf = Classifier(model, tokenizer, bundle, label_names, policy, device, cfg.data.max_len)
+    clf = Classifier(model, tokenizer, bundle, label_names, policy, device, cfg.data.max_len, cfg.bench.inference_batching)
     with Timed(device) as t:
         first = clf(texts[:1])
     t_first, t_done = t.start, t.end
@@ -188,7 +218,9 @@ def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer
         "first_answer": first[0],
         "accuracy_on_requests": float(np.mean([a == b for a, b in zip(answers, truth[1:])])),
         "single": single,
-        "batched": {**batched, "batch_size": batch_size, "grouped_by": "bucket (one forward per bucket present)"},
+        "batched": {**batched, "batch_size": batch_size, "batching": clf.batching,
+                    "grouped_by": "packed rows (one forward per call)" if clf.batching == "packed"
+                    else "bucket (one forward per bucket present)"},
         "batched_vs_single_requests_per_s": peak / single["requests_per_s"] if peak and single["requests_per_s"] else None,
         "load": load,
         "load_settings": {"arrivals": "Poisson", "levels_of_max_rate": list(LOAD_LEVELS),

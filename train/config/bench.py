@@ -34,6 +34,10 @@ class BenchConfig:
     """Inference requests, answered one by one and then in batches."""
     inference_batch_size: int = allowed(32, ge=1)
     """Requests per call in the batched inference mode."""
+    inference_batching: str = allowed("auto", choices=("auto", "packed", "bucket"))
+    """How a call's requests share forwards: ``packed`` (whole requests back to back in rows, one forward per call;
+    the model's packed path), ``bucket`` (one forward per bucket present, each padded to its bound), ``auto`` =
+    ``packed`` when the model supports packing, else ``bucket``."""
     max_queue_delay_ms: float = allowed(5.0, ge=0)
     """Open-loop load: the dynamic batcher serves the queue once its oldest request has waited this long."""
     skip_inference: bool = False

@@ -9,7 +9,7 @@ from typing import Optional
 
 from train.errors import UserError, allowed, check_fields
 
-BATCHING_METHODS = ("optimal", "quantile", "kmeans", "pad-to-max", "random", "hf-group-by-length", "packed")
+BATCHING_METHODS = ("optimal", "quantile", "kmeans", "pad-to-max", "random", "hf-group-by-length", "packed", "auto")
 
 
 @dataclass
@@ -61,7 +61,9 @@ class BatchingConfig:
     ``pad-to-max`` (every batch padded to ``data.max_len``), ``random`` (random batches padded to the batch max),
     ``hf-group-by-length`` (Hugging Face's megabatch length grouping, padded to the batch max; a baseline);
     ``packed``: whole samples back to back in rows of ``pack_len`` tokens (best-fit decreasing; per-sample positions,
-    block-diagonal attention: every sample's logits are its unpacked logits), one shape for the whole run."""
+    block-diagonal attention: every sample's logits are its unpacked logits), one shape for the whole run;
+    ``auto``: ``packed`` or ``optimal``, whichever trains more samples/s on this device, model and data (measured
+    once, cached; train/data/batching_auto.py), ``optimal`` for a model that cannot pack."""
     num_buckets: int = allowed(8, ge=1)
     """K, the number of buckets (= distinct sequence lengths) for the bucketed methods."""
     batch_size: int = allowed(64, ge=1)

@@ -70,13 +70,14 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
     if b.boundaries_file:
         plan = BucketPlan.load(b.boundaries_file, data_fp, tok_fp, force=force)
         return plan.bounds, b.pad_to, plan, str(b.boundaries_file)
-    plan = BucketPlan.fit(lengths, b.num_buckets, b.method, b.round_to, cfg.data.max_len, data_fp, tok_fp)
+    method = "optimal" if b.method == "auto" else b.method  # auto plans optimal buckets until it has measured
+    plan = BucketPlan.fit(lengths, b.num_buckets, method, b.round_to, cfg.data.max_len, data_fp, tok_fp)
     source = "fitted on the fly"
     if run_dir is not None:
         plan.save(run_dir / "buckets.json")
         source = str(run_dir / "buckets.json")
     where = f"saved to {source}" if run_dir is not None else "not saved"
-    notice(f"no batching.boundaries_file: fitted {b.method} buckets {plan.bounds} on the fly "
+    notice(f"no batching.boundaries_file: fitted {method} buckets {plan.bounds} on the fly "
            f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); {where}")
     return plan.bounds, b.pad_to, plan, source
 
@@ -183,10 +184,11 @@ def fit_bucket_plan(cfg: RunConfig) -> BucketPlan:
         UserError: a batching method without buckets, or bad data.
     """
     b = cfg.batching
-    if b.method not in BUCKETED:
+    method = "optimal" if b.method == "auto" else b.method  # auto may train on buckets: plan the optimal ones
+    if method not in BUCKETED:
         raise UserError(f"batching.method={b.method!r} uses no buckets; choose one of {', '.join(BUCKETED)}")
     p = prepare_splits(cfg)
-    return BucketPlan.fit(p.splits["train"].lengths, b.num_buckets, b.method, b.round_to, cfg.data.max_len,
+    return BucketPlan.fit(p.splits["train"].lengths, b.num_buckets, method, b.round_to, cfg.data.max_len,
                           p.data_fingerprint, p.tokenizer_info["fingerprint"])
 
 

@@ -3,8 +3,9 @@ speedscope JSON, and measure what sampling costs in the same run.
 
 The process attaches py-spy to itself (``py-spy record --pid <own pid>``) for two windows of steps,
 one per output format, interleaved with windows without it: off / on (flamegraph) / off / on
-(speedscope) / off. Overhead = median step time with py-spy ÷ median without − 1, the first step of
-each window left out (attach/detach transitions). Step times come from the trainer's own
+(speedscope) / off. Overhead is matched by batch shape (:func:`shape_matched_overhead`): each step with
+py-spy ÷ the median step without it of the same (rows, seq) shape, median − 1; the first step of each
+window is left out (attach/detach transitions). Step times come from the trainer's own
 synchronised StepTimer; the hooks run between steps, so attaching and detaching are not timed.
 
 Preflight (:func:`ptrace_preflight`) tries the real thing, a ``py-spy dump`` of this process, after the
@@ -37,6 +38,36 @@ from train.config import ProfileConfig
 CAP_SYS_PTRACE = 19
 PR_SET_PTRACER = 0x59616D61
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+
+
+def shape_matched_overhead(on: list[tuple[Any, float]], off: list[tuple[Any, float]]) -> dict[str, Any]:
+    """What sampling costs, from ``(batch_shape, step_ms)`` pairs with (``on``) and without (``off``) the sampler.
+
+    Bucketed batches differ in cost by shape, and two short windows draw different shapes, so a ratio of plain
+    medians mixes the shapes drawn with the sampler's cost. Here each step with the sampler is divided by the
+    median step time without it *of the same shape*, and ``overhead_ratio`` is the median of those ratios − 1.
+    Steps whose shape never ran without the sampler are left out (``steps_matched`` counts the rest); with no shape
+    in common, the ratio of plain medians is returned and ``overhead_method`` says so.
+    Returns overhead_ratio, overhead_method, steps_matched, step_time_ms_with/without (plain medians, ms) and
+    overhead_ratio_unmatched (their ratio − 1). Raises ValueError when either list is empty.
+    """
+    if not on or not off:
+        raise ValueError("shape_matched_overhead needs steps with and without the sampler")
+    by_shape: dict[Any, list[float]] = {}
+    for shape, ms in off:
+        by_shape.setdefault(shape, []).append(ms)
+    ref = {shape: float(np.median(v)) for shape, v in by_shape.items()}
+    ratios = [ms / ref[shape] for shape, ms in on if shape in ref]
+    m_on, m_off = float(np.median([ms for _, ms in on])), float(np.median([ms for _, ms in off]))
+    res = {"step_time_ms_with": m_on, "step_time_ms_without": m_off, "overhead_ratio_unmatched": m_on / m_off - 1,
+           "steps_matched": len(ratios)}
+    if ratios:
+        res.update(overhead_ratio=float(np.median(ratios)) - 1, overhead_method="median of per-step ratios to the "
+                   "median step without py-spy of the same batch shape")
+    else:
+        res.update(overhead_ratio=m_on / m_off - 1, overhead_method="ratio of medians (no batch shape ran both with "
+                   "and without py-spy)")
+    return res
 
 
 @dataclass
@@ -155,7 +186,7 @@ class PySpyPhase(Callback):
         self.attach_wait_s = attach_wait_s
         self.n = cfg.pyspy_steps
         self.last_step = first_step + len(self.WINDOWS) * self.n - 1
-        self.times: dict[str, list[float]] = {"off": [], "on": []}
+        self.times: dict[str, list[tuple[Any, float]]] = {"off": [], "on": []}  # (batch shape, step ms)
         self.outputs: dict[str, Any] = {}
         self.errors: list[str] = []
         self._proc: Optional[subprocess.Popen] = None
@@ -179,7 +210,8 @@ class PySpyPhase(Callback):
         if w is not None:
             i, kind = w
             if (step - self.first_step) % self.n != 0:  # the first step of a window is a transition
-                self.times["off" if kind == "off" else "on"].append(step_ms)
+                shape = getattr(self._trainer, "last_batch_shape", None)
+                self.times["off" if kind == "off" else "on"].append((shape, step_ms))
         nxt = self.window_of(step + 1)
         if self._proc is not None and (nxt is None or nxt[1] != self._kind):
             self._stop()
@@ -237,8 +269,7 @@ class PySpyPhase(Callback):
         if self.errors:
             res["errors"] = self.errors
         if on and off and not self.errors:
-            m_on, m_off = float(np.median(on)), float(np.median(off))
-            res.update(step_time_ms_with=m_on, step_time_ms_without=m_off, overhead_ratio=m_on / m_off - 1)
+            res.update(shape_matched_overhead(on, off))
         else:
             res["overhead_ratio"] = None
             res["overhead_unavailable_reason"] = "py-spy did not sample (see errors)" if self.errors else "no steps in the windows"

@@ -174,8 +174,9 @@ def print_artifacts(out_dir: Path, summary: dict[str, Any]) -> None:
         for kind, o in ps["outputs"].items():
             print(f"  py-spy {kind}: {o['path']}")
         if ps.get("overhead_ratio") is not None:
-            print(f"  py-spy overhead: {100 * ps['overhead_ratio']:+.1f}% step time (median {ps['step_time_ms_with']:.1f} ms with, "
-                  f"{ps['step_time_ms_without']:.1f} ms without)")
+            print(f"  py-spy overhead: {100 * ps['overhead_ratio']:+.1f}% step time, {ps['rate_hz']} Hz, matched by batch shape "
+                  f"over {ps['steps_matched']} steps (plain medians {ps['step_time_ms_with']:.1f} ms with, "
+                  f"{ps['step_time_ms_without']:.1f} ms without: {100 * ps['overhead_ratio_unmatched']:+.1f}%)")
         for err in ps.get("errors", []):
             print(f"  py-spy error: {err}")
     gs = summary.get("gpu_sampling")

@@ -1,0 +1,209 @@
+"""``batching.method=auto``: packed rows or optimal buckets, whichever trains more samples/s on this device,
+model and data — measured, cached, and said.
+
+The measurement times forward + backward (no optimizer step, gradients cleared after) of real training batches
+in the run's precision, after one untimed call per shape:
+
+* **buckets** (``optimal``, the run's ``num_buckets`` / ``max_tokens`` / ``batch_size``): one full batch per bucket,
+  each timed ``repeats`` times (median), weighted by the number of batches that bucket gives per epoch, so the
+  figure is the epoch's expected samples/s, not that of a few randomly drawn shapes;
+* **packed** (``pack_len`` / ``pack_rows`` / ``pack_window`` as the run would use): the first ``repeats`` + 1 batches
+  of the run's own :class:`~train.data.packing.PackedBatchSampler` (rows shuffled after packing, as in training).
+
+``packed`` is chosen when its samples/s is at least :data:`PACKED_MARGIN` × the buckets'. A model that cannot run
+packed rows (``supports_packing`` false: the Hugging Face / ``python:`` wrappers) gets ``optimal`` by rule, with
+no measurement. The RNG state is restored afterwards, so the run's dropout stream is that of the chosen method.
+The decision is cached under ``data.cache_dir/decisions/`` per device, torch version and threads, model shape,
+precision, data fingerprint and batching settings; a busy machine (load average above its cores) measures but does
+not cache. Same pattern as ``precision=auto`` (train/precision.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from train.config import RunConfig
+from train.data import DataBundle, bucket_plan, pack_layout
+from train.data.collate import PadCollate
+from train.data.packing import PackCollate, PackedBatchSampler
+from train.data.sampler import BucketBatchSampler
+from train.errors import atomic_write_text
+from train.perf.timer import Timed
+from train.precision import PrecisionPolicy
+from train.tools.env import cpuinfo, machine_load
+
+PACKED_MARGIN = 1.0
+"""``auto`` picks packed rows when their measured samples/s ≥ this × the buckets' (ties go to packing: one shape)."""
+DECISION_FORMAT = 2
+
+
+@dataclass
+class BatchingDecision:
+    """The resolved method (``packed`` | ``optimal``), one-sentence ``reason``, ``source`` (rule|measured|cached) and
+    the ``measurement`` behind a measured/cached one (samples/s, token efficiency and step ms per layout)."""
+
+    method: str
+    reason: str
+    source: str
+    measurement: Optional[dict[str, Any]] = None
+    cache_path: Optional[str] = None
+
+    def as_report(self) -> dict[str, Any]:
+        return {"requested": "auto", "chosen": self.method, "reason": self.reason, "source": self.source,
+                "measurement": self.measurement, "cache_path": self.cache_path}
+
+
+def _fwd_bwd(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, device: torch.device) -> float:
+    """Milliseconds of one forward + backward of ``batch`` (synchronised); gradients cleared after."""
+    from train.trainer import packed_inputs
+
+    ids, mask, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
+    extra = packed_inputs(batch, device)
+    with Timed(device) as t:
+        logits = model(ids, mask, policy.blocks_autocast, **extra)
+        F.cross_entropy(logits, labels).backward()
+    model.zero_grad(set_to_none=True)
+    return t.ms
+
+
+def measure_layouts(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
+                    bounds: list[int], device: torch.device, repeats: int = 2) -> dict[str, Any]:
+    """Expected training samples/s of optimal buckets (``bounds``) and of packed rows for this model and data.
+
+    Returns ``{"buckets": {...}, "packed": {...}, "ratio": packed ÷ buckets samples/s, "repeats": int}``; each
+    layout has ``samples_per_s``, ``token_efficiency`` (real ÷ processed tokens) and ``step_ms`` (per shape, median,
+    milliseconds). Raises ValueError on an empty training split.
+    """
+    b, lengths = cfg.batching, bundle.splits["train"].lengths
+    if len(lengths) == 0:
+        raise ValueError("no training samples to measure")
+    ids_of = bundle.splits["train"].ids
+    sampler = BucketBatchSampler(lengths, bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
+                                 round_batch_to=8 if b.round_to % 8 == 0 else 1)
+    collate = PadCollate(bundle.pad_id, bounds, "bound")
+    bucket_batches: list[tuple[dict, int]] = []  # (a full batch of the bucket, batches per epoch)
+    for k, size in enumerate(sampler.batch_sizes):
+        members = np.flatnonzero(sampler.bucket_of == k)
+        if len(members):
+            bucket_batches.append((collate([(ids_of[i], 0) for i in members[:size].tolist()]), math.ceil(len(members) / size)))
+    layout = pack_layout(cfg, lengths)
+    pack = PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs)
+    packed_batches = [pack.collate_items([(r, ids_of[i], 0) for r, i in batch]) for batch in itertools.islice(
+        PackedBatchSampler(lengths, layout.capacity, layout.rows, seed=cfg.train.seed, window=b.pack_window), repeats + 1)]
+
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    was_training = model.training
+    model.train()
+    try:
+        for batch, _ in bucket_batches:
+            _fwd_bwd(model, policy, batch, device)  # untimed: first call of each shape
+        _fwd_bwd(model, policy, packed_batches[0], device)
+        bucket_ms: list[list[float]] = [[] for _ in bucket_batches]
+        packed_ms: list[float] = []
+        for r in range(repeats):  # interleaved: a drifting machine moves both layouts alike
+            for i, (batch, _) in enumerate(bucket_batches):
+                bucket_ms[i].append(_fwd_bwd(model, policy, batch, device))
+            packed_ms.append(_fwd_bwd(model, policy, packed_batches[1 + r % (len(packed_batches) - 1)]
+                                      if len(packed_batches) > 1 else packed_batches[0], device))
+    finally:
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        model.train(was_training)
+    med = [statistics.median(v) for v in bucket_ms]
+    n = [count for _, count in bucket_batches]
+    samples = sum(c * bt["samples"] for c, (bt, _) in zip(n, bucket_batches))
+    real = sum(c * bt["real_tokens"] for c, (bt, _) in zip(n, bucket_batches))
+    padded = sum(c * bt["input_ids"].numel() for c, (bt, _) in zip(n, bucket_batches))
+    buckets_sps = samples / (sum(c * m for c, m in zip(n, med)) / 1e3)
+    used = packed_batches[1:] or packed_batches
+    p_samples = sum(bt["samples"] for bt in used) / len(used)
+    packed_sps = p_samples / (statistics.median(packed_ms) / 1e3)
+    return {"buckets": {"samples_per_s": buckets_sps, "token_efficiency": real / padded, "bounds": list(bounds),
+                        "step_ms": {f"{bt['input_ids'].shape[0]}x{bt['input_ids'].shape[1]}": m
+                                    for (bt, _), m in zip(bucket_batches, med)}},
+            "packed": {"samples_per_s": packed_sps, "token_efficiency": float(np.mean([bt["real_tokens"] / bt["input_ids"].numel()
+                                                                                       for bt in used])),
+                       "step_ms": {f"{layout.rows}x{layout.capacity}": statistics.median(packed_ms)}},
+            "ratio": packed_sps / buckets_sps, "repeats": repeats}
+
+
+def _fingerprint(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
+                 device: torch.device) -> dict[str, Any]:
+    b = cfg.batching
+    name, flags = cpuinfo()
+    dev = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+           f"{name or os.uname().machine} {hashlib.sha256(flags.encode()).hexdigest()[:16]}")
+    return {"device": dev, "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(),
+            "model": [type(model).__name__, sum(p.numel() for p in model.parameters()),
+                      str(getattr(model, "spec", ""))], "precision": policy.mode, "data": bundle.data_fingerprint,
+            "batching": [b.num_buckets, b.max_tokens, b.batch_size, b.round_to, b.pack_len, b.pack_rows, b.pack_window,
+                         cfg.data.max_len, cfg.train.seed]}
+
+
+def choose_batching(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
+                    device: torch.device, measure: Optional[Callable[..., dict[str, Any]]] = None) -> BatchingDecision:
+    """Resolve ``batching.method=auto`` for this run (see the module docstring). ``bundle`` holds the optimal
+    bucket plan (what ``auto`` plans before the model exists). ``measure``: :func:`measure_layouts` when None (tests
+    force its result)."""
+    if not getattr(model, "supports_packing", False):
+        return BatchingDecision("optimal", f"auto: the model {type(model).__name__} cannot run packed rows "
+                                           "(supports_packing is false): optimal buckets by rule", "rule")
+    fp = _fingerprint(model, policy, cfg, bundle, device)
+    key = hashlib.sha256(json.dumps([DECISION_FORMAT, fp], sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(cfg.data.cache_dir, "decisions", f"batching-{key}.json") if cfg.data.cache_dir else None
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                cached = json.load(fh)
+            if cached.get("fingerprint") == fp and cached.get("method") in ("packed", "optimal"):
+                return BatchingDecision(cached["method"], cached["reason"] + f" (cached {cached['decided_at']} in {path})",
+                                        "cached", cached["measurement"], path)
+        except (OSError, ValueError, KeyError):
+            pass  # an unreadable entry is measured again
+    load = machine_load()
+    m = (measure or measure_layouts)(model, policy, cfg, bundle, list(bundle.bounds), device)
+    method = "packed" if m["ratio"] >= PACKED_MARGIN else "optimal"
+    pk, bk = m["packed"], m["buckets"]
+    reason = (f"auto: packed rows trained {m['ratio']:.2f}x the samples/s of optimal buckets on this device and data "
+              f"(packed {pk['samples_per_s']:.0f} samples/s at token efficiency {pk['token_efficiency']:.3f}, "
+              f"{len(bk['bounds'])} buckets {bk['samples_per_s']:.0f} at {bk['token_efficiency']:.3f}; forward+backward, "
+              f"median of {m['repeats']} per shape, {policy.mode}): {method}")
+    decision = BatchingDecision(method, reason, "measured", m)
+    busy = load is not None and load > (os.cpu_count() or 1)
+    if busy:
+        decision.reason += f"; not cached: the machine was busy (load average {load:.1f} on {os.cpu_count()} cores)"
+    elif path:
+        record = {"method": method, "reason": reason, "measurement": m, "fingerprint": fp,
+                  "decided_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
+        try:
+            atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+            decision.cache_path = path
+        except OSError:
+            pass  # an unwritable cache costs a measurement next time
+    return decision
+
+
+def apply_batching(cfg: RunConfig, bundle: DataBundle, method: str) -> DataBundle:
+    """Set ``cfg.batching.method`` to the resolved ``method`` and return the bundle planned for it (the packed
+    layout's bounds and evaluation padding when ``packed``; the optimal plan already in ``bundle`` otherwise)."""
+    cfg.batching.method = method
+    if method != "packed":
+        return bundle
+    bounds, pad_to, plan, source = bucket_plan(cfg, bundle.splits["train"].lengths, bundle.data_fingerprint,
+                                               bundle.tokenizer_info["fingerprint"], None, False, lambda _m: None)
+    return replace(bundle, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source)
