@@ -67,3 +67,11 @@ def test_buckets_command_writes_plan_and_training_checks_it(wndb: Path, tmp_path
     proc = run_cli("train", *common[:-2], "data.vocab_size=150", f"batching.boundaries_file={out}",
                    f"train.output_dir={tmp_path / 'runs'}", "train.max_steps=1")
     assert_clean_error(proc, "fitted for another tokenizer", "--buckets-force")
+
+
+def test_overrides_after_flags_reach_the_config(tmp_path: Path) -> None:
+    """`a=1 --run-id x b=2`: the override after the flag is a config override (here a bad key, so it is named)."""
+    proc = run_cli("train", f"train.output_dir={tmp_path}", "--run-id", "r", "train.no_such_key=1")
+    assert_clean_error(proc, "train.no_such_key")
+    bad_flag = run_cli("train", f"train.output_dir={tmp_path}", "--no-such-flag")
+    assert bad_flag.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad_flag.stderr

@@ -1,11 +1,10 @@
 """The command line: one table, :data:`COMMANDS`, maps each ``python -m train <command>`` to its help line,
 its own flags and the function that runs it. Every command that takes a config gets ``--config FILE`` and
-``section.key=value`` overrides (and ``--run-id`` where it writes a run directory) the same way; the work
-itself lives in the command's module. ``python -m train --help`` lists every command. A flag that is a run
-setting (``bench --rounds 8``) only sets its config key (``bench.rounds=8``): defaults live in the config
-(train/config/bench.py), never in the parser.
-
-Bad input (a :class:`~train.errors.UserError`) prints one ``error:`` line and exits 2.
+``section.key=value`` overrides, before or after the flags (and ``--run-id`` where it writes a run directory)
+the same way; the work itself lives in the command's module. ``python -m train --help`` lists every command. A
+flag that is a run setting (``bench --rounds 8``) only sets its config key (``bench.rounds=8``): defaults live in
+the config (train/config/bench.py), never in the parser. Bad input (a :class:`~train.errors.UserError`) prints
+one ``error:`` line and exits 2.
 """
 
 from __future__ import annotations
@@ -383,13 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) -> int:
     t_start = time.perf_counter() if t_start is None else t_start
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)  # overrides may follow flags too: a=1 --run-id x b=2
+    if extra and (not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = list(getattr(args, "overrides", None) or []) + extra
     try:
         return COMMANDS[args.command].run(args, t_start)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except RunAborted as exc:  # e.g. the numerics guard; the diagnostic report is already in the run directory
+    except (UserError, RunAborted) as exc:  # RunAborted: e.g. the numerics guard (its report is already written)
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Interrupted as exc:  # a signal before the first step (train/shutdown.py)
