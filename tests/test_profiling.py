@@ -317,3 +317,16 @@ def test_pyspy_overhead_is_matched_by_batch_shape() -> None:
     assert fallback["overhead_ratio"] == pytest.approx(900 / 300 - 1)
     with pytest.raises(ValueError):
         shape_matched_overhead([], off)
+
+
+def test_torch_and_pyspy_together_report_both_overheads(tiny_cfg) -> None:
+    """`make profile`'s default: the torch.profiler window and py-spy in one run (the step times py-spy keeps are
+    (shape, ms) pairs; the torch.profiler's overhead is taken against py-spy's unsampled steps)."""
+    check = ptrace_preflight()
+    if not check.ok:
+        pytest.skip(check.message())
+    cfg = tiny_cfg("train.run_id=both", "profile.pyspy_steps=3", "profile.pyspy_rate=50")
+    report = run_profile(cfg, ["torch", "pyspy"], time.perf_counter(), [])
+    s = json.loads(Path(report["profile"]["summary_json"]).read_text())
+    assert s["pyspy"]["overhead_ratio"] is not None and s["pyspy"]["steps_matched"] > 0
+    assert isinstance(s["torch_profiler_overhead_ratio"], float)

@@ -110,7 +110,7 @@ class ProfileSession:
             summary = self._attribution(report)
         if self.pyspy is not None:
             summary["pyspy"] = self.pyspy.result()
-            unprofiled = self.pyspy.times["off"]
+            unprofiled = [ms for _shape, ms in self.pyspy.times["off"]]
             if self.window is not None and unprofiled and self.window.timer_ms:
                 summary["torch_profiler_overhead_ratio"] = float(np.median(self.window.timer_ms) / np.median(unprofiled) - 1)
         if self.sampler is not None:
