@@ -75,3 +75,12 @@ def test_overrides_after_flags_reach_the_config(tmp_path: Path) -> None:
     assert_clean_error(proc, "train.no_such_key")
     bad_flag = run_cli("train", f"train.output_dir={tmp_path}", "--no-such-flag")
     assert bad_flag.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad_flag.stderr
+
+
+def test_every_command_that_writes_a_run_directory_takes_overwrite() -> None:
+    from train.cli import COMMANDS, build_parser, flag_overrides
+
+    writers = [name for name, c in COMMANDS.items() if c.run_id]
+    assert {"train", "profile", "warmup", "bench"} <= set(writers)
+    for name in writers:
+        assert "train.overwrite=true" in flag_overrides(build_parser().parse_args([name, "--overwrite"])), name

@@ -237,7 +237,6 @@ def _args_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue runs/<id> from its newest checkpoint (or a given checkpoint file) with the run's own "
                         "config.yaml (--config is ignored; overrides still apply)")
-    _key_flag(p, "--overwrite", "train.overwrite", "replace the earlier run in the directory --run-id names", type=None)
 
 
 def _args_precision(p: argparse.ArgumentParser) -> None:
@@ -375,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="config overrides, e.g. train.max_steps=200 batching.method=pad-to-max")
         if c.run_id:
             p.add_argument("--run-id", default=None, help=f"run directory name (default: {c.run_id})")
+            _key_flag(p, "--overwrite", "train.overwrite", "replace the earlier run in the directory --run-id names", None)
         if c.add_args:
             c.add_args(p)
     return parser
