@@ -124,7 +124,7 @@ train: $(RT_DEPS_DATA) ## train with CONFIG (default configs/cpu-tiny.yaml; conf
 	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) $(LAUNCH_IN_IMAGE) train --config $(CONFIG) $(ARGS),$(LAUNCH) train --config $(CONFIG) $(ARGS))
 
 smoke: $(RT_DEPS_DATA) ## a <= 60 s CPU run on a subset; writes runs/smoke/report.json (NPROC=2: the same under DDP)
-	@$(if $(filter docker,$(RT)),echo "$(RT_LINE)",:)
+	@echo "$(RT_LINE)"
 	$(if $(filter docker,$(RT)),$(DOCKER_RUN) $(DOCKER_ARGS) $(IMG) $(LAUNCH_IN_IMAGE),$(LAUNCH)) train --config configs/smoke.yaml $(ARGS)
 
 smoke-2node: setup data ## the smoke run as two simulated nodes (two torchrun launches, loopback rendezvous) → runs/smoke-2node

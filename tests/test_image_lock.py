@@ -75,6 +75,14 @@ def test_default_lock_is_the_torch21_stack_with_numpy1():
         assert int(parse_lock(LOCKS[stack])["setuptools"][0].split(".")[0]) < 81, stack
 
 
+@pytest.mark.parametrize("stack", sorted(LOCKS))
+def test_lock_setuptools_builds_the_project_without_isolation(stack):
+    # The image installs the project with --no-build-isolation: the lock's setuptools must meet pyproject's
+    # build requirement (>= 77 reads `license = "MIT"`, PEP 639).
+    need = re.search(r'setuptools>=(\d+)', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert int(parse_lock(LOCKS[stack])["setuptools"][0].split(".")[0]) >= int(need), stack
+
+
 @pytest.mark.parametrize("stack,infile", [("torch21", "requirements-torch21.in"), ("torch2x", "requirements-torch2x.in"),
                                           ("cpu", "requirements-torch21.in")])
 def test_lock_covers_its_input_and_the_project_dependencies(stack, infile):

@@ -136,6 +136,7 @@ def test_build_passes_stack_versions_and_caller_ids():
 
 @pytest.mark.parametrize("target,expected", [
     ("train", ".venv/bin/python -m train train --config configs/cpu-tiny.yaml"),
+    ("smoke", ".venv/bin/python -m train train --config configs/smoke.yaml"),
     ("warmup", ".venv/bin/python -m train warmup --config configs/cpu-tiny.yaml"),
     ("profile", ".venv/bin/python -m train profile --config"),
     ("profile-pyspy", ".venv/bin/python -m train profile --tools pyspy"),

@@ -235,7 +235,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, {f(p['throughput_tokens_per_s'], '.0f')} tokens/s; "
         f"step p50 {f(p['step_time_ms']['p50'], '.1f')} ms, p99 {f(p['step_time_ms']['p99'], '.1f')} ms; "
         f"first step after {f(p['time_to_first_step_s'], '.1f')} s; peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
-        f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence lengths; "
+        f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence "
+        f"length{'' if b['distinct_shapes'] == 1 else 's'}; "
         f"wall time {p['wall_time_s']:.0f} s",
         *_compile_line(report.get("compile")),
         f"report: {os.path.join(report['run_dir'], 'report.json')}",

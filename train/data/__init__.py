@@ -77,8 +77,9 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         plan.save(run_dir / "buckets.json")
         source = str(run_dir / "buckets.json")
     where = f"saved to {source}" if run_dir is not None else "not saved"
+    pending = " (batching.method=auto: the plan if the measurement picks buckets over packing)" if b.method == "auto" else ""
     notice(f"no batching.boundaries_file: fitted {method} buckets {plan.bounds} on the fly "
-           f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); {where}")
+           f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); {where}{pending}")
     return plan.bounds, b.pad_to, plan, source
 
 
