@@ -1,15 +1,19 @@
 """The performance regression gate: ``python -m train bench-gate`` (``make bench-gate``) and ``bench-baseline``.
 
-A short ``make bench`` run of a few rows (``bench_gate.configs``, default naive / hf-style / optimized), compared with a
-committed baseline (``bench/baseline-cpu.json``; ``bench/baseline-gpu.json`` on CUDA):
+A short ``make bench`` run of a few rows (``bench_gate.configs``, default naive / hf-style / optimized / optimized-packed),
+compared with a committed baseline (``bench/baseline-cpu.json``; ``bench/baseline-gpu.json`` on CUDA):
 
 * **exact figures** — per row token efficiency, distinct shapes, samples per step and per epoch — depend only on the
   data, the tokenizer and the seeded samplers, so they must match (relative tolerance 1e-6);
-* **timing** is compared only as **in-run ratios** (optimized/naive, optimized/hf-style, hf-style/naive), never as
-  absolute times on a shared CPU: a ratio may fall at most its band below the baseline's, each ratio's band the
-  larger of ``bench_gate.band_floor`` and twice the largest relative deviation of that ratio ``bench-baseline``
-  measured over ``bench_gate.repeats`` runs; a GPU baseline (``absolute_allowed``) also gates samples/s on the
-  same device (band: the floor);
+* **timing** is compared only as **in-run ratios** (optimized/naive, optimized/hf-style, hf-style/naive,
+  optimized-packed/optimized), never as absolute times on a shared CPU, and only against ratios **measured on the same
+  kind of machine** (:func:`machine_key`: CPU model, performance flags, cores and threads, or the GPU's name): the
+  same code gives other ratios on another CPU (2026-12-02: hf-style/naive 4.9 on an AMD EPYC, 8.0 on an Intel Xeon
+  with AMX). The baseline file holds one timing entry per machine; on a machine without one the ratios are shown, not
+  gated, and ``bench-baseline`` adds it. A ratio may fall at most its band below the baseline's, each ratio's band
+  the larger of ``bench_gate.band_floor`` and twice the largest relative deviation of that ratio ``bench-baseline``
+  measured over ``bench_gate.repeats`` runs (at most 0.9); a GPU entry (``absolute_allowed``) also gates samples/s
+  (band: the floor);
 * every row's precision is pinned (``bench_gate.precision``, fp32 on a CPU), so the ratios mean the same on an
   AVX2-only and an AVX512-BF16 CPU.
 
@@ -37,7 +41,7 @@ from train.errors import UserError, atomic_write_text
 from train.setup import start_run
 from train.tools.env import collect_env, machine_facts, resolve_device
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 EXACT_KEYS = ("token_efficiency", "distinct_shapes", "samples_per_step_mean", "samples_per_epoch")
 RATIOS = (("optimized", "naive"), ("optimized", "hf-style"), ("hf-style", "naive"), ("optimized-packed", "optimized"))
 EXACT_RTOL = 1e-6
@@ -46,6 +50,15 @@ EXACT_RTOL = 1e-6
 def default_baseline(device: torch.device) -> Path:
     """``bench/baseline-gpu.json`` on CUDA, else ``bench/baseline-cpu.json`` (relative to the working directory)."""
     return Path("bench") / ("baseline-gpu.json" if device.type == "cuda" else "baseline-cpu.json")
+
+
+def machine_key(device: torch.device) -> str:
+    """Which timing entry of a baseline applies here: ``cuda:<GPU name>``, or ``cpu:<model>|<performance flags>|<logical
+    cores>c|<torch threads>t`` (e.g. ``cpu:AMD EPYC|avx2,fma,avx512f|2c|2t``)."""
+    facts = machine_facts(device)
+    if device.type == "cuda":
+        return f"cuda:{facts['gpu']}"
+    return f"cpu:{facts['cpu_model']}|{','.join(facts['cpu_flags'])}|{facts['logical_cores']}c|{facts['torch_threads']}t"
 
 
 def figures(rows: list[dict[str, Any]], data_fingerprint: str) -> dict[str, Any]:
@@ -82,8 +95,11 @@ class Check:
     note: str = ""
 
 
-def compare(baseline: dict[str, Any], now: dict[str, Any], device_name: Optional[str] = None) -> list[Check]:
-    """Every check of ``now`` (:func:`figures`) against ``baseline`` (a baseline file's dict). Pure: no I/O."""
+def compare(baseline: dict[str, Any], now: dict[str, Any], machine: str = "", device_name: Optional[str] = None
+            ) -> list[Check]:
+    """Every check of ``now`` (:func:`figures`) against ``baseline`` (a baseline file's dict): context and exact figures
+    always; ratios (and absolute figures where allowed) against the timing entry of ``machine`` (:func:`machine_key`),
+    shown but not gated when the baseline has none. Pure: no I/O."""
     checks = [Check("data fingerprint", "context", baseline["data_fingerprint"], now["data_fingerprint"], "equal",
                     baseline["data_fingerprint"] == now["data_fingerprint"], "other data: make bench-baseline"),
               Check("precision per row", "context", baseline["precision"], now["precision"], "equal",
@@ -93,16 +109,20 @@ def compare(baseline: dict[str, Any], now: dict[str, Any], device_name: Optional
         same = value is not None and (value == base if isinstance(base, int) else
                                       math.isclose(value, base, rel_tol=EXACT_RTOL, abs_tol=1e-12))
         checks.append(Check(key, "exact", base, value, "equal" if isinstance(base, int) else f"±{EXACT_RTOL:g} rel", same))
-    bands = baseline["ratio_band"]
-    band = min(bands.values(), default=0.15) if isinstance(bands, dict) else bands
-    for key, base in baseline["ratios"].items():
-        band_k = bands.get(key, band) if isinstance(bands, dict) else bands
+    entry = baseline["machines"].get(machine)
+    if entry is None:
+        note = f"not gated: no timing baseline for this machine ({machine}); make bench-baseline adds one"
+        return checks + [Check(key, "ratio", None, value, "not gated", True, note) for key, value in now["ratios"].items()]
+    bands = entry["ratio_band"]
+    for key, base in entry["ratios"].items():
+        band_k = bands[key]
         value = now["ratios"].get(key)
         ok = value is not None and value >= base * (1 - band_k)
         note = "faster than the baseline: make bench-baseline raises the bar" if ok and value > base * (1 + band_k) else ""
         checks.append(Check(key, "ratio", base, value, f"≥ {base * (1 - band_k):.3f} (−{band_k:.0%})", ok, note))
-    if baseline.get("absolute_allowed") and device_name == baseline.get("device"):
-        for key, base in baseline["absolute"].items():
+    if entry.get("absolute_allowed") and device_name == entry.get("device"):
+        band = min(bands.values())
+        for key, base in entry["absolute"].items():
             value = now["absolute"].get(key)
             ok = value is not None and value >= base * (1 - band)
             checks.append(Check(key, "absolute", base, value, f"≥ {base * (1 - band):.1f} (−{band:.0%})", ok))
@@ -160,12 +180,19 @@ def run_gate(cfg: RunConfig, notice: Callable[[str], None] = print) -> tuple[boo
     start, bundle = _setup(cfg, "bench-gate-")
     t0 = time.perf_counter()
     now = measure(cfg, start.device, bundle, lambda *a, **k: None)
-    checks = compare(baseline, now, collect_env(start.device)["device"])
+    machine = machine_key(start.device)
+    checks = compare(baseline, now, machine, collect_env(start.device)["device"])
     passed = all(c.ok for c in checks)
-    result = {"passed": passed, "baseline": str(path), "seconds": time.perf_counter() - t0,
+    gated = machine in baseline["machines"]
+    result = {"passed": passed, "baseline": str(path), "machine": machine, "timing_gated": gated,
+              "seconds": time.perf_counter() - t0,
               "checks": [c.__dict__ for c in checks], "now": {k: v for k, v in now.items() if k != "rows"},
               "rows": now["rows"], "env": {**collect_env(start.device), **machine_facts(start.device)}}
-    md = f"# Regression gate vs {path}\n\n{table(checks)}\n" + ("PASSED\n" if passed else "REGRESSION\n")
+    timing = (f"timing ratios gated against this machine's entry ({machine})" if gated else
+              f"TIMING NOT GATED: no timing baseline for this machine ({machine}) among "
+              f"{len(baseline['machines'])} in {path}; exact figures gated; `make bench-baseline` adds this machine")
+    md = (f"# Regression gate vs {path}\n\n{timing}\n\n{table(checks)}\n" +
+          ("PASSED\n" if passed else "REGRESSION\n"))
     atomic_write_text(start.run_dir / "bench-gate.md", md)
     atomic_write_text(start.run_dir / "bench-gate.json", json.dumps(result, indent=2) + "\n")
     notice(md + f"wrote {start.run_dir}/bench-gate.json and .md")
@@ -195,34 +222,51 @@ def write_baseline(cfg: RunConfig, notice: Callable[[str], None] = print) -> dic
     spread = {k: max(abs(r["ratios"][k] / ratios[k] - 1) for r in runs) for k in ratios}
     band = {k: min(0.9, max(g.band_floor, math.ceil(200 * v) / 100)) for k, v in spread.items()}
     env = {**collect_env(start.device), **machine_facts(start.device)}
-    new = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
-           "device": env["device"], "absolute_allowed": start.device.type == "cuda", "ratio_band": band,
-           "data_fingerprint": runs[0]["data_fingerprint"], "precision": runs[0]["precision"], "exact": runs[0]["exact"],
-           "ratios": ratios, "absolute": {k: statistics.median(r["absolute"][k] for r in runs) for k in runs[0]["absolute"]},
-           "measured": {"repeats": g.repeats, "ratios_each_run": {k: [r["ratios"][k] for r in runs] for k in ratios},
-                        "ratio_spread": spread, "band_rule": f"per ratio: min(0.9, max({g.band_floor}, 2 x its spread))"},
-           "env": env, "settings": {"bench": cfg.to_dict()["bench"], "bench_gate": cfg.to_dict()["bench_gate"],
-                                    "data_max_samples": cfg.data.max_samples, "model": cfg.model.preset}}
-    old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    created = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
+    entry = {"created": created, "device": env["device"], "absolute_allowed": start.device.type == "cuda",
+             "ratio_band": band, "ratios": ratios,
+             "absolute": {k: statistics.median(r["absolute"][k] for r in runs) for k in runs[0]["absolute"]},
+             "measured": {"repeats": g.repeats, "ratios_each_run": {k: [r["ratios"][k] for r in runs] for k in ratios},
+                          "ratio_spread": spread, "band_rule": f"per ratio: min(0.9, max({g.band_floor}, 2 x its spread))"},
+             "env": env}
+    common = {"data_fingerprint": runs[0]["data_fingerprint"], "precision": runs[0]["precision"], "exact": runs[0]["exact"]}
+    old = load_baseline(path) if path.is_file() else None
+    machines = {}
+    if old is not None:
+        if all(old.get(k) == v for k, v in common.items()):
+            machines = dict(old["machines"])
+        elif old["machines"]:
+            notice(f"exact figures, data or precision changed: the timing entries of {sorted(old['machines'])} were "
+                   "measured on other figures and are dropped; run make bench-baseline on those machines again")
+    machine = machine_key(start.device)
+    machines[machine] = entry
+    new = {"schema_version": SCHEMA_VERSION, "created": created, **common, "machines": machines,
+           "settings": {"bench": cfg.to_dict()["bench"], "bench_gate": cfg.to_dict()["bench_gate"],
+                        "data_max_samples": cfg.data.max_samples, "model": cfg.model.preset}}
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(new, indent=2) + "\n")
-    notice(f"wrote {path}; per ratio, spread over {g.repeats} runs → band: " +
+    notice(f"wrote {path} (machine {machine}); per ratio, spread over {g.repeats} runs → band: " +
            ", ".join(f"{k} {spread[k]:.1%} → {band[k]:.0%}" for k in band))
-    for line in changes(old, new):
+    for line in changes(old, new, machine):
         notice(line)
     return new
 
 
-def changes(old: Optional[dict[str, Any]], new: dict[str, Any]) -> list[str]:
-    """What a rewritten baseline changes: one line per figure that differs (all of them for a first baseline)."""
+def changes(old: Optional[dict[str, Any]], new: dict[str, Any], machine: str) -> list[str]:
+    """What a rewritten baseline changes: one line per figure that differs (all of them for a first baseline), the
+    ratios and bands of ``machine``'s entry."""
     if old is None:
         return ["no previous baseline: every figure is new"]
     lines = []
-    for section in ("exact", "ratios"):
-        for key in sorted(set(old.get(section, {})) | set(new[section])):
-            a, b = old.get(section, {}).get(key), new[section].get(key)
+    before, after = old["machines"].get(machine, {}), new["machines"][machine]
+    if not before:
+        lines.append(f"  a new machine entry: {machine}")
+    for section, a_sec, b_sec in (("exact", old["exact"], new["exact"]),
+                                  ("ratios", before.get("ratios", {}), after["ratios"])):
+        for key in sorted(set(a_sec) | set(b_sec)):
+            a, b = a_sec.get(key), b_sec.get(key)
             if a != b and not (isinstance(a, float) and isinstance(b, float) and math.isclose(a, b, rel_tol=1e-3)):
                 lines.append(f"  {section} {key}: {_show(a)} → {_show(b)}")
-    if old.get("ratio_band") != new["ratio_band"]:
-        lines.append(f"  ratio_band: {_show(old.get('ratio_band'))} → {_show(new['ratio_band'])}")
+    if before and before.get("ratio_band") != after["ratio_band"]:
+        lines.append(f"  ratio_band: {_show(before.get('ratio_band'))} → {_show(after['ratio_band'])}")
     return lines or ["  no figure changed (ratios within 0.1%)"]
