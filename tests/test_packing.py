@@ -142,3 +142,118 @@ def test_pack_len_above_the_position_table_is_one_clear_error() -> None:
 
     with pytest.raises(UserError, match="batching.pack_len=256 exceeds data.max_len=128 \\(the position table\\)"):
         load_config(None, ["batching.method=packed", "batching.pack_len=256"])
+
+
+# -- packed attention paths (model.packed_attention: sdpa-mask | flex | auto; train/data/attention.py) ---------
+
+from train import compat  # noqa: E402
+from train.data import attention as attn  # noqa: E402
+
+
+def _flex_or_skip(backward: bool):
+    fns, why = compat.flex_attention_functions("cpu", backward=backward)
+    if fns is None:
+        pytest.skip(f"flex unavailable: {why}")
+    return fns
+
+
+def _packed_case(path: str, backward: bool):
+    torch.manual_seed(0)
+    spec = resolve_spec("tiny", 50, 4, 16, 0.0, "mean", num_layers=2, hidden_size=32, num_heads=2, ffn_size=64)
+    model = EncoderClassifier(spec).eval()
+    if path == "flex":
+        model.set_packed_attention("flex", _flex_or_skip(backward))
+    rng = np.random.default_rng(2)
+    lengths = [5, 9, 3, 12, 7, 4, 16, 2]
+    samples = [(np.concatenate([[2], rng.integers(5, 50, n - 2), [3]]).astype(np.int32), k % 4) for k, n in enumerate(lengths)]
+    rows = pack_rows(lengths, 16)
+    batch = PackCollate(0, 16, rows_per_batch=len(rows) + 1)([[samples[i] for i in r] for r in rows])  # + a padding row
+    return model, samples, [i for r in rows for i in r], batch
+
+
+@pytest.mark.parametrize("path", ["sdpa-mask", "flex"])
+def test_packed_logits_equal_unpacked_on_both_attention_paths(path: str) -> None:
+    model, samples, order, batch = _packed_case(path, backward=False)
+    with torch.no_grad():
+        packed = packed_forward(model, batch["input_ids"], batch["position_ids"], batch["seq_index"], len(order))
+        assert torch.isfinite(packed).all()
+        for j, i in enumerate(order):
+            alone = model(torch.from_numpy(samples[i][0].astype(np.int64))[None], torch.ones(1, len(samples[i][0]), dtype=torch.bool))
+            torch.testing.assert_close(packed[j], alone[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["sdpa-mask", "flex"])
+def test_packed_gradients_equal_unpacked_on_both_attention_paths(path: str) -> None:
+    model, samples, order, batch = _packed_case(path, backward=True)
+    labels = torch.tensor([samples[i][1] for i in order])
+    packed = packed_forward(model, batch["input_ids"], batch["position_ids"], batch["seq_index"], len(order))
+    torch.nn.functional.cross_entropy(packed, labels, reduction="sum").backward()
+    g_packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model.set_packed_attention("sdpa-mask")
+    total = sum(torch.nn.functional.cross_entropy(model(torch.from_numpy(samples[i][0].astype(np.int64))[None],
+                                                        torch.ones(1, len(samples[i][0]), dtype=torch.bool)),
+                                                  labels[j : j + 1], reduction="sum") for j, i in enumerate(order))
+    total.backward()
+    for n, p in model.named_parameters():
+        if n != "pos_emb.weight":  # unpacked rows are shorter: the same rows of the table get gradient
+            torch.testing.assert_close(g_packed[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
+    torch.testing.assert_close(g_packed["pos_emb.weight"], model.pos_emb.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_flex_requested_where_unavailable_is_one_line_error(monkeypatch, tiny_cfg) -> None:
+    from train.errors import UserError
+
+    monkeypatch.setattr(attn, "flex_attention_functions",
+                        lambda device_type, backward=True: (None, "torch 2.1.0 has no FlexAttention (needs ≥ 2.5)"))
+    cfg = tiny_cfg("batching.method=packed", "model.packed_attention=flex")
+    with pytest.raises(UserError) as info:
+        attn.choose_packed_attention(None, None, cfg, None, torch.device("cpu"), compiled=False)
+    msg = str(info.value)
+    assert "\n" not in msg and "model.packed_attention=flex" in msg and "torch 2.1.0 has no FlexAttention" in msg
+    assert "model.packed_attention=sdpa-mask" in msg and torch.__version__ in msg
+    cfg = tiny_cfg("batching.method=packed", "model.packed_attention=auto", "model.dropout=0")
+    choice = attn.choose_packed_attention(None, None, cfg, None, torch.device("cpu"), compiled=False)
+    assert (choice.path, choice.source) == ("sdpa-mask", "rule") and "needs ≥ 2.5" in choice.reason
+
+
+@pytest.mark.parametrize("speedup, expected", [(1.3, "flex"), (1.0, "flex"), (0.8, "sdpa-mask")])
+def test_auto_picks_flex_only_when_it_measures_at_least_as_fast(monkeypatch, tiny_cfg, tmp_path, speedup, expected) -> None:
+    from types import SimpleNamespace
+
+    from train.data import prepare_data
+
+    monkeypatch.setattr(attn, "flex_attention_functions", lambda device_type, backward=True: ((object(), object()), ""))
+    monkeypatch.setattr(attn, "machine_load", lambda: 0.0)
+    cfg = tiny_cfg("batching.method=packed", "model.dropout=0", f"data.cache_dir={tmp_path}")
+    bundle = prepare_data(cfg, notice=lambda _m: None)
+    spec = resolve_spec("tiny", bundle.vocab_size, bundle.num_classes, cfg.data.max_len, 0.0, num_layers=1,
+                        hidden_size=32, num_heads=2, ffn_size=64)
+    model, policy = EncoderClassifier(spec), SimpleNamespace(mode="fp32")
+    calls = []
+
+    def forced(model, policy, batch, device, flex):
+        calls.append(batch["input_ids"].shape)
+        return {"sdpa-mask": 10.0 * speedup, "flex": 10.0, "speedup": speedup, "repeats": 3, "shape": "x".join(map(str, batch["input_ids"].shape))}
+
+    choice = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False, measure=forced)
+    assert (choice.path, choice.source) == (expected, "measured") and f"{speedup:.2f}x" in choice.reason
+    assert choice.reason.endswith(f": {expected}") and choice.cache_path and len(calls) == 1
+    again = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False, measure=forced)
+    assert (again.path, again.source, len(calls)) == (expected, "cached", 1)
+    # dropout > 0: flex would drop attention dropout, so auto keeps sdpa-mask by rule, unmeasured
+    ruled = attn.choose_packed_attention(model, policy, tiny_cfg("batching.method=packed", "model.dropout=0.1"), bundle,
+                                         torch.device("cpu"), False, measure=forced)
+    assert (ruled.path, ruled.source, len(calls)) == ("sdpa-mask", "rule", 1)
+
+
+def test_report_records_the_attention_path_that_ran(tiny_cfg) -> None:
+    import time
+
+    from train.run import run_training
+
+    report = run_training(tiny_cfg("train.run_id=att", "batching.method=packed", "model.packed_attention=sdpa-mask",
+                                   "train.max_steps=3"), time.perf_counter())
+    b = report["batching"]
+    assert b["attention_path"] == "sdpa-mask" and b["attention_reason"].startswith("requested")
+    assert b["attention"]["requested"] == "sdpa-mask" and "block-diagonal" in b["attention"]["detail"]

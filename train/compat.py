@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -228,3 +230,42 @@ def _call_bound(obj: Any, func: Callable) -> Callable:
 
     call.__name__ = call.__qualname__ = getattr(func, "__name__", "call")
     return call
+
+
+# --- FlexAttention (packed rows with model.packed_attention=flex; train/data/attention.py) ---------------------------
+# torch 2.1 has no torch.nn.attention.flex_attention (added in 2.5). torch 2.13 has it on CPU for the forward only:
+# ``flex_attention`` raises NotImplementedError("FlexAttention does not support backward on CPU") for inputs that
+# require grad, eager or under torch.compile alike; eager (no compile) it runs an unfused path that materialises
+# the scores and warns. Whether it runs is probed once per (device type, backward) with a tiny call.
+
+FLEX_MIN_VERSION = (2, 5)
+
+
+def flex_attention_functions(device_type: str = "cpu", backward: bool = True) -> tuple[Optional[tuple[Callable, Callable]], str]:
+    """``((flex_attention, create_block_mask), "")`` where FlexAttention runs on ``device_type`` (its backward too when
+    ``backward``), else ``(None, why)`` in one clause, e.g. "torch 2.1.0 has no FlexAttention (needs ≥ 2.5)"."""
+    return _flex_probe(device_type, backward)
+
+
+@functools.cache
+def _flex_probe(device_type: str, backward: bool) -> tuple[Optional[tuple[Callable, Callable]], str]:
+    version = torch.__version__.split("+")[0]
+    if torch_version() < FLEX_MIN_VERSION:
+        return None, f"torch {version} has no FlexAttention (needs ≥ {'.'.join(map(str, FLEX_MIN_VERSION))})"
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception as exc:  # pragma: no cover - a stripped build
+        return None, f"torch {version}: torch.nn.attention.flex_attention is not importable ({exc.__class__.__name__})"
+    try:
+        q = torch.zeros(1, 1, 16, 16, device=device_type, requires_grad=backward)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager (unfused) path's warning
+            out = flex_attention(q, q, q)
+            if backward:
+                out.sum().backward()
+    except NotImplementedError as exc:
+        what = "backward" if backward and "backward" in str(exc) else "support"
+        return None, f"torch {version} has no FlexAttention {what} on {device_type}"
+    except Exception as exc:
+        return None, f"torch {version}: FlexAttention failed on {device_type} ({exc.__class__.__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
+    return (flex_attention, create_block_mask), ""

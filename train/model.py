@@ -14,10 +14,11 @@ and only the encoder blocks under autocast: ``blocks_context`` is entered around
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -66,12 +67,16 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(hidden, hidden)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, H]; attn_mask: bool [B, 1, 1, S], True = attend. Returns [B, S, H]."""
+    def forward(self, x: torch.Tensor, attn_mask: Union[torch.Tensor, Callable[..., torch.Tensor]]) -> torch.Tensor:
+        """x: [B, S, H]; attn_mask: bool [B, 1, 1, S] or [B, 1, S, S], True = attend, or (packed rows with
+        ``packed_attention=flex``) a FlexAttention call ``attend(q, k, v)`` holding its block mask. Returns [B, S, H]."""
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)  # 3×[B, nh, S, hs]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if isinstance(attn_mask, torch.Tensor):
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:  # FlexAttention has no attention-probability dropout
+            y = attn_mask(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -146,6 +151,35 @@ class EncoderClassifier(nn.Module):
 
     supports_packing = True
     """Packed rows (``position_ids`` + ``seq_index``) run exactly: see :meth:`forward`."""
+    packed_attention = "sdpa-mask"
+    """Packed rows' attention path: ``sdpa-mask`` (``scaled_dot_product_attention`` with a block-diagonal bool mask,
+    every torch) or ``flex`` (FlexAttention with a document block mask, torch ≥ 2.5); see :meth:`set_packed_attention`."""
+    _flex: Optional[tuple[Callable, Callable]] = None
+
+    def set_packed_attention(self, path: str, flex: Optional[tuple[Callable, Callable]] = None) -> None:
+        """Run packed rows through ``path`` (``sdpa-mask`` | ``flex``); ``flex`` takes ``(flex_attention,
+        create_block_mask)`` from :func:`train.compat.flex_attention_functions` (``flex_attention`` possibly compiled)."""
+        if path not in ("sdpa-mask", "flex"):
+            raise ValueError(f"unknown packed attention path {path!r}")
+        if path == "flex" and flex is None:
+            raise ValueError("packed attention flex needs (flex_attention, create_block_mask)")
+        self.packed_attention, self._flex = path, (flex if path == "flex" else None)
+
+    def packed_mask(self, seq_index: torch.Tensor) -> Union[torch.Tensor, Callable[..., torch.Tensor]]:
+        """What the layers attend through for packed rows ``seq_index`` [R, C]: the block-diagonal bool mask
+        [R, 1, C, C] (``sdpa-mask``), or a FlexAttention call with the same predicate as a document block mask
+        (``flex``). Padding (−1) attends to padding in both, as its own document: no query row is fully masked
+        (no NaN forward or backward), and real tokens never see padding."""
+        if self.packed_attention != "flex" or self._flex is None:
+            return (seq_index[:, :, None] == seq_index[:, None, :])[:, None]
+        flex_attention, create_block_mask = self._flex
+
+        def same_sample(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return seq_index[b, q] == seq_index[b, kv]
+
+        rows, c = seq_index.shape
+        block_mask = create_block_mask(same_sample, rows, None, c, c, device=seq_index.device)
+        return functools.partial(flex_attention, block_mask=block_mask)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 blocks_context: Callable[[], ContextManager] = contextlib.nullcontext,
@@ -153,9 +187,9 @@ class EncoderClassifier(nn.Module):
                 num_seqs: Optional[int] = None) -> torch.Tensor:
         """Logits FloatTensor[B, num_classes]; or, for packed rows (``position_ids``, ``seq_index`` LongTensor[R, C],
         ``num_seqs`` int), logits FloatTensor[num_seqs, num_classes], one row per packed sample, equal to its
-        unpacked logits: positions restart at each sample, attention is block-diagonal (a bool mask
-        [R, 1, C, C] where ``seq_index`` is equal; padding attends to padding, so no query row is fully masked:
-        ``scaled_dot_product_attention`` works on torch 2.1), pooling runs per sample (Krell et al. 2021,
+        unpacked logits: positions restart at each sample, attention is block-diagonal (:meth:`packed_mask`: a bool
+        mask [R, 1, C, C] where ``seq_index`` is equal, or FlexAttention's block mask; padding attends to padding, so no
+        query row is fully masked: ``scaled_dot_product_attention`` works on torch 2.1), pooling runs per sample (Krell et al. 2021,
         arXiv:2107.02027)."""
         if position_ids is None:
             x = self.embed(input_ids)
@@ -165,7 +199,7 @@ class EncoderClassifier(nn.Module):
         if seq_index is None or num_seqs is None:
             raise ValueError("packed rows need position_ids, seq_index and num_seqs")
         x = self.emb_drop(self.emb_norm(self.tok_emb(input_ids) + self.pos_emb(position_ids)))  # [R, C, H]
-        block_mask = (seq_index[:, :, None] == seq_index[:, None, :])[:, None]  # [R, 1, C, C]
+        block_mask = self.packed_mask(seq_index)
         with blocks_context():
             for layer in self.layers:
                 x = layer(x, block_mask)

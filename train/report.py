@@ -61,6 +61,8 @@ class ReportInputs:
     interrupted: Optional[dict] = None
     batching_auto: Optional[dict] = None
     """``batching.method=auto``'s decision (train/data/batching_auto.py), reported as ``batching.auto``."""
+    packed_attention: Optional[dict] = None
+    """Packed rows' attention decision (``AttentionChoice.as_report()``, train/data/attention.py)."""
 
 
 def sampler_counts(loader) -> dict[str, int]:
@@ -140,7 +142,7 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
             "dropped_samples": sampler_counts["dropped"],
             "repeated_samples": sampler_counts["repeated"],
             "truncated_in_collate": stats.truncated_in_collate,
-            **_packing_fields(cfg, bundle, stats),
+            **_packing_fields(cfg, bundle, stats, r.packed_attention),
             **({"auto": r.batching_auto} if r.batching_auto else {}),
         },
         "perf": perf,
@@ -164,15 +166,19 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
 
 
 
-def _packing_fields(cfg: RunConfig, bundle: DataBundle, stats: TrainStats) -> dict[str, Any]:
-    """batching.* for ``batching.method=packed``: rows per step, samples per row, pack efficiency, attention path."""
+def _packing_fields(cfg: RunConfig, bundle: DataBundle, stats: TrainStats,
+                    attention: Optional[dict] = None) -> dict[str, Any]:
+    """batching.* for ``batching.method=packed``: rows per step, samples per row, pack efficiency, and the attention
+    path that ran (``attention``: the run's decision, train/data/attention.py; None: the model's default, sdpa-mask)."""
     if cfg.batching.method != "packed":
         return {}
     layout = pack_layout(cfg, bundle.splits["train"].lengths)
     rows = stats.padded_tokens / layout.capacity if layout.capacity else 0
     return {"pack_len": layout.capacity, "rows_per_step": layout.rows, "label_slots_per_step": layout.max_seqs,
             "samples_per_row": _ratio(stats.samples, rows), "pack_efficiency": _ratio(stats.real_tokens, stats.padded_tokens),
-            "attention_path": "scaled_dot_product_attention with a block-diagonal bool mask [R, 1, C, C]"}
+            "attention_path": attention["path"] if attention else "sdpa-mask",
+            "attention_reason": attention["reason"] if attention else "the model's default (no decision was made)",
+            "attention": attention}
 
 
 def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: float, energy: dict,

@@ -106,6 +106,12 @@ class ModelConfig:
     """Dropout probability on embeddings, attention output and FFN output."""
     pooling: str = allowed("mean", choices=("mean", "cls"))
     """``mean`` (average of real tokens) or ``cls`` (the first token)."""
+    packed_attention: str = allowed("auto", choices=("auto", "sdpa-mask", "flex"))
+    """Attention of packed rows (``batching.method=packed``): ``sdpa-mask`` (``scaled_dot_product_attention`` with a
+    block-diagonal bool mask, every torch), ``flex`` (FlexAttention with a document block mask: torch ≥ 2.5 with a
+    backward on the device, i.e. not CPU in torch 2.13; no attention-probability dropout), or ``auto``: ``flex``
+    only where it runs, ``model.dropout`` is 0 and it measures ≥ 1.0× as fast on the run's packed shape (measured
+    once, cached; train/data/attention.py), else ``sdpa-mask`` with the reason."""
     source: str = "builtin"
     """``builtin`` (the encoder above), ``hf:<dir>`` (a local Hugging Face model directory, never downloaded),
     ``hf:<model_type>`` (e.g. ``hf:bert``: random init sized by ``preset``) or ``python:package.module:function``

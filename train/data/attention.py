@@ -1,0 +1,196 @@
+"""``model.packed_attention``: which attention runs packed rows (``batching.method=packed``), decided and said.
+
+Two paths, both exact (a packed sample's logits equal its unpacked logits; tests/test_packing.py):
+
+* ``sdpa-mask``: ``scaled_dot_product_attention`` with a block-diagonal bool mask [R, 1, C, C] (every torch; the
+  only one on torch 2.1);
+* ``flex``: FlexAttention (``torch.nn.attention.flex_attention``, torch ≥ 2.5) with a document ``BlockMask`` built
+  per batch by ``create_block_mask`` (same predicate: same ``seq_index``). It has no attention-probability dropout.
+  Where the run's compile is on, ``flex_attention`` is wrapped in ``torch.compile`` (fused kernel; the whole-model
+  compile inlines it); off, it runs eager (unfused: it materialises the scores, and torch warns once).
+
+Availability comes from :func:`train.compat.flex_attention_functions` (training needs its backward: torch 2.13 has
+none on CPU). ``flex`` requested where it cannot run is a one-line :class:`~train.errors.UserError`. ``auto`` is
+``sdpa-mask`` by rule where flex cannot run or ``model.dropout`` > 0 (flex would drop attention dropout and so change
+the model's training); otherwise it times forward + backward of the model on one packed batch of the run's own
+shape with each path (one untimed call each, then ``repeats`` interleaved, median) and picks ``flex`` when it is
+≥ :data:`FLEX_MARGIN` × as fast. The RNG state is restored afterwards. Measured decisions are cached under
+``data.cache_dir/decisions/`` like ``batching.method=auto`` (train/data/batching_auto.py); a busy machine measures
+but does not cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from train.compat import flex_attention_functions
+from train.config import RunConfig
+from train.data import DataBundle, pack_layout
+from train.data.packing import PackCollate, pack_rows
+from train.errors import UserError, atomic_write_text
+from train.precision import PrecisionPolicy
+from train.tools.env import cpuinfo, machine_load
+
+FLEX_MARGIN = 1.0
+"""``auto`` picks ``flex`` when the ``sdpa-mask`` step takes ≥ this × the ``flex`` step (ties go to flex)."""
+DECISION_FORMAT = 1
+PATH_DETAIL = {"sdpa-mask": "scaled_dot_product_attention with a block-diagonal bool mask [R, 1, C, C]",
+               "flex": "FlexAttention (torch.nn.attention.flex_attention) with a document BlockMask"}
+
+
+@dataclass
+class AttentionChoice:
+    """The packed-rows attention ``path`` that runs (``sdpa-mask`` | ``flex``), the ``requested`` value, a one-line
+    ``reason``, its ``source`` (requested | rule | measured | cached), ``compiled_flex`` (flex_attention under
+    torch.compile) and, when measured or cached, the ``measurement`` (step ms per path) and its ``cache_path``."""
+
+    path: str
+    requested: str
+    reason: str
+    source: str
+    compiled_flex: bool = False
+    measurement: Optional[dict[str, Any]] = None
+    cache_path: Optional[str] = None
+
+    def as_report(self) -> dict[str, Any]:
+        return {**asdict(self), "detail": PATH_DETAIL[self.path]}
+
+
+def flex_functions(device: torch.device, compiled: bool) -> tuple[Optional[tuple[Callable, Callable]], str]:
+    """``(flex_attention, create_block_mask)`` for training on ``device`` (``flex_attention`` compiled when
+    ``compiled``), or ``(None, why)``."""
+    fns, why = flex_attention_functions(device.type, backward=True)
+    if fns is None or not compiled:
+        return fns, why
+    return (torch.compile(fns[0], dynamic=False), fns[1]), ""
+
+
+def apply_attention(model: torch.nn.Module, choice: AttentionChoice, device: torch.device) -> None:
+    """Set ``choice.path`` on ``model`` (an :class:`~train.model.EncoderClassifier`; others are left alone)."""
+    if not hasattr(model, "set_packed_attention"):
+        return
+    fns = flex_functions(device, choice.compiled_flex)[0] if choice.path == "flex" else None
+    model.set_packed_attention(choice.path, fns)
+
+
+def probe_batch(cfg: RunConfig, bundle: DataBundle) -> dict:
+    """One packed batch of the run's shape (``pack_layout``): rows packed from the first ``batching.pack_window``
+    samples of a seeded permutation of the training split."""
+    split = bundle.splits["train"]
+    lengths = np.asarray(split.lengths)
+    layout = pack_layout(cfg, lengths)
+    ids = np.random.default_rng([cfg.train.seed, 7]).permutation(len(lengths))[: cfg.batching.pack_window]
+    rows = pack_rows(lengths[ids], layout.capacity, cfg.train.seed)[: layout.rows]
+    items = [(r, split.ids[int(ids[j])], 0) for r, row in enumerate(rows) for j in row]
+    return PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs).collate_items(items)
+
+
+def measure_paths(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, device: torch.device,
+                  flex: tuple[Callable, Callable], repeats: int = 3) -> dict[str, Any]:
+    """Median ms of forward + backward of ``model`` on the packed ``batch`` per path (one untimed call each first,
+    then ``repeats`` interleaved rounds): ``{"sdpa-mask": ms, "flex": ms, "speedup": sdpa ÷ flex, "repeats",
+    "shape"}``. The model's path, training mode and the RNG state are restored afterwards."""
+    from train.data.batching_auto import _fwd_bwd
+
+    before = (model.packed_attention, model._flex)
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    was_training = model.training
+    model.train()
+    times: dict[str, list[float]] = {"sdpa-mask": [], "flex": []}
+    try:
+        for r in range(repeats + 1):
+            for path in times:
+                model.set_packed_attention(path, flex if path == "flex" else None)
+                ms = _fwd_bwd(model, policy, batch, device)
+                if r:
+                    times[path].append(ms)
+    finally:
+        model.set_packed_attention(*before)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        model.train(was_training)
+    med = {path: statistics.median(v) for path, v in times.items()}
+    return {**med, "speedup": med["sdpa-mask"] / med["flex"], "repeats": repeats,
+            "shape": "x".join(map(str, batch["input_ids"].shape))}
+
+
+def _cache_key(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, device: torch.device,
+               compiled: bool) -> dict[str, Any]:
+    name, flags = cpuinfo()
+    dev = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+           f"{name or os.uname().machine} {hashlib.sha256(flags.encode()).hexdigest()[:16]}")
+    return {"device": dev, "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(),
+            "model": str(getattr(model, "spec", type(model).__name__)), "precision": policy.mode,
+            "compiled": compiled, "shape": list(batch["input_ids"].shape), "label_slots": int(batch["labels"].shape[0])}
+
+
+def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
+                            device: torch.device, compiled: bool,
+                            measure: Optional[Callable[..., dict[str, Any]]] = None) -> AttentionChoice:
+    """Resolve ``model.packed_attention`` for this packed run (module docstring); ``compiled``: the run's compile
+    is on. ``measure``: :func:`measure_paths` when None (tests force its result).
+
+    Raises:
+        UserError: ``flex`` requested where FlexAttention cannot train (one line: the key, torch, the fix).
+    """
+    requested = cfg.model.packed_attention
+    if requested == "sdpa-mask":
+        return AttentionChoice("sdpa-mask", requested, "requested (model.packed_attention=sdpa-mask)", "requested")
+    flex, why = flex_functions(device, compiled)
+    if flex is None:
+        if requested == "flex":
+            raise UserError(f"model.packed_attention=flex: {why} (torch {torch.__version__}, device {device.type}); "
+                            "use model.packed_attention=sdpa-mask or auto, or a torch ≥ 2.5 build whose FlexAttention "
+                            "has a backward on this device (CUDA)")
+        return AttentionChoice("sdpa-mask", requested, f"auto: FlexAttention cannot train here ({why}): sdpa-mask", "rule")
+    how = "compiled" if compiled else "eager, unfused"
+    if requested == "flex":
+        note = f"; attention dropout {cfg.model.dropout} not applied (FlexAttention has none)" if cfg.model.dropout else ""
+        return AttentionChoice("flex", requested, f"requested (model.packed_attention=flex, {how}){note}", "requested",
+                               compiled_flex=compiled)
+    if cfg.model.dropout > 0:
+        return AttentionChoice("sdpa-mask", requested, f"auto: model.dropout={cfg.model.dropout} > 0 and FlexAttention "
+                               "has no attention dropout (flex would change training): sdpa-mask by rule", "rule")
+    batch = probe_batch(cfg, bundle)
+    fp = _cache_key(model, policy, batch, device, compiled)
+    key = hashlib.sha256(json.dumps([DECISION_FORMAT, fp], sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(cfg.data.cache_dir, "decisions", f"attention-{key}.json") if cfg.data.cache_dir else None
+    if path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                cached = json.load(fh)
+            if cached.get("fingerprint") == fp and cached.get("path") in PATH_DETAIL:
+                return AttentionChoice(cached["path"], requested, cached["reason"] + f" (cached {cached['decided_at']} "
+                                       f"in {path})", "cached", compiled, cached["measurement"], path)
+        except (OSError, ValueError, KeyError):
+            pass  # an unreadable entry is measured again
+    load = machine_load()
+    m = (measure or measure_paths)(model, policy, batch, device, flex)
+    chosen = "flex" if m["speedup"] >= FLEX_MARGIN else "sdpa-mask"
+    reason = (f"auto: flex ran {m['speedup']:.2f}x the speed of sdpa-mask on this run's packed shape {m['shape']} "
+              f"(forward+backward {m['flex']:.1f} vs {m['sdpa-mask']:.1f} ms, median of {m['repeats']}, {policy.mode}, "
+              f"flex {how}): {chosen}")
+    choice = AttentionChoice(chosen, requested, reason, "measured", compiled, m)
+    if load is not None and load > (os.cpu_count() or 1):
+        choice.reason += f"; not cached: the machine was busy (load average {load:.1f} on {os.cpu_count()} cores)"
+    elif path:
+        record = {"path": chosen, "reason": reason, "measurement": m, "fingerprint": fp,
+                  "decided_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
+        try:
+            atomic_write_text(path, json.dumps(record, indent=2) + "\n")
+            choice.cache_path = path
+        except OSError:
+            pass  # an unwritable cache costs a measurement next time
+    return choice
