@@ -49,6 +49,16 @@ def wrong_shape(num_classes, vocab_size, max_len):
 
 def wrong_forward(num_classes, vocab_size, max_len):
     return nn.Linear(4, 3)
+
+class Positions(Bag):
+    def __init__(self, num_classes, vocab_size, max_len):
+        super().__init__(num_classes, vocab_size, max_len)
+        self.pos = nn.Embedding(max_len, 16)
+    def forward(self, input_ids, attention_mask):
+        return super().forward(input_ids, attention_mask) + self.pos(torch.arange(input_ids.shape[1])).sum() * 0
+
+def short_positions(num_classes, vocab_size, max_len):
+    return Positions(num_classes, vocab_size, 8)  # a position table of 8, whatever max_len says
 '''
 
 
@@ -70,6 +80,7 @@ def test_tiny_hf_models_train_offline_and_report_their_levers(tiny_cfg) -> None:
         levers = report["levers"]
         assert levers["buckets"]["applied"] and not levers["packing"]["applied"]
         assert "supports_packing" in levers["packing"]["reason"]
+        assert levers["bench"]["applied"] and "optimized-packed" in levers["bench"]["reason"].split("; not ")[1]
         assert levers["precision"]["applied"] is False and levers["clipping"]["applied"] is True
         assert report["perf"]["mfu"] is None and "built-in encoder only" in report["perf"]["mfu_unavailable_reason"]
         state = load_state(str(Path(report["run_dir"]) / "checkpoint.pt"))  # weights_only=True
@@ -156,7 +167,7 @@ def test_num_labels_mismatch_resizes_the_head_when_asked(tiny_cfg, tmp_path, cap
     cfg = tiny_cfg(f"model.source=hf:{d}", "model.num_labels_mismatch=resize")
     bundle = prepare_data(cfg, None)
     model = build_model(cfg, bundle)
-    assert "num_labels 3 →" in capsys.readouterr().out
+    assert "num_labels 3 →" in capsys.readouterr().err  # a notice: stderr, like every other notice
     assert model.inner.classifier.out_features == bundle.num_classes
     assert torch.equal(model.inner.bert.embeddings.word_embeddings.weight,
                        saved.bert.embeddings.word_embeddings.weight)  # the body keeps its weights
@@ -175,8 +186,10 @@ def test_custom_python_model_trains(tiny_cfg, tmp_path, monkeypatch) -> None:
 
 
 def test_packing_is_refused_for_an_hf_model(tiny_cfg) -> None:
-    with pytest.raises(UserError, match="ExternalClassifier cannot take per-sample positions"):
-        run_training(tiny_cfg(*hf_overrides("bert"), "batching.method=packed"), time.perf_counter())
+    cfg = tiny_cfg(*hf_overrides("bert"), "batching.method=packed")
+    with pytest.raises(UserError, match=r"model.source=hf:bert \(BertForSequenceClassification\) cannot take per-sample"):
+        run_training(cfg, time.perf_counter())
+    assert not any(Path(cfg.train.output_dir).glob("*/config.yaml"))  # refused before training: no run left behind
 
 
 def test_resume_on_an_hf_model_is_bit_identical(wndb, tmp_path) -> None:
@@ -236,3 +249,141 @@ def test_bench_vs_hf_runs_both_sides_on_equal_samples(wndb, tmp_path) -> None:
     assert result["speedup_samples_per_s"] == pytest.approx(ours["samples_per_s"] / hf["samples_per_s"])
     assert result["speedup_median_of_rounds"] == pytest.approx(result["speedup_per_round"][0])  # one round
     assert (tmp_path / "runs" / "vs" / "bench-vs-hf.md").read_text().count("| hf-trainer |") == 1
+
+
+def _cli_error(argv: list[str], capsys) -> str:
+    """``python -m train train …`` on ``argv`` through :func:`train.cli.main`: exit 2 and exactly one line on stderr."""
+    from train.cli import main
+
+    capsys.readouterr()
+    code = main(["train", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("damage", ["truncated-safetensors", "garbage-bin"])
+def test_a_corrupt_weights_file_is_one_line_naming_the_file(tiny_cfg, wndb, tmp_path, capsys, damage) -> None:
+    from tests.ddp_helpers import tiny_overrides
+
+    n = prepare_data(tiny_cfg(), None).num_classes
+    d, _ = _save_tiny_bert(tmp_path, tiny_cfg, n)
+    weights = d / "model.safetensors"
+    if damage == "garbage-bin":
+        weights.unlink()
+        weights = d / "pytorch_model.bin"
+        weights.write_bytes(b"not a checkpoint at all" * 40)
+    else:
+        weights.write_bytes(weights.read_bytes()[:100])
+    err = _cli_error(tiny_overrides(wndb, tmp_path, f"model.source=hf:{d}", "train.run_id=corrupt"), capsys)
+    assert f"cannot read the weights file {weights}" in err and "re-save the model with save_pretrained" in err
+
+
+def test_weights_of_another_shape_name_the_parameter_and_both_shapes(tiny_cfg, wndb, tmp_path, capsys) -> None:
+    from tests.ddp_helpers import tiny_overrides
+
+    bundle = prepare_data(tiny_cfg(), None)
+    d, _ = _save_tiny_bert(tmp_path, tiny_cfg, bundle.num_classes)  # hidden_size 32
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "hidden_size": 48}))
+    err = _cli_error(tiny_overrides(wndb, tmp_path, f"model.source=hf:{d}", "train.run_id=wmis"), capsys)
+    v = bundle.vocab_size
+    assert f"bert.embeddings.word_embeddings.weight is [{v}, 32] in model.safetensors but [{v}, 48] by config.json" \
+        in err and "fix config.json or re-save the model with save_pretrained" in err
+
+
+def test_a_base_model_without_a_head_gets_one_with_a_notice(tiny_cfg, tmp_path, capsys) -> None:
+    d, with_head = _save_tiny_bert(tmp_path, tiny_cfg, prepare_data(tiny_cfg(), None).num_classes)
+    with_head.bert.save_pretrained(d)  # a BertModel save: no classifier
+    cfg = tiny_cfg(f"model.source=hf:{d}")
+    capsys.readouterr()
+    model = build_model(cfg, prepare_data(cfg, None))
+    err = capsys.readouterr().err
+    assert err.count("newly initialised") == 1 and "classifier.weight" in err and err.startswith("notice: ")
+    emb = model.inner.bert.embeddings.word_embeddings.weight
+    assert torch.equal(emb, with_head.bert.embeddings.word_embeddings.weight)  # the body keeps its weights
+
+
+def test_a_slow_tokenizer_is_converted_so_token_ids_match(tiny_cfg, tmp_path, monkeypatch, capsys) -> None:
+    from tokenizers import Tokenizer
+
+    monkeypatch.chdir(tmp_path)  # the converted tokenizer.json goes to data.cache_dir's default, relative
+    d, _ = _save_tiny_bert(tmp_path, tiny_cfg, 3, tokenizer=False)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "dog", "cat", "run", "##s", "the", "a"]
+    (d / "vocab.txt").write_text("\n".join(words) + "\n")  # what a 4.x BertTokenizer.save_pretrained writes
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True}))
+    slow = transformers.BertTokenizer.from_pretrained(str(d))  # 4.x: the slow Python tokenizer itself
+    capsys.readouterr()
+    cfg = tiny_cfg(f"model.source=hf:{d}")
+    err = capsys.readouterr().err
+    assert err.count("has no tokenizer.json: converted its") == 1, err
+    tok = Tokenizer.from_file(cfg.data.tokenizer_path)
+    assert tok.encode("the dogs run").ids == slow("the dogs run")["input_ids"] == [2, 9, 5, 8, 7, 3]
+    for i, bad in enumerate(({"tokenizer_class": "NoSuchTokenizerAtAll"}, None)):  # unknown class; no vocab.txt
+        d2 = d.rename(tmp_path / f"copy{i}")
+        if bad:
+            (d2 / "tokenizer_config.json").write_text(json.dumps(bad))
+        else:
+            (d2 / "vocab.txt").unlink()
+        with pytest.raises(UserError, match=r"has tokenizer files but no tokenizer.json.*tokenizer.save_pretrained") \
+                as e:
+            tiny_cfg(f"model.source=hf:{d2}")
+        assert "\n" not in str(e.value)
+        d = d2
+
+
+def test_a_python_model_is_probed_at_the_longest_length(tiny_cfg, tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_models.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = tiny_cfg("model.source=python:my_models:short_positions")  # data.max_len=32, the model takes 8
+    with pytest.raises(UserError, match=r"forward\(input_ids LongTensor\[2, 32\].*failed \(IndexError") as e:
+        build_model(cfg, prepare_data(cfg, None))
+    assert "\n" not in str(e.value)
+
+
+def test_bench_skips_rows_the_model_cannot_run_and_says_why(tiny_cfg, capsys) -> None:
+    from train.bench import run_bench
+
+    quick = ("bench.warmup_steps=1", "bench.rounds=1", "bench.window=1", "bench.skip_inference=true")
+    cfg = tiny_cfg(*hf_overrides("bert"), "bench.configs=optimized,optimized-packed", "train.run_id=b", *quick)
+    result = run_bench(cfg, notice=print)
+    assert [r["name"] for r in result["training"]["configs"]] == ["optimized"]
+    on_disk = json.loads((Path(cfg.train.output_dir) / "b" / "bench" / "bench.json").read_text())
+    assert "optimized-packed" not in {r["name"] for r in on_disk["training"]["configs"]}
+    assert "supports_packing is false" in on_disk["training"]["skipped"]["optimized-packed"]
+    assert capsys.readouterr().out.count("bench: skipping row optimized-packed") == 1
+    with pytest.raises(UserError, match=r"row optimized-packed needs packed batches, which model.source=hf:bert "
+                                        r"cannot run .*bench.configs=optimized"):
+        run_bench(tiny_cfg(*hf_overrides("bert"), "bench.configs=optimized-packed", "train.run_id=b2", *quick))
+
+
+def test_precision_flags_false_do_not_override_the_other_and_both_true_is_refused(tiny_cfg) -> None:
+    from train.bench.training import arm_config
+    from train.config.hf_aliases import expand_hf_alias
+
+    assert load_config(None, ["bf16=true", "fp16=false"]).train.precision == "bf16"
+    assert load_config(None, ["fp16=true", "bf16=false"]).train.precision == "fp16"
+    assert load_config(None, ["train.precision=fp32", "bf16=false"]).train.precision == "fp32"
+    assert load_config(None, ["train.precision=bf16", "bf16=false"]).train.precision == "fp32"  # the command line too
+    with pytest.raises(UserError, match="bf16=true was given too"):
+        load_config(None, ["bf16=true", "fp16=true"])
+    base = tiny_cfg("train.precision=bf16")
+    assert arm_config(base, ["bf16=false"]).train.precision == "fp32"  # false of the current dtype: fp32
+    assert arm_config(base, ["fp16=false"]).train.precision == "bf16"  # false of another dtype: unchanged
+    with pytest.raises(UserError, match="fp16=true was given too; choose one of bf16=true or fp16=true"):
+        arm_config(base, ["fp16=true", "bf16=true"])
+    flags: dict = {}
+    expand_hf_alias("bf16", True, {}, flags)
+    with pytest.raises(UserError, match="override fp16=True .*bf16=true was given too"):
+        expand_hf_alias("fp16", True, {}, flags)
+
+
+def test_lever_reasons_print_null_not_none(tiny_cfg) -> None:
+    from types import SimpleNamespace
+
+    from train.models.levers import levers_section
+
+    cfg = tiny_cfg("batching.max_tokens=null")
+    policy = SimpleNamespace(mode="fp32", source="config", reason="asked")
+    levers = levers_section(cfg, torch.nn.Linear(2, 2), policy, None, SimpleNamespace(enabled=False), False)
+    assert "batching.max_tokens=null" in levers["token_budget"]["reason"] and "None" not in str(levers)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from train.bench.inference import run_inference_bench
-from train.bench.training import CONFIGS, add_ratios, run_training_bench
+from train.bench.training import CONFIGS, add_ratios, run_training_bench, runnable_rows
 from train.config import RunConfig
 from train.data import prepare_data
 from train.data.tokenizer import load_or_train
@@ -26,25 +26,28 @@ from train.tools.env import collect_env, machine_facts
 
 def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the training (and inference) benchmarks with the ``bench`` settings and write ``<run_dir>/bench/``.
-    Returns bench.json's dict.
+    Returns bench.json's dict; ``training.skipped`` maps each row the model cannot run (packed rows on a model without
+    ``supports_packing``) to the reason.
 
     Raises:
-        UserError: an unknown configuration in ``bench.configs``, bad data or config.
+        UserError: an unknown configuration in ``bench.configs``, only rows the model cannot run, bad data or config.
     """
     b = cfg.bench
+    names, skipped = runnable_rows(cfg, b.config_names() or list(CONFIGS), notice)  # e.g. packed rows on hf: models
     start = start_run(cfg, prefix="bench-")
     run_dir, device = start.run_dir, start.device
     out_dir = run_dir / "bench"
     bundle = prepare_data(cfg, None, notice=notice)
     machine_at_start = machine_facts(device)
     t0 = time.perf_counter()
-    rows = run_training_bench(cfg, bundle, device, b.config_names() or list(CONFIGS), notice)
+    rows = run_training_bench(cfg, bundle, device, names, notice)
     add_ratios(rows)
     result: dict[str, Any] = {
-        "training": {"configs": rows, "settings": {"warmup_steps": b.warmup_steps, "rounds": b.rounds, "window": b.window,
-                                                   "batch_size": cfg.batching.batch_size,
-                                                   "max_tokens": cfg.batching.max_tokens, "model": cfg.model.preset,
-                                                   "interleaved": True, "seconds": time.perf_counter() - t0}},
+        "training": {"configs": rows, "skipped": skipped,
+                     "settings": {"warmup_steps": b.warmup_steps, "rounds": b.rounds, "window": b.window,
+                                  "batch_size": cfg.batching.batch_size,
+                                  "max_tokens": cfg.batching.max_tokens, "model": cfg.model.preset,
+                                  "interleaved": True, "seconds": time.perf_counter() - t0}},
         "env": {**collect_env(device), "num_threads": __import__("torch").get_num_threads(), **machine_at_start,
                 "load_1min_at_end": None},
     }
@@ -85,6 +88,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {_fmt(r['token_efficiency'], '.3f')} | {r['distinct_shapes']} | {r['peak_memory_bytes'] / 2**20:.0f} "
                      f"| {_fmt(r.get('energy_j_per_sample'), '.3g')} | {_fmt(r['mfu_vs_measured_peak'], '.1%')} |")
     lines += ["", "Rows:", ""] + [f"* `{r['name']}`: {r['description']}" for r in result["training"]["configs"]]
+    lines += [f"* `{n}`: not run: {why}" for n, why in (result["training"].get("skipped") or {}).items()]
     reason = next((r.get("energy_unavailable_reason") for r in result["training"]["configs"]
                    if r.get("energy_unavailable_reason")), None)
     if reason:

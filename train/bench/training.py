@@ -24,7 +24,9 @@ import torch
 from train.config import RunConfig, build_config, parse_override
 from train.config.hf_aliases import expand_hf_alias
 from train.data import DataBundle, bucket_plan, make_loader, pack_layout
+from train.errors import UserError
 from train.model import EncoderSpec
+from train.models import model_supports_packing
 from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.flops import StepFlops
@@ -112,13 +114,44 @@ class _Arm:
 
 def arm_config(base: RunConfig, overrides: list[str]) -> RunConfig:
     """``base`` with ``section.key=value`` overrides applied, validated like the command line's."""
-    raw = base.to_dict()
+    raw, flags = base.to_dict(), {}
     for text in overrides:
         (section, key), value = parse_override(text)
-        pairs = expand_hf_alias(key, value)[0] if not section else [((section, key), value)]  # an HF flag name
+        pairs = expand_hf_alias(key, value, raw, flags)[0] if not section else [((section, key), value)]  # an HF flag
         for (section, key), value in pairs:
             raw[section][key] = value
     return build_config(raw, "bench configuration")
+
+
+def skip_reason(base: RunConfig, name: str) -> Optional[str]:
+    """Why row ``name`` (a key of :data:`CONFIGS`) cannot run on ``base``'s model, or None when it can: a row of
+    packed batches needs a model that takes per-sample positions and a block mask (``supports_packing``). An
+    unknown name gives None (:func:`run_training_bench` refuses it)."""
+    if name not in CONFIGS or "batching.method=packed" not in CONFIGS[name].overrides \
+            or model_supports_packing(base.model.source):
+        return None
+    return (f"model.source={base.model.source} cannot run packed rows (supports_packing is false: it takes no "
+            "per-sample positions or block-diagonal mask)")
+
+
+def runnable_rows(base: RunConfig, names: list[str], notice: Callable[[str], None] = print
+                  ) -> tuple[list[str], dict[str, str]]:
+    """``(rows of names that can run on base's model, {skipped row: reason})``, one ``notice`` line per skipped row.
+
+    Raises:
+        UserError: every row of ``names`` is one this model cannot run (naming the rows, the model and the fix).
+    """
+    skipped = {n: r for n in names if (r := skip_reason(base, n)) is not None}
+    runnable = [n for n in names if n not in skipped]
+    if skipped and not runnable:
+        first = next(iter(skipped))
+        raise UserError(f"bench.configs={','.join(names)}: row {first} needs packed batches, which "
+                        f"model.source={base.model.source} cannot run (supports_packing is false); choose rows without "
+                        f"packing (e.g. bench.configs={CONFIGS[first].parent or 'optimized'}, or bench.configs=null "
+                        "for every row this model can run) or model.source=builtin")
+    for n, reason in skipped.items():
+        notice(f"bench: skipping row {n}: {reason}")
+    return runnable, skipped
 
 
 def _endless(loader: Any) -> Iterator[dict]:
@@ -172,16 +205,17 @@ def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.d
                        notice: Callable[[str], None] = print, precision: Optional[str] = None) -> list[dict[str, Any]]:
     """Benchmark ``names`` (keys of :data:`CONFIGS`) with the ``bench`` settings of ``base`` (``warmup_steps``,
     ``rounds``, ``window``) and return one result row per configuration. ``precision`` (e.g. ``fp32``) replaces
-    every row's ``train.precision`` (the regression gate pins it so its ratios mean the same on every CPU).
+    every row's ``train.precision`` (the regression gate pins it so its ratios mean the same on every CPU). Rows
+    the model cannot run are skipped with a notice (:func:`runnable_rows`; ``run_bench`` records why in bench.json).
 
     Raises:
-        UserError: an unknown configuration name or an invalid override combination.
+        UserError: an unknown configuration name, an invalid override combination, or only rows this model
+            cannot run.
     """
-    from train.errors import UserError
-
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise UserError(f"bench.configs: unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    names = runnable_rows(base, names, notice)[0]
     b = base.bench
     warmup_steps, rounds, window = max(1, b.warmup_steps), b.rounds, b.window
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

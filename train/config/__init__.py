@@ -79,8 +79,8 @@ class RunConfig:
         self.optim.clip_norm = self.clip.max_norm if self.clip.method == "global-norm" else None
         from train.models import model_dir_tokenizer
 
-        if self.data.tokenizer_path is None and model_dir_tokenizer(self.model.source):  # the model's own tokenizer
-            self.data.tokenizer_path = model_dir_tokenizer(self.model.source)
+        if self.data.tokenizer_path is None:  # the model directory's own tokenizer, if it has one
+            self.data.tokenizer_path = model_dir_tokenizer(self.model.source, self.data.cache_dir)
         if self.batching.pack_len is not None and self.batching.pack_len > self.data.max_len:
             raise UserError(f"batching.pack_len={self.batching.pack_len} exceeds data.max_len={self.data.max_len} (the "
                             "position table); lower batching.pack_len or raise data.max_len")
@@ -212,11 +212,12 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
             raise UserError(f"{p}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
         if not isinstance(raw, dict):
             raise UserError(f"{p}: expected a mapping of sections (data, batching, model, optim, train)")
+    hf_flags: dict[str, Any] = {}  # the Hugging Face precision flags seen so far (bf16=true fp16=true is refused)
     for text in overrides:
         (section, key), value = parse_override(text)
         pairs = [((section, key), value)]
         if not section:  # a Hugging Face flag: one notice line says what it became
-            pairs, notice = expand_hf_alias(key, value)
+            pairs, notice = expand_hf_alias(key, value, raw, hf_flags)
             print(notice, file=sys.stderr, flush=True)
         for (section, key), value in pairs:
             sec = raw.setdefault(section, {})

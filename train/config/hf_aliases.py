@@ -8,8 +8,8 @@ naming the nearest alias.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
 
 from train.errors import UserError
 
@@ -54,8 +54,35 @@ def _report_to(v: Any) -> list[tuple[str, Any]]:
     return [("tracking.wandb", "on" if v == "wandb" else "off")]
 
 
+PRECISION_FLAGS = ("bf16", "fp16")
+"""HF flags that set ``train.precision``; expanded by :func:`_precision` (they depend on each other)."""
+
+
+def _precision(flag: str, v: Any, current: Optional[Mapping[str, Any]], flags: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``bf16`` / ``fp16`` as ``train.precision`` pairs. ``true``: that dtype, refused when the other flag was given
+    ``true`` earlier in the same overrides (the HF Trainer refuses both too). ``false`` only means "not this
+    dtype": ``fp32`` when ``train.precision`` is that dtype in ``current`` (the raw config so far), else no change
+    (an empty list), so ``bf16=true fp16=false`` stays bf16.
+
+    Raises:
+        UserError: not a boolean, or both flags true.
+    """
+    if not isinstance(v, bool):
+        raise UserError(f"expected true or false, got {v!r}")
+    other = next(f for f in PRECISION_FLAGS if f != flag)
+    if v and flags.get(other) is True:
+        raise UserError(f"{other}=true was given too; choose one of bf16=true or fp16=true (the Hugging Face "
+                        "Trainer refuses both), or set train.precision")
+    flags[flag] = v
+    if v:
+        return [("train.precision", flag)]
+    train = (current or {}).get("train")
+    was = train.get("precision") if isinstance(train, Mapping) else None
+    return [("train.precision", "fp32")] if was == flag else []
+
+
 HF_ALIASES: dict[str, Callable[[Any], list[tuple[str, Any]]]] = {
-    "bf16": _switch("train.precision", "bf16", "fp32"),
+    "bf16": _switch("train.precision", "bf16", "fp32"),  # expanded by _precision; kept here for the names and docs
     "fp16": _switch("train.precision", "fp16", "fp32"),
     "group_by_length": _switch("batching.method", "optimal", "random"),
     "per_device_train_batch_size": _number("batching.batch_size", int, (("batching.max_tokens", None),)),
@@ -72,11 +99,18 @@ length buckets (``batching.method=optimal``: less padding than HF's megabatches,
 ``max_steps`` after it to keep both, as HF lets ``max_steps`` win); ``max_grad_norm=0`` turns clipping off."""
 
 
-def expand_hf_alias(key: str, value: Any) -> tuple[list[tuple[list[str], Any]], str]:
+def expand_hf_alias(key: str, value: Any, current: Optional[Mapping[str, Any]] = None,
+                    flags: Optional[dict[str, Any]] = None) -> tuple[list[tuple[list[str], Any]], str]:
     """``(overrides as ([section, key], value), notice line)`` for an HF flag ``key=value``.
 
+    ``current``: the raw config (``{section: {key: value}}``) the overrides so far built, and ``flags``: a dict
+    shared by the calls for one list of overrides (this function records the precision flags in it). Both are
+    read by ``bf16`` / ``fp16`` only (see :func:`_precision`); without ``current`` a ``false`` leaves
+    ``train.precision`` unchanged, without ``flags`` ``bf16=true fp16=true`` is not detected.
+
     Raises:
-        UserError: not a known HF flag (naming the nearest one), or a value of the wrong kind.
+        UserError: not a known HF flag (naming the nearest one), a value of the wrong kind, or both
+            ``bf16=true`` and ``fp16=true``.
     """
     if key not in HF_ALIASES:
         close = difflib.get_close_matches(key, list(HF_ALIASES), n=1, cutoff=0.6)
@@ -84,10 +118,12 @@ def expand_hf_alias(key: str, value: Any) -> tuple[list[tuple[list[str], Any]], 
             f" Hugging Face flags understood: {', '.join(HF_ALIASES)}."
         raise UserError(f"override {key}={value!r}: the key must be section.key, e.g. train.max_steps.{hint}")
     try:
-        pairs = HF_ALIASES[key](value)
+        pairs = _precision(key, value, current, {} if flags is None else flags) if key in PRECISION_FLAGS \
+            else HF_ALIASES[key](value)
     except UserError as exc:
         raise UserError(f"override {key}={value!r} (a Hugging Face flag): {exc}") from None
-    shown = " ".join(f"{k}={_yaml(v)}" for k, v in pairs)
+    shown = " ".join(f"{k}={_yaml(v)}" for k, v in pairs) or \
+        "train.precision unchanged (false only means not this dtype)"
     return [(k.split("."), v) for k, v in pairs], f"notice: Hugging Face flag {key}={_yaml(value)} → {shown}"
 
 

@@ -19,7 +19,8 @@ from typing import Optional
 from train.errors import UserError
 from train.models.wrap import ExternalClassifier, ExternalSpec
 
-__all__ = ["ExternalClassifier", "ExternalSpec", "build_external", "source_kind", "model_dir_tokenizer"]
+__all__ = ["ExternalClassifier", "ExternalSpec", "build_external", "source_kind", "model_dir_tokenizer",
+           "model_supports_packing"]
 
 
 def source_kind(source: str) -> str:
@@ -43,12 +44,92 @@ def source_kind(source: str) -> str:
                     "python:package.module:function")
 
 
-def model_dir_tokenizer(source: str) -> Optional[str]:
-    """The ``tokenizer.json`` of a ``hf:<dir>`` source when the directory has one, else None."""
+TOKENIZER_FILES = ("tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.model", "special_tokens_map.json")
+"""Files of a "slow" (Python) tokenizer: a model directory with any of them but no tokenizer.json gets it converted."""
+
+DEFAULT_CACHE_DIR = ".cache/deep-model-perf"
+"""``data.cache_dir``'s default (train/config/sections.py; not imported: train.config imports this package)."""
+
+_CONVERTED: dict[str, str] = {}  # model directory → its converted tokenizer.json (one conversion and notice a process)
+
+
+def model_dir_tokenizer(source: str, cache_dir: Optional[str] = None) -> Optional[str]:
+    """The ``tokenizer.json`` of a ``hf:<dir>`` source, or None (the project's own tokenizer is trained).
+
+    A directory with ``tokenizer.json`` gives that file. One with only a slow tokenizer's files
+    (:data:`TOKENIZER_FILES`, e.g. ``vocab.txt``) is converted once with transformers' ``AutoTokenizer`` (local
+    files only, offline) to its fast backend, written to ``<cache_dir>/tokenizers/converted-<hash>.json``
+    (``cache_dir``: ``data.cache_dir``'s default when None), with one ``notice:`` line on stderr: the pretrained
+    embeddings keep their token ids. A directory without tokenizer files gives None.
+
+    Raises:
+        UserError: the directory has tokenizer files that cannot be converted to a fast tokenizer (unknown class,
+            no fast version, no vocabulary beyond the special tokens).
+    """
     if not source.startswith("hf:") or source_kind(source) != "hf-dir":
         return None
-    tok = Path(source[3:]).expanduser() / "tokenizer.json"
-    return str(tok) if tok.is_file() else None
+    d = Path(source[3:]).expanduser()
+    tok = d / "tokenizer.json"
+    if tok.is_file():
+        return str(tok)
+    if not d.is_dir() or not any((d / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    key = str(d.resolve())
+    if key not in _CONVERTED:
+        _CONVERTED[key] = _convert_tokenizer(source, d, cache_dir)
+    return _CONVERTED[key]
+
+
+def _convert_tokenizer(source: str, d: Path, cache_dir: Optional[str]) -> str:
+    """The path of ``d``'s slow tokenizer converted to a tokenizers JSON file (see :func:`model_dir_tokenizer`)."""
+    import hashlib
+    import sys
+
+    from tokenizers import Tokenizer
+
+    from train.errors import atomic_write_text
+    from train.models.hf import _transformers
+
+    tf = _transformers()
+    fix = ("save the tokenizer with tokenizer.save_pretrained(dir) (a fast tokenizer writes tokenizer.json), or set "
+           "data.tokenizer_path")
+    try:
+        slow = tf.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises for these files: one line
+        text = str(exc).strip()
+        why = f"{type(exc).__name__}: {text.splitlines()[0][:160]}" if text else type(exc).__name__
+        raise UserError(f"model.source={source}: {d} has tokenizer files but no tokenizer.json, and transformers "
+                        f"cannot convert them ({why}); {fix}") from None
+    if not getattr(slow, "is_fast", False) or getattr(slow, "backend_tokenizer", None) is None:
+        raise UserError(f"model.source={source}: {d} has tokenizer files but no tokenizer.json, and its tokenizer "
+                        f"({type(slow).__name__}) has no fast version to convert to; {fix}")
+    backend = Tokenizer.from_str(slow.backend_tokenizer.to_str())  # a copy: padding and truncation off
+    if backend.get_vocab_size() <= len(set(getattr(slow, "all_special_tokens", []))):  # e.g. vocab.txt missing
+        raise UserError(f"model.source={source}: {d} has tokenizer files but no tokenizer.json, and its "
+                        f"{type(slow).__name__} has no vocabulary beyond its special tokens (a vocab file is missing); "
+                        f"{fix}")
+    backend.no_padding()
+    backend.no_truncation()
+    text = backend.to_str()
+    out = Path(cache_dir or DEFAULT_CACHE_DIR).absolute() / "tokenizers" / \
+        f"converted-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not out.is_file():
+        atomic_write_text(out, text)
+    print(f"notice: model.source={source}: {d} has no tokenizer.json: converted its {type(slow).__name__} "
+          f"({backend.get_vocab_size()} tokens) to {out} (data.tokenizer_path), so the pretrained embeddings keep "
+          "their token ids", file=sys.stderr, flush=True)
+    return str(out)
+
+
+def model_supports_packing(source: str) -> bool:
+    """Whether the model ``model.source`` names runs packed rows (per-sample positions, block-diagonal mask):
+    the built-in encoder does; every external model (:class:`ExternalClassifier`) does not. Builds nothing."""
+    if source_kind(source) == "builtin":
+        from train.model import EncoderClassifier
+
+        return bool(EncoderClassifier.supports_packing)
+    return bool(ExternalClassifier.supports_packing)
 
 
 def build_external(cfg, bundle, hf_config: Optional[str] = None) -> ExternalClassifier:

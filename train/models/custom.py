@@ -9,8 +9,10 @@ The contract (docs/models.md):
   padding is at the end) and returns logits FloatTensor[B, num_classes] (any float dtype; cast to fp32);
 * weights come from torch's RNG, seeded by ``train.seed`` (load your own inside the factory if you want).
 
-Before training one probe forward on a batch of 2 × min(4, max_len) tokens checks the shape of the logits, so a
-factory that does not fit fails at once with one line, not in the middle of the first step.
+Before training two probe forwards, on batches of 2 × 4 tokens and of 2 × the longest length the run will use
+(``data.max_len``, or the largest bucket bound if that is longer), check that the module runs and the shape of the
+logits, so a factory that does not fit (e.g. a position table shorter than ``max_len``) fails at once with one line,
+not in the middle of the first step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def build_custom(cfg, bundle) -> ExternalClassifier:
 
     Raises:
         UserError: the module does not import, the function is missing, the factory fails or returns no
-            ``nn.Module``, or the probe forward fails or returns another shape than [2, num_classes].
+            ``nn.Module``, or a probe forward (2 × 4 tokens, 2 × the longest length) fails or returns another
+            shape than [2, num_classes].
     """
     source = cfg.model.source
     fn = _factory(source)
@@ -57,7 +60,20 @@ def build_custom(cfg, bundle) -> ExternalClassifier:
                         f"max_len={max_len} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
     if not isinstance(inner, nn.Module):
         raise UserError(f"model.source={source}: the factory returned {type(inner).__name__}, not a torch.nn.Module")
-    s = min(4, max_len)
+    longest = max([max_len, *(bundle.bounds or ())])  # no batch of this run is longer (bucket bounds ≤ data.max_len)
+    for s in sorted({min(4, longest), longest}):  # a short batch, then the longest the run will use
+        _probe(source, inner, n, v, s)
+    spec = ExternalSpec(source=source, num_classes=n, vocab_size=v, max_len=max_len,
+                        hidden_size=int(getattr(inner, "hidden_size", 0) or 0))
+    return ExternalClassifier(inner, spec, "python")
+
+
+def _probe(source: str, inner: nn.Module, n: int, v: int, s: int) -> None:
+    """One no-grad eval-mode forward of ``inner`` on LongTensor[2, s] ids (row 1 padded at its last token).
+
+    Raises:
+        UserError: the forward fails, or returns anything but float logits of shape [2, n].
+    """
     ids = torch.randint(0, v, (2, s), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, s, dtype=torch.bool)
     mask[1, -1] = False
@@ -69,13 +85,10 @@ def build_custom(cfg, bundle) -> ExternalClassifier:
     except Exception as exc:  # noqa: BLE001
         raise UserError(f"model.source={source}: forward(input_ids LongTensor[2, {s}], attention_mask BoolTensor[2, {s}]) "
                         f"failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); it must return "
-                        f"logits [B, num_classes]") from None
+                        f"logits [B, num_classes] for every length up to data.max_len") from None
     finally:
         inner.train(was)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, n) or not out.is_floating_point():
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise UserError(f"model.source={source}: forward returned {got}, expected float logits of shape (2, {n}) "
-                        "for a batch of 2")
-    spec = ExternalSpec(source=source, num_classes=n, vocab_size=v, max_len=max_len,
-                        hidden_size=int(getattr(inner, "hidden_size", 0) or 0))
-    return ExternalClassifier(inner, spec, "python")
+                        f"for a batch of 2 × {s} tokens")

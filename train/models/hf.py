@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -99,7 +100,7 @@ def _check_fits(cfg, bundle, config) -> None:
             raise UserError(f"model.source={src}: the model has num_labels={config.num_labels} but the data has {n} "
                             f"classes; set model.num_labels_mismatch=resize to re-initialise the head for {n} classes")
         print(f"notice: model.source={src}: num_labels {config.num_labels} → {n} (the data's classes): the "
-              "classification head is re-initialised (model.num_labels_mismatch=resize)", flush=True)
+              "classification head is re-initialised (model.num_labels_mismatch=resize)", file=sys.stderr, flush=True)
         config.num_labels = n
     config.id2label = dict(enumerate(bundle.corpus.label_names))
     config.label2id = {v: k for k, v in config.id2label.items()}
@@ -114,8 +115,67 @@ def _check_fits(cfg, bundle, config) -> None:
                         f"({max(bundle.bounds)} tokens{f' + offset {offset}' if offset else ''}); lower data.max_len")
 
 
+def _weight_file(d: Path) -> Path:
+    """The weights file transformers reads in ``d`` (safetensors first, as ``from_pretrained`` does)."""
+    return next((d / f for f in WEIGHT_FILES if (d / f).is_file()), d / WEIGHT_FILES[0])
+
+
+def _file_error(exc: BaseException) -> bool:
+    """True for an error about the weights file itself (truncated, corrupt, not a checkpoint)."""
+    import pickle
+
+    return isinstance(exc, (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError)) or \
+        "safetensor" in type(exc).__name__.lower()
+
+
+def _checkpoint_shape(path: Path, key: str, prefix: str) -> Optional[tuple[int, ...]]:
+    """The shape of parameter ``key`` (a model key; also tried without / with the ``prefix.`` of the base model)
+    in the weights file ``path``, read without loading the tensors; None when it cannot be read."""
+    names = [key, key[len(prefix) + 1:] if prefix and key.startswith(prefix + ".") else f"{prefix}.{key}"]
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                found = next((n for n in names if n in f.keys()), None)
+                return tuple(f.get_slice(found).get_shape()) if found else None
+        import torch
+
+        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        found = next((n for n in names if n in sd), None)
+        return tuple(sd[found].shape) if found else None
+    except Exception:  # noqa: BLE001 - the shape is only for the message
+        return None
+
+
+def _mismatch(model, info: dict, path: Path, resize: bool) -> Optional[str]:
+    """``name: checkpoint shape vs config shape`` of the first parameter (in the model's order) whose shape in the
+    weights differs from the config's, ignoring the head when ``resize``; None when none does.
+
+    ``info["mismatched_keys"]`` is a set of ``(name, checkpoint shape, model shape)`` (transformers 5) or a list of
+    names (4.x: the checkpoint's shape is then read from ``path``)."""
+    head = ("classifier", "score", "pre_classifier")
+    ckpt = {m: None for m in info.get("mismatched_keys", []) if isinstance(m, str)}
+    ckpt.update({m[0]: tuple(m[1]) for m in info.get("mismatched_keys", []) if not isinstance(m, str)})
+    if resize:
+        ckpt = {k: v for k, v in ckpt.items() if not any(h in k for h in head)}
+    if not ckpt:
+        return None
+    state = model.state_dict()
+    name = next((k for k in state if k in ckpt), sorted(ckpt)[0])
+    shape = ckpt[name] or _checkpoint_shape(path, name, getattr(model, "base_model_prefix", ""))
+    want = list(state[name].shape) if name in state else "?"
+    more = f" (and {len(ckpt) - 1} more)" if len(ckpt) > 1 else ""
+    return f"{name} is {list(shape) if shape else '?'} in {path.name} but {want} by config.json{more}"
+
+
 def _load(cfg, config, kind: str, fresh: bool):
-    """The transformers model: weights from the directory when it has them (and not ``fresh``), else random."""
+    """The transformers model: weights from the directory when it has them (and not ``fresh``), else random.
+
+    Raises:
+        UserError: a weights file that cannot be read (truncated, corrupt), or weights of the body missing or of
+            another shape than config.json says (naming the first parameter with both shapes).
+    """
     tf = _transformers()
     auto = tf.AutoModelForSequenceClassification
     src = cfg.model.source
@@ -124,21 +184,35 @@ def _load(cfg, config, kind: str, fresh: bool):
     if fresh or kind != "hf-dir" or not any((d / f).is_file() for f in WEIGHT_FILES):
         return auto.from_config(config, **attn)
     resize = cfg.model.num_labels_mismatch == "resize"
-    try:
+    path = _weight_file(d)
+    fix = "fix config.json or re-save the model with save_pretrained"
+    try:  # mismatched sizes are collected (not raised) so that the message can name the first one and its shapes
         model, info = auto.from_pretrained(str(d), config=config, local_files_only=True, output_loading_info=True,
-                                           ignore_mismatched_sizes=resize, **attn)
-    except (RuntimeError, ValueError, OSError) as exc:
-        first = next((ln for ln in str(exc).splitlines() if "size mismatch" in ln or "shape" in ln),
-                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        raise UserError(f"model.source={src}: the weights in {d} do not match its config.json "
-                        f"({first.strip()[:200]})") from None
+                                           ignore_mismatched_sizes=True, **attn)
+    except Exception as exc:  # noqa: BLE001 - filtered by _file_error; anything else keeps its traceback
+        if not _file_error(exc):
+            raise
+        text = str(exc).strip()
+        first = next((ln.strip() for ln in text.splitlines() if "size mismatch" in ln), None)
+        if first:
+            raise UserError(f"model.source={src}: the weights in {d} do not match its config.json ({first[:200]}); "
+                            f"{fix}") from None
+        why = f"{type(exc).__name__}: {text.splitlines()[0].split('. ')[0][:160]}" if text else type(exc).__name__
+        raise UserError(f"model.source={src}: cannot read the weights file {path} ({why}); it is truncated or not "
+                        "a checkpoint: re-save the model with save_pretrained (or remove the file for a random "
+                        "init)") from None
+    mismatch = _mismatch(model, info, path, resize)
+    if mismatch:
+        raise UserError(f"model.source={src}: the weights in {d} do not match its config.json ({mismatch}); {fix}")
     head = ("classifier", "score", "pre_classifier", "pooler")
     missing = [k for k in info.get("missing_keys", []) if not any(h in k for h in head)]
-    mismatched = [m if isinstance(m, str) else m[0] for m in info.get("mismatched_keys", [])]
-    bad = missing + [m for m in mismatched if not any(h in m for h in head)]
-    if bad:
-        raise UserError(f"model.source={src}: the weights in {d} do not match its config.json ({len(bad)} "
-                        f"parameters missing or of another shape, e.g. {bad[0]})")
+    if missing:
+        raise UserError(f"model.source={src}: the weights in {d} do not match its config.json ({len(missing)} "
+                        f"parameters missing from {path.name}, e.g. {sorted(missing)[0]}); {fix}")
+    new_head = sorted(k for k in info.get("missing_keys", []) if any(h in k for h in head[:3]))
+    if new_head:
+        print(f"notice: model.source={src}: {path.name} has no sequence-classification head ({', '.join(new_head)} "
+              "missing): the head is newly initialised from train.seed", file=sys.stderr, flush=True)
     return model
 
 

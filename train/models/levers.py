@@ -20,15 +20,36 @@ def model_section(cfg, model) -> dict[str, Any]:
             "hf_model_type": hf_type}
 
 
+def _yaml(v: Any) -> str:
+    """A config value as YAML writes it (``null``, not ``None``)."""
+    return "null" if v is None else str(v)
+
+
 def _lever(applied: bool, reason: str) -> dict[str, Any]:
     return {"applied": bool(applied), "reason": reason}
+
+
+def _bench_lever(cfg, model) -> dict[str, Any]:
+    """``levers.bench``: which ``make bench`` rows (train/bench/training.py ``CONFIGS``) run on this model, and why
+    the others do not (rows of packed batches need ``supports_packing``)."""
+    from train.bench.training import CONFIGS
+
+    packs = bool(getattr(model, "supports_packing", False))
+    rows = [n for n, row in CONFIGS.items() if packs or "batching.method=packed" not in row.overrides]
+    skipped = [n for n in CONFIGS if n not in rows]
+    reason = f"make bench ARGS=\"model.source={cfg.model.source}\" runs the rows {', '.join(rows)}"
+    if skipped:
+        reason += (f"; not {', '.join(skipped)}: packed batches, which this model cannot run (supports_packing is "
+                   "false: no per-sample positions or block-diagonal mask), skipped with a notice")
+    return _lever(bool(rows), reason)
 
 
 def levers_section(cfg, model, policy, compiled, ctx, profiled: bool) -> dict[str, dict[str, Any]]:
     """report.json ``levers``: each lever ``{"applied": bool, "reason": str}``.
 
     ``policy``: the run's PrecisionPolicy; ``compiled``: its CompileSession; ``ctx``: its DistContext;
-    ``profiled``: the run is under ``python -m train profile`` (attribution table written).
+    ``profiled``: the run is under ``python -m train profile`` (attribution table written). ``bench`` says which
+    ``make bench`` rows apply to this model and why not the others.
     """
     b, external = cfg.batching, cfg.model.source != "builtin"
     where = "autocast around the whole forward of the wrapped model (parameters fp32; loss fp32, outside)" if external \
@@ -41,7 +62,7 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool) -> dict[st
         "precision": _lever(policy.mode != "fp32", f"{policy.mode} [{policy.source}] {policy.reason}; {where}"),
         "buckets": _lever(b.method in BUCKETED, f"batching.method={b.method}, pad_to={b.pad_to}"),
         "token_budget": _lever(b.max_tokens is not None and b.method in (*BUCKETED, "packed"),
-                               f"batching.max_tokens={b.max_tokens} (used by the bucketed and packed methods; "
+                               f"batching.max_tokens={_yaml(b.max_tokens)} (used by the bucketed and packed methods; "
                                f"batching.method={b.method})"),
         "packing": _lever(b.method == "packed", packing_reason),
         "clipping": _lever(cfg.clip.method != "none", f"clip.method={cfg.clip.method} on the model's parameters"),
@@ -57,6 +78,7 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool) -> dict[st
         "exact_resume": _lever(True, "weights_only checkpoints (state_dicts, RNG per rank, sampler position)"
                                + ("; the Hugging Face config as JSON in spec.hf_config" if external
                                   and cfg.model.source.startswith("hf:") else "")),
+        "bench": _bench_lever(cfg, model),
         "mfu": _lever(not external, "FLOPs counted on the built-in encoder" if not external
                       else "perf.mfu counts FLOPs of the built-in encoder only: null for this model"),
     }
