@@ -86,6 +86,9 @@ NNODES ?= 1
 NODE_RANK ?= 0
 MASTER_ADDR ?= 127.0.0.1
 MASTER_PORT ?= 29500
+ifneq ($(shell echo '$(NPROC) $(NNODES)' | grep -Eqx '[1-9][0-9]* [1-9][0-9]*' && echo ok),ok)
+$(error NPROC=$(NPROC) NNODES=$(NNODES): both must be whole numbers >= 1 (NPROC=2: two processes on this machine))
+endif
 ifeq ($(NPROC)$(NNODES),11)
 TORCHRUN_ARGS :=
 else ifeq ($(NNODES),1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: one command that runs every CUDA path of the project once and returns every number
-# (docs/gpu-check.md). Budget: <= 8 min on one H200 (the steps' timeouts add up to 480 s).
+# (docs/gpu-check.md). Budget: <= 8 min on one H200 (the steps' timeouts add up to 480 s, + 5 s kill grace each).
+# Rerunnable: every step overwrites its own run directory under WORK (STEPS=... reruns only those).
 #
 #   scripts/gpu_check.sh                      # on the GPU host, with its own python3 (no .venv, pins not enforced)
 #   DRY_RUN=1 scripts/gpu_check.sh            # the same steps on the CPU with tiny sizes (a slow test runs this)
@@ -39,7 +40,7 @@ rm -f "$OUT"/gpu_check.json "$OUT"/gpu_check.md "$OUT"/*.png "$OUT"/*.json.gz
 # Per step: timeout in seconds (GPU) and the overrides every step shares.
 if [ "$DRY_RUN" = 1 ]; then
   MODE=dry-run
-  COMMON=(train.device=cpu train.progress=false "train.output_dir=$WORK" "data.cache_dir=$WORK/cache"
+  COMMON=(train.device=cpu train.progress=false train.overwrite=true "train.output_dir=$WORK" "data.cache_dir=$WORK/cache"
           data.max_samples=400 data.vocab_size=300 data.max_len=32 data.num_workers=0 model.num_layers=1
           model.hidden_size=32 model.num_heads=2 model.ffn_size=64 batching.num_buckets=2 batching.max_tokens=512
           train.precision=fp32 compile.backend=eager compile.warmup_window=2 compile.warmup_max_steps=3
@@ -48,10 +49,13 @@ if [ "$DRY_RUN" = 1 ]; then
   COMPILE_STEPS=(--steps 2 --rounds 1); RUN_STEPS=4; SYNC_STEPS=6; RO_MODE=default  # no CUDA graphs on a CPU
 else
   MODE=gpu
-  COMMON=(train.device=cuda train.progress=false "train.output_dir=$WORK")
+  COMMON=(train.device=cuda train.progress=false train.overwrite=true "train.output_dir=$WORK")
   TIMEOUT_PCT=${TIMEOUT_PCT:-100}; PRECISION_STEPS=120; BENCH=(--warmup-steps 3 --rounds 3 --window 8 --requests 100)
   COMPILE_STEPS=(--steps 8 --rounds 3); RUN_STEPS=40; SYNC_STEPS=30; RO_MODE=reduce-overhead
 fi
+# bench-precision trains bert-base 4 times (fp32 without TF32 is ~22 TFLOP a step at the config's 32k tokens: ~0.4 s on
+# an H200); an 8k-token budget keeps its 4 x 120 steps and evaluations inside the step's budget.
+PRECISION_TOKENS=(); [ "$DRY_RUN" = 1 ] || PRECISION_TOKENS=(batching.max_tokens=8192)
 # Compile steps: 2 buckets, no partial batches: 2 training shapes (+ their evaluation graphs), so cold compiles fit.
 FEW_SHAPES=(batching.num_buckets=2 batching.drop_last=true)
 
@@ -69,7 +73,7 @@ run_step() {
   limit=$(((limit * TIMEOUT_PCT + 99) / 100))
   echo "== $name (timeout ${limit}s): $*"
   t0=$(date +%s)
-  timeout --kill-after=15 "$limit" "$@" >"$log" 2>&1
+  timeout --kill-after=5 "$limit" "$@" >"$log" 2>&1
   rc=$?
   t1=$(date +%s)
   tail -n 5 "$log" | sed "s/^/   [$name] /"
@@ -83,21 +87,21 @@ M=(-m train)
 BENCH_CONFIGS=${BENCH_CONFIGS:-$("$PYTHON" -c "from train.bench.training import CONFIGS as C
 print(','.join(['naive', 'hf-style', 'optimized'] + [n for n in C if 'packed' in n or n.startswith('byo')]))" 2>/dev/null \
   || echo naive,hf-style,optimized)}
-run_step verify-gpu 20 "$PYTHON" -m train.tools.verify_gpu --json "$WORK/verify_gpu.json"
-run_step bench-precision 60 "$PYTHON" "${M[@]}" bench-precision --config "$CONFIG" --run-id gc-precision \
-  "${COMMON[@]}" compile.enabled=false --steps "$PRECISION_STEPS" --bf16-cpu-steps 0 --warmup 2
+run_step verify-gpu 15 "$PYTHON" -m train.tools.verify_gpu --json "$WORK/verify_gpu.json"
+run_step bench-precision 75 "$PYTHON" "${M[@]}" bench-precision --config "$CONFIG" --run-id gc-precision \
+  "${COMMON[@]}" "${PRECISION_TOKENS[@]}" compile.enabled=false --steps "$PRECISION_STEPS" --bf16-cpu-steps 0 --warmup 2
 run_step bench 75 "$PYTHON" "${M[@]}" bench --config "$CONFIG" --run-id gc-bench "${COMMON[@]}" compile.enabled=false \
   --configs "$BENCH_CONFIGS" "${BENCH[@]}"
 run_step compile-default 75 "$PYTHON" "${M[@]}" bench-compile --config "$CONFIG" --run-id gc-compile-default \
   "${COMMON[@]}" "${FEW_SHAPES[@]}" compile.mode=default "${COMPILE_STEPS[@]}"
 run_step compile-reduce-overhead 75 "$PYTHON" "${M[@]}" bench-compile --config "$CONFIG" --run-id gc-compile-ro \
   "${COMMON[@]}" "${FEW_SHAPES[@]}" "compile.mode=$RO_MODE" "${COMPILE_STEPS[@]}"
-run_step compile-run 90 "$PYTHON" "${M[@]}" train --config "$CONFIG" --run-id gc-compile-run "${COMMON[@]}" \
+run_step compile-run 85 "$PYTHON" "${M[@]}" train --config "$CONFIG" --run-id gc-compile-run "${COMMON[@]}" \
   "${FEW_SHAPES[@]}" compile.enabled=true "compile.mode=$RO_MODE" "train.max_steps=$RUN_STEPS" train.eval_every=100000 \
   train.log_every=10
 run_step profile 45 "$PYTHON" "${M[@]}" profile --config "$CONFIG" --run-id gc-profile --tools torch,gpu "${COMMON[@]}" \
   compile.enabled=false
-run_step sync-audit 40 "$PYTHON" -m train.perf.sync_audit --config "$CONFIG" --mode warn --out "$WORK/sync_audit.json" \
+run_step sync-audit 35 "$PYTHON" -m train.perf.sync_audit --config "$CONFIG" --mode warn --out "$WORK/sync_audit.json" \
   "${COMMON[@]}" train.run_id=gc-sync train.overwrite=true compile.enabled=false "train.max_steps=$SYNC_STEPS" \
   train.log_every=10 train.eval_every=100000
 

@@ -260,6 +260,27 @@ def python_model_whose_forward_does_not_fit(wndb, tmp):
     return ["model.source=python:bad_models:make"], ["forward(input_ids LongTensor[2, 4], attention_mask BoolTensor[2, 4]) failed"]
 
 
+def data_source_is_a_directory(wndb, tmp):
+    return [f"data.source={tmp}"], ["is a directory", "give one .jsonl/.csv/.parquet file"]
+
+
+def csv_float_labels(wndb, tmp):  # the JSONL reader refuses float labels; the CSV reader once made classes "0.0", "1.0"
+    p = tmp / "f.csv"
+    p.write_text("text,label\nhello,0.0\nworld,1.0\n", encoding="utf-8")
+    return [f"data.source={p}"], [f"{p}:2: label '0.0' must be a string or an integer"]
+
+
+def run_id_outside_the_output_dir(wndb, tmp):
+    return ["train.run_id=../../escaped"], ["train.run_id='../../escaped' is not a plain directory name"]
+
+
+def packed_model_that_cannot_pack(wndb, tmp):
+    pytest.importorskip("transformers")
+    return ["model.source=hf:bert", "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, "
+            "intermediate_size: 64}", "batching.method=packed"], ["model.source=hf:bert (BertForSequenceClassification) "
+                                                                  "cannot take per-sample positions"]
+
+
 CONFIG_VALUE_CASES = [  # issue 21 #8: each once a traceback from numpy or torch
     _value_case("train.seed=-1", "train.seed=-1 is out of range", "in [0, 4294967295]"),
     _value_case("optim.betas=[0.9,1.5]", "optim.betas=[0.9, 1.5]", "two numbers in [0, 1)"),
@@ -277,7 +298,8 @@ CASES: list[Case] = [missing_data, empty_data, malformed_jsonl, malformed_csv_ro
                      bucket_json_with_float_bounds, run_id_that_exists, disk_full_reported_as_runtime_error,
                      hf_model_dir_missing, hf_config_without_classification_head, hf_num_labels_mismatch,
                      hf_weights_that_do_not_match_the_config, python_model_that_does_not_import,
-                     python_model_whose_forward_does_not_fit, *CONFIG_VALUE_CASES]
+                     python_model_whose_forward_does_not_fit, data_source_is_a_directory, csv_float_labels,
+                     run_id_outside_the_output_dir, packed_model_that_cannot_pack, *CONFIG_VALUE_CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
@@ -289,6 +311,7 @@ def test_bad_input_is_one_clear_error(case: Case, wndb: Path, tmp_path: Path, mo
         _fill_disk_after(monkeypatch, writes=1, as_runtime_error=case is disk_full_reported_as_runtime_error)
     capsys.readouterr()
     resume = bool(argv) and argv[0] == "--resume"
+    run_dir_before = (tmp_path / "runs" / "bad").exists()
     if argv[:1] == ["--config"]:  # the YAML file first, then the usual overrides
         argv = [*argv, *tiny_overrides(wndb, tmp_path, "train.run_id=bad")]
     code = main(["train", *argv] if resume or argv[:1] == ["--config"]
@@ -302,6 +325,8 @@ def test_bad_input_is_one_clear_error(case: Case, wndb: Path, tmp_path: Path, mo
     assert not [p for p in tmp_path.rglob("*.tmp")]
     changed = [p for p in tmp_path.rglob("*") if p.is_file() and before.get(p) != p.stat().st_mtime_ns]
     assert not [p for p in changed if p.name in ("report.json", "checkpoint.pt")], changed
+    if not run_dir_before and case not in (disk_full_on_checkpoint_write, disk_full_reported_as_runtime_error):
+        assert not (tmp_path / "runs" / "bad").exists()  # a refused fresh run leaves no directory to block its re-run
     if case in (disk_full_on_checkpoint_write, disk_full_reported_as_runtime_error):
         ckpts = list_checkpoints(tmp_path / "runs" / "bad")
         assert [p.name for p in ckpts] == ["step-00000002.pt"]
@@ -333,3 +358,17 @@ def _fill_disk_after(monkeypatch, writes: int, as_runtime_error: bool = False) -
 
     monkeypatch.setattr(torch, "save", save)
     monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+
+def test_packed_samples_longer_than_pack_len_are_truncated_counted_and_said(tiny_cfg, capsys) -> None:
+    """Issue 15: a sample longer than ``batching.pack_len`` is cut to it and counted, never silently dropped."""
+    import time
+
+    from train.run import run_training
+
+    report = run_training(tiny_cfg("batching.method=packed", "batching.pack_len=8", "train.max_steps=4"),
+                          time.perf_counter())
+    out = capsys.readouterr().out
+    assert "training samples longer than 8 tokens are truncated to it" in out
+    b = report["batching"]
+    assert b["truncated_in_collate"] > 0 and b["dropped_samples"] == 0

@@ -43,6 +43,11 @@ def test_dry_run_passes_every_step_and_writes_a_small_output(tmp_path: Path, wnd
     assert run["report"]["compile"]["recompiles_after_warmup"] == 0 and run["warmup"]["totals"]["shapes"] > 0
     assert {r["requested"] for r in steps["bench-precision"]["result"]["rows"]} >= {"fp32"}
     assert {r["name"] for r in steps["bench"]["result"]["training"]["configs"]} >= {"naive", "hf-style", "optimized"}
+    # a rerun of some steps into the same OUT/WORK (after a failed first try on the GPU host) overwrites their runs
+    again = run_check(tmp_path, wndb, STEPS="bench-precision,profile")
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-2000:]
+    redo = json.loads((out / "gpu_check.json").read_text())["steps"]
+    assert redo["bench-precision"]["passed"] and redo["profile"]["passed"]
 
 
 def test_a_failing_and_a_hanging_step_are_recorded_and_the_script_goes_on(tmp_path: Path, wndb: Path) -> None:

@@ -198,3 +198,11 @@ def test_train_config_defaults_to_the_gpu_config_only_when_nvidia_smi_lists_a_gp
         cpu = make_n("RUNTIME=local", "train", f"NVIDIA_SMI={absent}")
         assert "train --config configs/cpu-tiny.yaml" in cpu
     assert "train --config configs/smoke.yaml" in make_n("RUNTIME=local", "train", f"NVIDIA_SMI={smi}", "CONFIG=configs/smoke.yaml")
+
+
+@pytest.mark.parametrize("bad", ["NPROC=0", "NPROC=two", "NNODES=0", "NPROC=-1"])
+def test_process_counts_that_are_not_whole_numbers_are_one_line_and_exit_2(bad):
+    out = subprocess.run(["make", "-n", "--no-print-directory", "train", bad], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr  # not torchrun's AssertionError traceback
+    assert "both must be whole numbers >= 1" in out.stderr and bad in out.stderr

@@ -53,6 +53,9 @@ def test_mfu_arithmetic_and_table_lookup() -> None:
     peak, why = table_peak("NVIDIA H200", "bf16")
     assert peak == pytest.approx(989.4e12) and why is None
     assert table_peak("cpu", "fp32")[0] is None
+    assert table_peak(" nvidia  H200", "bf16")[0] == pytest.approx(989.4e12)  # case and spacing aside
+    assert table_peak("NVIDIA H200 NVL", "bf16")[0] == pytest.approx(835.5e12)  # its own row, not the SXM part's
+    assert table_peak("NVIDIA H200 Something", "bf16")[0] is None  # never a prefix match
     out = mfu_fields(1e12, torch.device("cpu"), "NVIDIA H200", "bf16", measure=False)
     assert out["mfu"] == pytest.approx(1e12 / 989.4e12) and out["mfu_peak_source"] == "device table"
     cpu = mfu_fields(None, torch.device("cpu"), "cpu", "fp32", measure=False)

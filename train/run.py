@@ -23,6 +23,7 @@ import torch
 from train.compiling.warmup import start_compile, warm_up_for_run
 from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader, prepare_data
+from train.data.attention import apply_attention, choose_packed_attention
 from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
 from train.errors import Interrupted, UserError, atomic_write_text
@@ -204,6 +205,7 @@ class _Run:
     tracking: Optional[Tracking] = None
     trainer: Trainer = None  # type: ignore[assignment]
     batching_auto: Optional[dict] = None
+    packed_attention: Optional[dict] = None
 
 
 def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
@@ -219,10 +221,11 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
             for name, phase in phases:
                 shutdown.phase = name  # named by a signal that arrives now (nothing to checkpoint yet)
                 phase()
-        except Interrupted as exc:
+        except (Interrupted, UserError) as exc:
             if fresh and ctx.is_main and r.run_dir is not None:  # nothing trained: no run to keep
                 shutil.rmtree(r.run_dir, ignore_errors=True)
-                exc.args = (f"{exc.args[0]}; removed {r.run_dir}",)
+                if isinstance(exc, Interrupted):
+                    exc.args = (f"{exc.args[0]}; removed {r.run_dir}",)
             raise
         for hook in hooks:
             hook.attach(r.trainer, r.run_dir)
@@ -270,8 +273,9 @@ def _build(r: _Run) -> None:
     hf_config = (r.state or {}).get("spec", {}).get("hf_config")  # resume: the checkpoint's architecture
     r.model = agreed(lambda: build_model(cfg, bundle, hf_config), ctx).to(device)
     if cfg.batching.method == "packed" and not getattr(r.model, "supports_packing", False):
-        raise UserError(f"batching.method=packed: the model {type(r.model).__name__} cannot take per-sample positions and "
-                        "a block-diagonal mask (forward(..., position_ids=, seq_index=, num_seqs=)); use "
+        raise UserError(f"batching.method=packed: the model model.source={cfg.model.source} "
+                        f"({type(getattr(r.model, 'inner', r.model)).__name__}) cannot take per-sample "
+                        "positions and a block-diagonal mask (forward(..., position_ids=, seq_index=, num_seqs=)); use "
                         "batching.method=optimal")
     if cfg.batching.method == "auto":  # resolved once the model exists; config.yaml keeps the choice for --resume
         decision = broadcast_from_main(choose_batching(r.model, r.policy, cfg, bundle, device) if ctx.is_main else None, ctx)
@@ -294,7 +298,14 @@ def _build(r: _Run) -> None:
     if r.compiled.enabled and ctx.enabled:
         raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
                         "with NPROC > 1, or compile a single-process run")
-    for line in decision_lines(device, r.policy, r.compiled, bundle, cfg):
+    lines = decision_lines(device, r.policy, r.compiled, bundle, cfg)
+    if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
+        choice = broadcast_from_main(choose_packed_attention(r.model, r.policy, cfg, bundle, device, r.compiled.enabled)
+                                     if ctx.is_main else None, ctx)
+        apply_attention(r.model, choice, device)
+        r.packed_attention = choice.as_report()
+        lines.append(f"  attention  {choice.path}: {choice.reason}")
+    for line in lines:
         r.say(line, flush=True)
     if r.state is not None:
         r.model.load_state_dict(r.state["model"])  # before DDP: its construction broadcasts rank 0's weights
@@ -376,7 +387,7 @@ def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, int
         cfg, r.run_dir, r.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),
         sampler_counts(r.loaders["train"]), r.t_start, time.perf_counter() - r.t_start, data_prep_s=r.data_s,
         efficiency={**efficiency, "throughput_valid": True}, sections=sections, interrupted=interrupted,
-        batching_auto=r.batching_auto))
+        batching_auto=r.batching_auto, packed_attention=r.packed_attention))
     for hook in hooks:
         hook.finish(report)
     if r.ctx.is_main:

@@ -61,9 +61,15 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
     :data:`RUN_OUTPUTS` first.
 
     Raises:
-        UserError: the directory exists (and neither resume nor overwrite), or it cannot be created or written.
+        UserError: the directory exists (and neither resume nor overwrite), or it cannot be created or written; a
+            ``train.run_id`` that is not one plain directory name (``/``, ``..``, a leading dot: it would write
+            outside ``train.output_dir`` or hide the run).
     """
     out = Path(cfg.train.output_dir)
+    rid = cfg.train.run_id
+    if rid and (rid in (".", "..") or rid.startswith(".") or "/" in rid or "\\" in rid or "\0" in rid):
+        raise UserError(f"train.run_id={rid!r} is not a plain directory name (no '/', no '..', no leading '.'): a run "
+                        f"lives in {out}/<run_id>; pick a name such as 'exp-1', or set train.output_dir for another place")
     try:
         if cfg.train.run_id:
             run_dir = out / cfg.train.run_id

@@ -66,7 +66,10 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         return [cfg.data.max_len], "batch-max", None, "none (megabatch length grouping, pad to batch max)"
     if b.method == "packed":  # training: packed rows of pack_len; evaluation: batches padded to their longest sample
         c = b.pack_len or cfg.data.max_len
-        return [c], "batch-max", None, f"none (sequence packing into rows of {c} tokens)"
+        longer = int((np.asarray(lengths) > c).sum())
+        cut = (f"; {longer} training samples longer than {c} tokens are truncated to it (kept, counted in report.json "
+               "batching.truncated_in_collate; raise batching.pack_len to keep them whole)") if longer else ""
+        return [c], "batch-max", None, f"none (sequence packing into rows of {c} tokens{cut})"
     if b.boundaries_file:
         plan = BucketPlan.load(b.boundaries_file, data_fp, tok_fp, force=force)
         return plan.bounds, b.pad_to, plan, str(b.boundaries_file)

@@ -142,6 +142,7 @@ class PackedBatchSampler(Sampler[list[tuple[int, int]]]):
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self._start, self.seed = int(state["epoch"]), int(state["start"]), int(state["seed"])
+        self._plan = (-1, [])  # the cached plan was made for the old (seed, epoch)
 
 
 class RowDataset(Dataset):

@@ -11,6 +11,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import urllib.parse
@@ -112,6 +113,10 @@ def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
             yield str(text) if text is not None else "", text, label, loc
 
 
+_INT = re.compile(r"[-+]?[0-9]+")  # ASCII digits only (str.isdigit accepts '²')
+_FLOAT = re.compile(r"[-+]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?")
+
+
 def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:  # utf-8-sig: a leading BOM is not data
@@ -126,8 +131,11 @@ def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
                 if None in record or any(v is None for v in record.values()):
                     raise UserError(f"{loc}: expected {len(header)} columns as in the header, got a different count")
                 label: Any = record[cfg.label_field].strip()
-                if label.lstrip("-").isdigit():
+                if _INT.fullmatch(label):
                     label = int(label)
+                elif _FLOAT.fullmatch(label):  # as the JSONL reader: a classifier's label is a class id or a name
+                    raise UserError(f"{loc}: label {label!r} must be a string or an integer (a float label: use integer "
+                                    "class ids 0..K-1 or class names)")
                 yield record[cfg.text_field], record[cfg.text_field], label, loc
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not valid UTF-8 (byte offset {exc.start} of a read block); re-encode the file as UTF-8") from None
@@ -195,6 +203,8 @@ def _rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
     if src.startswith("hf:"):
         return src, _hf_rows(src, cfg)
     path = Path(src)
+    if path.is_dir():
+        raise UserError(f"data.source={src!r} is a directory; give one .jsonl/.csv/.parquet file in it")
     if not path.is_file():
         raise UserError(f"data.source={src!r}: no such file; give a .jsonl/.csv/.parquet path, 'wordnet' or 'hf:NAME[:CONFIG]'")
     readers = {".jsonl": _jsonl_rows, ".json": _jsonl_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}

@@ -21,6 +21,8 @@ TFLOPS = 1e12
 DEVICE_TABLE: dict[str, dict[str, float]] = {
     "NVIDIA H200": {"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "tf32": 494.7 * TFLOPS, "fp32": 66.9 * TFLOPS,
                     "bandwidth_bytes_per_s": 4.8e12},
+    "NVIDIA H200 NVL": {"bf16": 835.5 * TFLOPS, "fp16": 835.5 * TFLOPS, "tf32": 417.5 * TFLOPS, "fp32": 60.0 * TFLOPS,
+                        "bandwidth_bytes_per_s": 4.8e12},
     "NVIDIA H100 80GB HBM3": {"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "tf32": 494.7 * TFLOPS,
                               "fp32": 66.9 * TFLOPS, "bandwidth_bytes_per_s": 3.35e12},
     "NVIDIA H100 PCIe": {"bf16": 756.0 * TFLOPS, "fp16": 756.0 * TFLOPS, "tf32": 378.0 * TFLOPS, "fp32": 51.2 * TFLOPS,
@@ -47,9 +49,17 @@ DEVICE_TABLE: dict[str, dict[str, float]] = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def table_entry(device_name: str) -> Optional[dict[str, float]]:
+    """The :data:`DEVICE_TABLE` row of a device name as ``torch.cuda.get_device_name`` gives it, compared without
+    case and surrounding/double spaces (``"NVIDIA  H200 "`` is ``"NVIDIA H200"``); None when it is not listed. Never a
+    prefix match: an H200 NVL is not an H200 SXM (other clocks, other peaks)."""
+    norm = " ".join(device_name.split()).casefold()
+    return next((row for name, row in DEVICE_TABLE.items() if name.casefold() == norm), None)
+
+
 def table_peak(device_name: str, precision: str) -> tuple[Optional[float], Optional[str]]:
     """(peak FLOP/s, None) from :data:`DEVICE_TABLE`, or (None, reason)."""
-    entry = DEVICE_TABLE.get(device_name)
+    entry = table_entry(device_name)
     if entry is None:
         return None, f"device {device_name!r} is not in the peak table (train/perf/devices.py); use the measured peak"
     key = precision

@@ -2,7 +2,7 @@
 
 An op whose arithmetic intensity is at or above the ridge point can be compute-bound; below it,
 it is limited by memory bandwidth (Williams, Waterman & Patterson 2009). Peaks come from
-``train.perf.devices.DEVICE_TABLE`` (datasheet figures, shared with MFU, keyed by the exact ``torch.cuda.get_device_name``) when the
+``train.perf.devices.DEVICE_TABLE`` (datasheet figures, shared with MFU, keyed by ``torch.cuda.get_device_name``, case and spacing aside) when the
 device is listed, and are always also measured in-run: a large matmul (FLOP/s) and a large copy
 (bytes read + written per second). On CPU only the measurement exists.
 """
@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from train.perf.devices import DEVICE_TABLE
+from train.perf.devices import table_entry
 from train.perf.timer import Timed
 
 
@@ -56,7 +56,7 @@ def ridge_point(device: torch.device, device_name: str, precision: str, measured
     out: dict[str, Any] = {"measured_flops_per_s": measured["flops_per_s"],
                            "measured_bytes_per_s": measured["bytes_per_s"],
                            "measured_ridge_flop_per_byte": measured["flops_per_s"] / measured["bytes_per_s"]}
-    row = DEVICE_TABLE.get(device_name) if device.type == "cuda" else None
+    row = table_entry(device_name) if device.type == "cuda" else None
     if row is not None and precision in row:
         out.update(source="device table", device_name=device_name, peak_flops_per_s=row[precision],
                    peak_bytes_per_s=row["bandwidth_bytes_per_s"])
