@@ -70,6 +70,15 @@ def ddp_worker(rank: int, world: int, port: int, overrides: list[str], out_dir: 
         return original(self, i)
 
     TokenDataset.__getitem__ = getitem
+    from train.data.packing import RowDataset  # packed training rows index (row, sample index)
+
+    original_row = RowDataset.__getitem__
+
+    def getrow(self, key):
+        seen.append((len(self.split), int(key[1])))
+        return original_row(self, key)
+
+    RowDataset.__getitem__ = getrow
     if signal_rank == rank and signal_step is not None:
         interrupt_at(_Patch(), signal_step)
     captured = {}

@@ -73,6 +73,21 @@ def test_two_ranks_cover_an_epoch_exactly_once_and_reduce_eval(wndb: Path, tmp_p
     assert steps == sorted(steps)
 
 
+def test_two_ranks_train_packed_rows_covering_an_epoch_exactly_once(wndb: Path, tmp_path: Path) -> None:
+    """batching.method=packed under DDP (Gloo): every training sample in one packed row of one rank, plus counted
+    repeats; the replicas stay identical."""
+    overrides = tiny_overrides(wndb, tmp_path, "train.max_steps=null", "train.epochs=1", "train.run_id=ddp-packed",
+                               "train.eval_every=1000", "batching.method=packed")
+    results = spawn_ddp(tmp_path / "out", overrides)
+    report = results[0]["report"]
+    n, repeated = report["data"]["train_samples"], report["batching"]["repeated_samples"]
+    assert report["batching"]["method"] == "packed" and report["batching"]["distinct_shapes"] == 1
+    train_seen = Counter(i for r in results for size, i in r["seen"] if size == n)
+    assert set(train_seen) == set(range(n)) and sum(train_seen.values()) == n + repeated
+    assert report["perf"]["train_samples_seen"] == n + repeated
+    assert results[0]["param_sha256"] == results[1]["param_sha256"]
+
+
 def test_per_rank_compile_cache_dirs() -> None:
     a, b = compile_cache_dirs(0, {}), compile_cache_dirs(1, {})
     assert a["TORCHINDUCTOR_CACHE_DIR"] != b["TORCHINDUCTOR_CACHE_DIR"]

@@ -74,6 +74,24 @@ def test_resume_from_a_middle_checkpoint_is_bit_identical(reference) -> None:
     assert_same_final_state(root / "runs" / "ref", run_dir)
 
 
+def test_packed_training_resumes_mid_epoch_bit_identically(reference) -> None:
+    """batching.method=packed: the PackedBatchSampler's position is in the checkpoint; the resumed run equals an
+    uninterrupted one (parameters, optimizer state, metrics)."""
+    _, root, overrides = reference
+    packed = overrides + ["batching.method=packed", "train.max_steps=16", "train.checkpoint_every=6"]
+    run_training(load_config(None, packed + ["train.run_id=pref"]), time.perf_counter())
+    cfg = load_config(None, packed + ["train.run_id=pmid"])
+    run_training(cfg, time.perf_counter())
+    run_dir = root / "runs" / "pmid"
+    ckpt = list_checkpoints(run_dir)[0]
+    assert load_state(str(ckpt))["batches_in_epoch"] > 0  # a cut inside an epoch
+    (run_dir / "checkpoint.pt").unlink()
+    (run_dir / "report.json").unlink()
+    report = run_training(cfg, time.perf_counter(), resume=str(ckpt))
+    assert report["batching"]["method"] == "packed" and report["resumed_from"]["step"] == 6
+    assert_same_final_state(root / "runs" / "pref", run_dir)
+
+
 def test_sigint_finishes_the_step_checkpoints_and_exits_130(reference, monkeypatch, capsys) -> None:
     _, root, overrides = reference
     interrupt_at(monkeypatch, 7, signal.SIGINT)

@@ -103,7 +103,8 @@ def markdown(result: dict[str, Any]) -> str:
         for mode in ("single", "batched"):
             m = inf[mode]
             lat = m["latency_ms"]
-            label = mode if mode == "single" else f"batched ({m['batch_size']}/call, grouped by bucket; latency per call)"
+            how = {"packed": "packed rows, one forward", "bucket": "grouped by bucket"}.get(m.get("batching"), m.get("batching"))
+            label = mode if mode == "single" else f"batched ({m['batch_size']}/call, {how}; latency per call)"
             lines.append(f"| {label} | {m['requests']} | {_fmt(m['requests_per_s'])} | {_fmt(lat['p50'], '.2f')} "
                          f"| {_fmt(lat['p90'], '.2f')} | {_fmt(lat['p99'], '.2f')} | {m['peak_memory_bytes'] / 2**20:.0f} "
                          f"| {_fmt(m.get('energy_j_per_request'), '.3g')} |")

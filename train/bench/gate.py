@@ -7,9 +7,9 @@ compared with a committed baseline (``bench/baseline-cpu.json``; ``bench/baselin
   data, the tokenizer and the seeded samplers, so they must match (relative tolerance 1e-6);
 * **timing** is compared only as **in-run ratios** (optimized/naive, optimized/hf-style, hf-style/naive,
   optimized-packed/optimized), never as absolute times on a shared CPU, and only against ratios **measured on the same
-  kind of machine** (:func:`machine_key`: CPU model, performance flags, cores and threads, or the GPU's name): the
-  same code gives other ratios on another CPU (2026-12-02: hf-style/naive 4.9 on an AMD EPYC, 8.0 on an Intel Xeon
-  with AMX). The baseline file holds one timing entry per machine; on a machine without one the ratios are shown, not
+  kind of machine** (:func:`machine_key`: CPU model, performance flags, cores and threads, or the GPU's name): a band
+  measured on one CPU bounds its noise, not another CPU's systematic offset. The baseline file holds one timing entry
+  per machine; on a machine without one the ratios are shown, not
   gated, and ``bench-baseline`` adds it. A ratio may fall at most its band below the baseline's, each ratio's band
   the larger of ``bench_gate.band_floor`` and twice the largest relative deviation of that ratio ``bench-baseline``
   measured over ``bench_gate.repeats`` runs (at most 0.9); a GPU entry (``absolute_allowed``) also gates samples/s
