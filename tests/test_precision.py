@@ -156,7 +156,7 @@ def test_measured_decision_is_cached_per_machine(monkeypatch, tmp_path) -> None:
     assert all((d.mode, d.source, d.cache_path) == ("bf16", "cached", first.cache_path) for d in again)
     assert "cached" in again[0].reason and first.cache_path in again[0].reason
     record = json.loads(Path(first.cache_path).read_text())
-    assert record["machine"] == machine_fingerprint(probe) and record["mode"] == "bf16"
+    assert record["fingerprint"] == machine_fingerprint(probe) and record["mode"] == "bf16"
     # another probe shape (another model or token budget) or thread count is another machine state: measured anew
     decide("auto", CPU, ProbeShape(128, 32, 64), str(tmp_path))
     threads = torch.get_num_threads()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import statistics
 import time
@@ -38,7 +37,8 @@ from typing import Any, Optional
 import torch
 
 from train.compat import make_grad_scaler
-from train.errors import UserError, atomic_write_text
+from train.errors import UserError
+from train.tools import decisions
 from train.tools.env import cpuinfo as _cpuinfo
 from train.tools.env import machine_load
 
@@ -47,7 +47,7 @@ BF16_MARGIN = 1.25
 """bf16 must run the probe at least this many times faster than fp32 for ``auto`` to pick it on a CPU."""
 PROBE_REPEATS = 9
 PROBE_MAX_TOKENS = 2048
-DECISION_FORMAT = 1
+DECISION_FORMAT = 2  # 2: the record names its fingerprint "fingerprint" (train/tools/decisions.py)
 
 
 def cpu_native_bf16() -> bool:
@@ -130,21 +130,15 @@ class Decision:
 
 def decision_cache_path(probe: ProbeShape, cache_dir: str) -> Path:
     """Where the measured CPU decision for this machine and probe is cached under ``cache_dir``."""
-    key = hashlib.sha256(json.dumps([DECISION_FORMAT, machine_fingerprint(probe)], sort_keys=True).encode()).hexdigest()
-    return Path(cache_dir) / "decisions" / f"precision-cpu-{key[:16]}.json"
+    return Path(decisions.cache_path(cache_dir, "precision-cpu", machine_fingerprint(probe), DECISION_FORMAT))
 
 
 def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> Decision:
     machine = machine_fingerprint(probe)
-    path = decision_cache_path(probe, cache_dir) if cache_dir else None
-    if path is not None and path.is_file():
-        try:
-            cached = json.loads(path.read_text(encoding="utf-8"))
-            if cached.get("machine") == machine and cached.get("mode") in ("fp32", "bf16"):
-                return Decision(cached["mode"], cached["reason"] + f" (cached {cached['decided_at']} in {path})",
-                                "cached", cached["measurement"], str(path))
-        except (OSError, ValueError, KeyError):
-            pass  # an unreadable cache entry is measured again
+    path = str(decision_cache_path(probe, cache_dir)) if cache_dir else None
+    cached = decisions.read_cached(path, machine, "mode", ("fp32", "bf16"))
+    if cached is not None:
+        return Decision(cached["mode"], cached["reason"], "cached", cached["measurement"], path)
     load = machine_load()
     m = measure_bf16_speedup(probe)
     mode = "bf16" if m["ratio"] >= BF16_MARGIN else "fp32"
@@ -152,19 +146,10 @@ def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> Decision:
     reason = (f"auto: CPU has native bf16 and the FFN matmul {probe} {verdict} "
               f"(median of {m['repeats']}: fp32 {m['fp32_ms']:.2f} ms, bf16 {m['bf16_ms']:.2f} ms; "
               f"bf16 needs >= {BF16_MARGIN}x)")
-    decision = Decision(mode, reason, "measured", m, None)
-    busy = load is not None and load > (os.cpu_count() or 1)
-    if busy:  # other work skews the two dtypes differently (bf16 measured slower under load once): not pinned
-        decision.reason += (f"; not cached: the machine was busy (load average {load:.1f} on {os.cpu_count()} cores), "
-                            "so the next run measures again")
-    if path is not None and not busy:
-        record = {"mode": mode, "reason": reason, "measurement": m, "machine": machine,
-                  "decided_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
-        try:
-            atomic_write_text(path, json.dumps(record, indent=2) + "\n")
-            decision.cache_path = str(path)
-        except OSError:
-            pass  # an unwritable cache costs a measurement next time, nothing more
+    # a busy machine skews the two dtypes differently (bf16 measured slower under load once): used, not pinned
+    decision = Decision(mode, reason + decisions.busy_note(load), "measured", m, None)
+    decision.cache_path = decisions.store(path, {"mode": mode, "reason": reason, "measurement": m,
+                                                 "fingerprint": machine}, load)
     return decision
 
 

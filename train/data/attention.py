@@ -22,10 +22,8 @@ but does not cache.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
@@ -37,8 +35,9 @@ from train.compat import flex_attention_functions
 from train.config import RunConfig
 from train.data import DataBundle, pack_layout
 from train.data.packing import PackCollate, pack_rows
-from train.errors import UserError, atomic_write_text
+from train.errors import UserError
 from train.precision import PrecisionPolicy
+from train.tools import decisions
 from train.tools.env import cpuinfo, machine_load
 
 FLEX_MARGIN = 1.0
@@ -165,32 +164,18 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
                                "has no attention dropout (flex would change training): sdpa-mask by rule", "rule")
     batch = probe_batch(cfg, bundle)
     fp = _cache_key(model, policy, batch, device, compiled)
-    key = hashlib.sha256(json.dumps([DECISION_FORMAT, fp], sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(cfg.data.cache_dir, "decisions", f"attention-{key}.json") if cfg.data.cache_dir else None
-    if path and os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                cached = json.load(fh)
-            if cached.get("fingerprint") == fp and cached.get("path") in PATH_DETAIL:
-                return AttentionChoice(cached["path"], requested, cached["reason"] + f" (cached {cached['decided_at']} "
-                                       f"in {path})", "cached", compiled, cached["measurement"], path)
-        except (OSError, ValueError, KeyError):
-            pass  # an unreadable entry is measured again
+    path = decisions.cache_path(cfg.data.cache_dir, "attention", fp, DECISION_FORMAT)
+    cached = decisions.read_cached(path, fp, "path", tuple(PATH_DETAIL))
+    if cached is not None:
+        return AttentionChoice(cached["path"], requested, cached["reason"], "cached", compiled, cached["measurement"],
+                               path)
     load = machine_load()
     m = (measure or measure_paths)(model, policy, batch, device, flex)
     chosen = "flex" if m["speedup"] >= FLEX_MARGIN else "sdpa-mask"
     reason = (f"auto: flex ran {m['speedup']:.2f}x the speed of sdpa-mask on this run's packed shape {m['shape']} "
               f"(forward+backward {m['flex']:.1f} vs {m['sdpa-mask']:.1f} ms, median of {m['repeats']}, {policy.mode}, "
               f"flex {how}): {chosen}")
-    choice = AttentionChoice(chosen, requested, reason, "measured", compiled, m)
-    if load is not None and load > (os.cpu_count() or 1):
-        choice.reason += f"; not cached: the machine was busy (load average {load:.1f} on {os.cpu_count()} cores)"
-    elif path:
-        record = {"path": chosen, "reason": reason, "measurement": m, "fingerprint": fp,
-                  "decided_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
-        try:
-            atomic_write_text(path, json.dumps(record, indent=2) + "\n")
-            choice.cache_path = path
-        except OSError:
-            pass  # an unwritable cache costs a measurement next time
+    choice = AttentionChoice(chosen, requested, reason + decisions.busy_note(load), "measured", compiled, m)
+    choice.cache_path = decisions.store(path, {"path": chosen, "reason": reason, "measurement": m, "fingerprint": fp},
+                                        load)
     return choice

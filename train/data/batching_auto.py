@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -40,9 +38,9 @@ from train.data import DataBundle, bucket_plan, pack_layout
 from train.data.collate import PadCollate
 from train.data.packing import PackCollate, PackedBatchSampler
 from train.data.sampler import BucketBatchSampler
-from train.errors import atomic_write_text
 from train.perf.timer import Timed
 from train.precision import PrecisionPolicy
+from train.tools import decisions
 from train.tools.env import cpuinfo, machine_load
 
 PACKED_MARGIN = 1.0
@@ -164,17 +162,10 @@ def choose_batching(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunCon
         return BatchingDecision("optimal", f"auto: the model {type(model).__name__} cannot run packed rows "
                                            "(supports_packing is false): optimal buckets by rule", "rule")
     fp = _fingerprint(model, policy, cfg, bundle, device)
-    key = hashlib.sha256(json.dumps([DECISION_FORMAT, fp], sort_keys=True).encode()).hexdigest()[:16]
-    path = os.path.join(cfg.data.cache_dir, "decisions", f"batching-{key}.json") if cfg.data.cache_dir else None
-    if path and os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as fh:
-                cached = json.load(fh)
-            if cached.get("fingerprint") == fp and cached.get("method") in ("packed", "optimal"):
-                return BatchingDecision(cached["method"], cached["reason"] + f" (cached {cached['decided_at']} in {path})",
-                                        "cached", cached["measurement"], path)
-        except (OSError, ValueError, KeyError):
-            pass  # an unreadable entry is measured again
+    path = decisions.cache_path(cfg.data.cache_dir, "batching", fp, DECISION_FORMAT)
+    cached = decisions.read_cached(path, fp, "method", ("packed", "optimal"))
+    if cached is not None:
+        return BatchingDecision(cached["method"], cached["reason"], "cached", cached["measurement"], path)
     load = machine_load()
     m = (measure or measure_layouts)(model, policy, cfg, bundle, list(bundle.bounds), device)
     method = "packed" if m["ratio"] >= PACKED_MARGIN else "optimal"
@@ -183,18 +174,9 @@ def choose_batching(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunCon
               f"(packed {pk['samples_per_s']:.0f} samples/s at token efficiency {pk['token_efficiency']:.3f}, "
               f"{len(bk['bounds'])} buckets {bk['samples_per_s']:.0f} at {bk['token_efficiency']:.3f}; forward+backward, "
               f"median of {m['repeats']} per shape, {policy.mode}): {method}")
-    decision = BatchingDecision(method, reason, "measured", m)
-    busy = load is not None and load > (os.cpu_count() or 1)
-    if busy:
-        decision.reason += f"; not cached: the machine was busy (load average {load:.1f} on {os.cpu_count()} cores)"
-    elif path:
-        record = {"method": method, "reason": reason, "measurement": m, "fingerprint": fp,
-                  "decided_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
-        try:
-            atomic_write_text(path, json.dumps(record, indent=2) + "\n")
-            decision.cache_path = path
-        except OSError:
-            pass  # an unwritable cache costs a measurement next time
+    decision = BatchingDecision(method, reason + decisions.busy_note(load), "measured", m)
+    decision.cache_path = decisions.store(path, {"method": method, "reason": reason, "measurement": m, "fingerprint": fp},
+                                          load)
     return decision
 
 

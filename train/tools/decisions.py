@@ -1,0 +1,68 @@
+"""Measured automatic decisions, cached per machine and settings under ``<data.cache_dir>/decisions/``.
+
+``train.precision=auto`` (train/precision.py), ``batching.method=auto`` (train/data/batching_auto.py) and
+``model.packed_attention=auto`` (train/data/attention.py) each measure once; a later run whose ``fingerprint``
+(machine, torch, threads, model, settings: whatever the measurement depends on) is the same reuses the answer and
+says ``(cached <when> in <path>)``. A measurement taken while the machine is busy (1-minute load average above
+the core count) is used for that run but not cached: other work skews the candidates differently.
+
+A record is a JSON object with at least ``fingerprint``, ``reason``, ``measurement``, ``decided_at`` and the
+decision under its own key (``mode``, ``method``, ``path``). Unreadable or foreign entries are measured again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Any, Optional
+
+from train.errors import atomic_write_text
+
+
+def cache_path(cache_dir: Optional[str], kind: str, fingerprint: Any, version: int) -> Optional[str]:
+    """``<cache_dir>/decisions/<kind>-<16 hex of sha256(version, fingerprint)>.json``; None without a cache dir."""
+    if not cache_dir:
+        return None
+    key = hashlib.sha256(json.dumps([version, fingerprint], sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, "decisions", f"{kind}-{key}.json")
+
+
+def read_cached(path: Optional[str], fingerprint: Any, field: str, choices: tuple[str, ...]) -> Optional[dict]:
+    """The cached record at ``path`` when its fingerprint equals ``fingerprint`` and ``record[field]`` is one of
+    ``choices``, with ``reason`` extended by ``(cached <when> in <path>)``; else None (measure again)."""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+        if record.get("fingerprint") != fingerprint or record.get(field) not in choices:
+            return None
+        return {**record, "reason": f"{record['reason']} (cached {record['decided_at']} in {path})"}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # an unreadable entry is measured again
+
+
+def busy_note(load: Optional[float]) -> str:
+    """``"; not cached: the machine was busy (…)"`` when ``load`` (taken before the measurement) exceeds the core
+    count, else ``""``."""
+    cores = os.cpu_count() or 1
+    if load is None or load <= cores:
+        return ""
+    return (f"; not cached: the machine was busy (load average {load:.1f} on {cores} cores), so the next run "
+            "measures again")
+
+
+def store(path: Optional[str], record: dict[str, Any], load: Optional[float]) -> Optional[str]:
+    """Write ``record`` (plus ``decided_at``) atomically to ``path`` unless the machine was busy (:func:`busy_note`)
+    or there is no path; returns the path written, or None (an unwritable cache costs a measurement next time)."""
+    if not path or busy_note(load):
+        return None
+    try:
+        atomic_write_text(path, json.dumps({**record, "decided_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())},
+                                           indent=2) + "\n")
+        return path
+    except OSError:
+        return None
+
