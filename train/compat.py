@@ -241,14 +241,11 @@ def _call_bound(obj: Any, func: Callable) -> Callable:
 FLEX_MIN_VERSION = (2, 5)
 
 
+@functools.cache
 def flex_attention_functions(device_type: str = "cpu", backward: bool = True) -> tuple[Optional[tuple[Callable, Callable]], str]:
     """``((flex_attention, create_block_mask), "")`` where FlexAttention runs on ``device_type`` (its backward too when
-    ``backward``), else ``(None, why)`` in one clause, e.g. "torch 2.1.0 has no FlexAttention (needs ≥ 2.5)"."""
-    return _flex_probe(device_type, backward)
-
-
-@functools.cache
-def _flex_probe(device_type: str, backward: bool) -> tuple[Optional[tuple[Callable, Callable]], str]:
+    ``backward``), else ``(None, why)`` in one clause, e.g. "torch 2.1.0 has no FlexAttention (needs ≥ 2.5)". Probed
+    once per (device type, backward) with a tiny call."""
     version = torch.__version__.split("+")[0]
     if torch_version() < FLEX_MIN_VERSION:
         return None, f"torch {version} has no FlexAttention (needs ≥ {'.'.join(map(str, FLEX_MIN_VERSION))})"

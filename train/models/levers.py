@@ -9,6 +9,7 @@ from train.models import source_kind
 BUCKETED = ("optimal", "quantile", "kmeans")
 
 
+
 def model_section(cfg, model) -> dict[str, Any]:
     """report.json ``model``: ``source``, ``class`` (the module that ran), ``parameters`` (count), ``preset``
     (builtin and ``hf:<model_type>`` sizes), ``hf_model_type`` (``hf:`` sources, else null)."""
@@ -21,7 +22,8 @@ def model_section(cfg, model) -> dict[str, Any]:
 
 
 def _yaml(v: Any) -> str:
-    """A config value as YAML writes it (``null``, not ``None``)."""
+    """A config value as YAML writes it (``null``, not ``None``). Not train.config.hf_aliases' twin: train.config
+    imports this package, so importing it here would make a cycle."""
     return "null" if v is None else str(v)
 
 
@@ -32,11 +34,10 @@ def _lever(applied: bool, reason: str) -> dict[str, Any]:
 def _bench_lever(cfg, model) -> dict[str, Any]:
     """``levers.bench``: which ``make bench`` rows (train/bench/training.py ``CONFIGS``) run on this model, and why
     the others do not (rows of packed batches need ``supports_packing``)."""
-    from train.bench.training import CONFIGS
+    from train.bench.training import CONFIGS, skip_reason  # the rule make bench itself applies
 
-    packs = bool(getattr(model, "supports_packing", False))
-    rows = [n for n, row in CONFIGS.items() if packs or "batching.method=packed" not in row.overrides]
-    skipped = [n for n in CONFIGS if n not in rows]
+    skipped = {n: why for n in CONFIGS if (why := skip_reason(cfg, n)) is not None}
+    rows = [n for n in CONFIGS if n not in skipped]
     reason = f"make bench ARGS=\"model.source={cfg.model.source}\" runs the rows {', '.join(rows)}"
     if skipped:
         reason += (f"; not {', '.join(skipped)}: packed batches, which this model cannot run (supports_packing is "
