@@ -26,6 +26,12 @@ STEPS=${STEPS:-$ALL_STEPS}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
+# Every step needs torch: a python without it is one line and exit 2 here (before OUT is touched), not a traceback per step.
+if ! torch_err=$("$PYTHON" -c "import torch" 2>&1 >/dev/null); then
+  echo "gpu-check: error: $PYTHON cannot import torch ($(printf '%s\n' "$torch_err" | grep -v '^[[:space:]]*$' | tail -n 1)); install torch into it or point PYTHON at a python that has it" >&2
+  exit 2
+fi
+
 if [ -n "${WORDNET_DIR:-}" ]; then
   export WNHOME="$WORDNET_DIR"
 else
@@ -60,8 +66,7 @@ PRECISION_TOKENS=(); [ "$DRY_RUN" = 1 ] || PRECISION_TOKENS=(batching.max_tokens
 FEW_SHAPES=(batching.num_buckets=2 batching.drop_last=true)
 
 echo "gpu-check ($MODE): python $PYTHON, config $CONFIG, out $OUT, work $WORK, wordnet ${WNHOME:-default search}"
-"$PYTHON" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" \
-  || echo "gpu-check: warning: $PYTHON cannot import torch"
+"$PYTHON" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 
 FAILED=0
 # run_step NAME TIMEOUT_S COMMAND...: runs it with a timeout, its output in $WORK/steps/NAME.log (and the console),
@@ -84,7 +89,7 @@ run_step() {
 
 M=(-m train)
 # bench rows: naive, hf-style, optimized, and the packed / bring-your-own-model rows where this checkout has them
-BENCH_CONFIGS=${BENCH_CONFIGS:-$("$PYTHON" -c "from train.bench.training import CONFIGS as C
+BENCH_CONFIGS=${BENCH_CONFIGS:-$("$PYTHON" -c "from train.commands.bench.training import CONFIGS as C
 print(','.join(['naive', 'hf-style', 'optimized'] + [n for n in C if 'packed' in n or n.startswith('byo')]))" 2>/dev/null \
   || echo naive,hf-style,optimized)}
 run_step verify-gpu 15 "$PYTHON" -m train.tools.verify_gpu --json "$WORK/verify_gpu.json"
@@ -101,7 +106,7 @@ run_step compile-run 85 "$PYTHON" "${M[@]}" train --config "$CONFIG" --run-id gc
   train.log_every=10
 run_step profile 45 "$PYTHON" "${M[@]}" profile --config "$CONFIG" --run-id gc-profile --tools torch,gpu "${COMMON[@]}" \
   compile.enabled=false
-run_step sync-audit 35 "$PYTHON" -m train.perf.sync_audit --config "$CONFIG" --mode warn --out "$WORK/sync_audit.json" \
+run_step sync-audit 35 "$PYTHON" -m train.commands.sync_audit --config "$CONFIG" --mode warn --out "$WORK/sync_audit.json" \
   "${COMMON[@]}" train.run_id=gc-sync train.overwrite=true compile.enabled=false "train.max_steps=$SYNC_STEPS" \
   train.log_every=10 train.eval_every=100000
 

@@ -1,14 +1,33 @@
-"""Shared fixtures: small data the tests write themselves (a WNDB directory, JSONL/CSV files)."""
+"""Shared fixtures and helpers: small data the tests write themselves (a WNDB directory, JSONL/CSV files), a tiny
+trainer and batch, host-read counting, the CLI in a subprocess, resume comparison, multi-process (DDP) helpers.
+
+Every helper more than one test module uses lives here: a test module never imports another test module
+(``tests/test_structure.py`` checks). Imports of ``train`` modules beyond ``train.config`` are inside the helpers.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+import torch
+from torch.overrides import TorchFunctionMode
 
 from train.config import load_config
+
+if TYPE_CHECKING:
+    from train.precision import PrecisionPolicy
+    from train.trainer import Trainer
 
 HEADER = "  1 This software and database is being provided to you, the LICENSEE, by  \n"
 
@@ -105,3 +124,189 @@ def tiny_cfg(wndb: Path, tmp_path: Path):
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+# -- a tiny trainer, a batch, host reads (test_numerics, test_step_timer, test_precision) ----------------------
+
+CPU = torch.device("cpu")
+HOST_READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "cpu"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values by the host (each one a host-device sync on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def small_trainer(*overrides: str, policy: PrecisionPolicy | None = None) -> Trainer:
+    from train.model import EncoderClassifier, resolve_spec
+    from train.precision import PrecisionPolicy
+    from train.trainer import Trainer
+
+    cfg = load_config(None, ["train.max_steps=100", "model.dropout=0.0", *overrides])
+    torch.manual_seed(0)
+    model = EncoderClassifier(resolve_spec("tiny", 50, 5, 16, 0.0, num_layers=1, hidden_size=16, num_heads=2, ffn_size=32))
+    policy = policy or PrecisionPolicy(mode="fp32", reason="test", device=CPU)
+    return Trainer(cfg=cfg, model=model, policy=policy, device=CPU, train_loader=[None], num_classes=5)
+
+
+def batch(seed: int = 0) -> dict:
+    """A collated batch as the loaders give it: 4 samples × 16 tokens, no padding."""
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 50, (4, 16), generator=g), "attention_mask": torch.ones(4, 16, dtype=torch.bool),
+            "labels": torch.randint(0, 5, (4,), generator=g), "real_tokens": 64, "truncated": 0}
+
+
+# -- the CLI in a subprocess (test_cli, test_bench_batching) -----------------------------------------------------
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parent.parent
+    full_env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "train", *args], capture_output=True, text=True, env=full_env,
+                          cwd=cwd or root, timeout=120)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in proc.stderr, proc.stderr
+
+
+# -- resume comparison (test_resume, test_models) -----------------------------------------------------------------
+
+TIMING = ("step_time_ms", "samples_per_s")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock fields."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records if r.get("event") != "system"]
+
+
+def assert_same_final_state(a: Path, b: Path) -> None:
+    """Bit-identical parameters and optimizer state, equal losses and metrics."""
+    from train.compat import load_state
+
+    ca, cb = load_state(str(a / "checkpoint.pt")), load_state(str(b / "checkpoint.pt"))
+    assert ca["step"] == cb["step"]
+    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
+    for sa, sb in zip(ca["optimizer"]["state"].values(), cb["optimizer"]["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    ra, rb = json.loads((a / "report.json").read_text()), json.loads((b / "report.json").read_text())
+    assert ra["quality"]["final_train_loss"] == rb["quality"]["final_train_loss"]
+    assert ra["quality"]["evals"] == rb["quality"]["evals"]
+    assert ra["quality"]["test_accuracy"] == rb["quality"]["test_accuracy"]
+    assert ra["perf"]["train_samples_seen"] == rb["perf"]["train_samples_seen"]
+    assert metrics(a) == metrics(b)
+
+
+# -- a metric logger that keeps records (test_tracking, test_nvml) ------------------------------------------------
+
+class ListLogger:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+# -- multi-process runs: tiny-run overrides, a free port, interruption, a spawned DDP worker ------------------
+
+def tiny_overrides(wndb: Path, root: Path, *extra: str) -> list[str]:
+    """The conftest ``tiny_cfg`` settings as ``section.key=value`` strings (for subprocesses), dropout on."""
+    return [f"data.wordnet_dir={wndb}", f"data.cache_dir={root / 'cache'}", "data.vocab_size=200", "data.max_len=32",
+            "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.ffn_size=64", "model.dropout=0.1",
+            "batching.num_buckets=3", "batching.batch_size=8", "train.max_steps=30", "train.eval_every=10",
+            "train.log_every=3", "train.progress=false", f"train.output_dir={root / 'runs'}", "optim.lr=5e-3",
+            "train.num_threads=1", *extra]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def interrupt_at(monkeypatch_target, step: int, signum: int = signal.SIGTERM) -> None:
+    """Make this process signal itself during training step ``step`` (deterministic interruption)."""
+    from train.trainer import Trainer
+
+    original = Trainer.step
+    calls = {"n": 0}
+
+    def counted_step(self, *args, **kwargs):
+        if kwargs.get("count", True):  # training steps, not warm-up or probe steps
+            calls["n"] += 1
+            if self.start_step + calls["n"] == step:
+                os.kill(os.getpid(), signum)
+        return original(self, *args, **kwargs)
+
+    monkeypatch_target.setattr(Trainer, "step", counted_step)
+
+
+class _Patch:
+    def setattr(self, obj, name, value) -> None:
+        setattr(obj, name, value)
+
+
+def ddp_worker(rank: int, world: int, port: int, overrides: list[str], out_dir: str, resume: str | None,
+               signal_rank: int | None, signal_step: int | None) -> None:
+    """One rank of a Gloo DDP run (for ``torch.multiprocessing.spawn``).
+
+    Records which training-split indices this rank's DataLoader fetched, runs ``run_training`` and
+    writes ``<out_dir>/rank<r>.json`` with the indices, the report and a checksum of its parameters.
+    """
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    from train.commands.train import run_training
+    from train.config import load_config
+    from train.data.collate import TokenDataset
+
+    seen: list[tuple[int, int]] = []
+    original = TokenDataset.__getitem__
+
+    def getitem(self, i):
+        seen.append((len(self.split), int(i)))
+        return original(self, i)
+
+    TokenDataset.__getitem__ = getitem
+    from train.data.packing import RowDataset  # packed training rows index (row, sample index)
+
+    original_row = RowDataset.__getitem__
+
+    def getrow(self, key):
+        seen.append((len(self.split), int(key[1])))
+        return original_row(self, key)
+
+    RowDataset.__getitem__ = getrow
+    if signal_rank == rank and signal_step is not None:
+        interrupt_at(_Patch(), signal_step)
+    captured = {}
+    from train import trainer as trainer_mod
+
+    original_fit = trainer_mod.Trainer.fit
+
+    def fit(self):
+        stats = original_fit(self)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        captured["param_sum"] = float(flat.double().sum())
+        captured["param_sha256"] = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+        return stats
+
+    trainer_mod.Trainer.fit = fit
+    t0 = time.perf_counter()
+    report = run_training(load_config(None, overrides), t0, resume=resume)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"seen": seen, "report": report, **captured}))

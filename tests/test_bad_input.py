@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import write_jsonl
-from tests.ddp_helpers import tiny_overrides
+from tests.conftest import tiny_overrides, write_jsonl
 from train.cli import main
 from train.resume import list_checkpoints
 
@@ -364,7 +363,7 @@ def test_packed_samples_longer_than_pack_len_are_truncated_counted_and_said(tiny
     """Issue 15: a sample longer than ``batching.pack_len`` is cut to it and counted, never silently dropped."""
     import time
 
-    from train.run import run_training
+    from train.commands.train import run_training
 
     report = run_training(tiny_cfg("batching.method=packed", "batching.pack_len=8", "train.max_steps=4"),
                           time.perf_counter())

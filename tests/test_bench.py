@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from train.bench import run_bench
-from train.bench.training import CONFIGS
+from train.commands.bench import run_bench
+from train.commands.bench.training import CONFIGS
 
 ROW_KEYS = {"name", "samples_per_s", "tokens_per_s", "time_to_first_step_s", "step_time_ms", "peak_memory_bytes",
             "energy_j_per_sample", "mfu", "mfu_vs_measured_peak", "samples_per_s_vs_naive", "samples_per_s_vs_hf-style"}
@@ -39,7 +39,7 @@ def test_tiny_bench_writes_every_key(tiny_cfg) -> None:
 def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
     import time
 
-    from train.run import run_training
+    from train.commands.train import run_training
 
     report = run_training(tiny_cfg("train.max_steps=40", "train.run_id=ck"), time.perf_counter())
     cfg = tiny_cfg("train.run_id=benchck", "bench.configs=naive", "bench.warmup_steps=1", "bench.rounds=1",
@@ -53,7 +53,7 @@ def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
 def test_open_loop_load_counts_queueing_and_batches_dynamically() -> None:
     import time as _time
 
-    from train.bench.inference import open_loop
+    from train.commands.bench.inference import open_loop
 
     calls: list[int] = []
 
@@ -87,7 +87,7 @@ def _inference_setup(tiny_cfg):
 def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
     import torch
 
-    from train.bench.inference import Classifier
+    from train.commands.bench.inference import Classifier
 
     cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
     clf = Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len, "bucket")
@@ -106,7 +106,7 @@ def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
 def test_packed_inference_is_one_forward_per_call_with_the_same_answers(tiny_cfg) -> None:
     import torch
 
-    from train.bench.inference import Classifier
+    from train.commands.bench.inference import Classifier
 
     cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
     cpu = torch.device("cpu")
@@ -131,7 +131,7 @@ def test_packed_inference_is_one_forward_per_call_with_the_same_answers(tiny_cfg
 def test_packed_inference_is_refused_for_a_model_that_cannot_pack(tiny_cfg) -> None:
     import torch
 
-    from train.bench.inference import Classifier
+    from train.commands.bench.inference import Classifier
     from train.errors import UserError
 
     cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)

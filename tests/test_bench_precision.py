@@ -3,9 +3,10 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
-from train.bench.precision import run_bench
+from train.commands.bench.precision import run_bench
 
 
 def test_bench_precision_small(tiny_cfg) -> None:
@@ -25,8 +26,13 @@ def test_bench_precision_small(tiny_cfg) -> None:
     bf16 = rows["bf16"]
     assert bf16["precision"] == "bf16" and bf16["steps"] == 2 and bf16["eval_accuracy"] is None
     assert "timing-only" in bf16["eval_unavailable_reason"] and bf16["step_time_ms_p50"] > 0
-    fp32_same_step = rows["fp32"]["step_times_ms"][1]  # bf16's one timed step is step 2: compare with fp32's step 2
-    assert bf16["step_time_ratio_vs_fp32"] == bf16["step_times_ms"][1] / fp32_same_step
+    # timed steps only (after warm-up): bf16's one timed step is step 2, and so is fp32's first (warm-up 1)
+    assert len(bf16["step_times_ms"]) == 1 and len(rows["fp32"]["step_times_ms"]) == 5
+    fp32_same_step = rows["fp32"]["step_times_ms"][0]
+    assert bf16["step_time_ratio_vs_fp32"] == bf16["step_times_ms"][0] / fp32_same_step
+    s = bf16["speedup_vs_fp32"]  # the paired ratio with its interval, from the one A/B primitive
+    assert s["per_round"] == pytest.approx([fp32_same_step / bf16["step_times_ms"][0]]) and s["low"] <= s["median"] <= s["high"]
+    assert rows["fp32"]["speedup_vs_fp32"] is None
     assert rows["fp32"]["peak_memory_bytes"] is None and rows["fp32"]["peak_memory_unavailable_reason"]
     md = (run_dir / "bench-precision.md").read_text()
     assert "| auto | " in md and "| bf16 | bf16 | 2 |" in md

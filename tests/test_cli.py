@@ -2,28 +2,11 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_jsonl
-
-
-def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    root = Path(__file__).resolve().parent.parent
-    full_env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "train", *args], capture_output=True, text=True, env=full_env,
-                          cwd=cwd or root, timeout=120)
-
-
-def assert_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("error: ")
-    for fragment in fragments:
-        assert fragment in proc.stderr, proc.stderr
+from tests.conftest import assert_clean_error, run_cli, write_jsonl
 
 
 def test_missing_wordnet(tmp_path: Path) -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from train.commands.train import run_training
 from train.compiling.warmup import start_compile, warm_up_for_run
 from train.data import make_loader, prepare_data
 from train.precision import PrecisionPolicy
-from train.run import run_training
 from train.setup import build_model, seed_everything
 from train.trainer import Trainer
 
@@ -75,9 +75,9 @@ def test_new_shape_after_warmup_is_a_recompile_and_warmup_restores_bit_exactly(t
     # the warmed shape: no recompile
     (key, shape), = session.shapes.items()
     batch = shape.batches[0]
-    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
     for _ in range(2):
-        trainer.train_step(ids, mask, labels)
+        trainer.step(batch, count=False)
     assert session.monitor.graphs_after_warmup == 0 and not session.monitor.events
 
     # a deliberate new shape after warm-up: 5 samples, evaluation mode

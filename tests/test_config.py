@@ -43,3 +43,34 @@ def test_yaml_errors_name_the_file_and_line(tmp_path: Path) -> None:
         load_config(str(bad))
     with pytest.raises(UserError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_a_key_given_twice_is_one_error_naming_the_file_line_and_key(tmp_path: Path, capsys) -> None:
+    from train.cli import main
+
+    nested = tmp_path / "nested.yaml"  # once the second max_steps won silently
+    nested.write_text("data:\n  source: wordnet\ntrain:\n  max_steps: 3\n  eval_every: 1\n  max_steps: 5\n")
+    with pytest.raises(UserError) as err:
+        load_config(str(nested))
+    assert str(err.value) == f"{nested}:6: duplicate key train.max_steps (first at line 4); keep one"
+    section = tmp_path / "section.yaml"  # once the second train: section silently dropped the first
+    section.write_text("train:\n  max_steps: 3\nmodel:\n  preset: tiny\ntrain:\n  eval_every: 4\n")
+    with pytest.raises(UserError, match=r"section\.yaml:5: duplicate key train \(first at line 1\); keep one$"):
+        load_config(str(section))
+    deeper = tmp_path / "deeper.yaml"
+    deeper.write_text("model:\n  hf_overrides:\n    a: 1\n    b: 2\n    a: 3\n")
+    with pytest.raises(UserError, match=r"deeper\.yaml:5: duplicate key model\.hf_overrides\.a \(first at line 3\)"):
+        load_config(str(deeper))
+    capsys.readouterr()
+    assert main(["train", "--config", str(nested)]) == 2  # the CLI's UserError path: one line, exit 2
+    out = capsys.readouterr()
+    assert out.err == f"error: {nested}:6: duplicate key train.max_steps (first at line 4); keep one\n"
+
+
+def test_merged_keys_may_be_overridden_and_overrides_are_checked_too() -> None:
+    from train.config import strict_load
+
+    assert strict_load("a: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n") == {"a": {"x": 1, "y": 2}, "c": {"x": 3, "y": 2}}
+    assert strict_load("- {a: 1}\n- {a: 2}\n") == [{"a": 1}, {"a": 2}]  # one key in each of two mappings
+    with pytest.raises(UserError, match=r"duplicate key a \(first at line 1\) in the value; keep one"):
+        load_config(None, ["model.hf_overrides={a: 1, a: 2}"])

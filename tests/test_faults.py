@@ -23,8 +23,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import write_jsonl
-from tests.ddp_helpers import tiny_overrides
+from tests.conftest import tiny_overrides, write_jsonl
 from train.cli import main
 from train.config import RunConfig, build_config
 from train.data.sources import split_of
@@ -112,16 +111,16 @@ def test_a_utf8_bom_is_not_part_of_the_first_field(kind: str, tmp_path: Path) ->
 
 def test_sigterm_during_data_preparation_is_one_line_and_leaves_no_run_directory(wndb, tmp_path, monkeypatch,
                                                                                  capsys) -> None:
-    import train.run
+    import train.commands.ranks
 
-    real = train.run.prepare_data
+    real = train.commands.ranks.prepare_data
 
     def prepare_then_signal(*args, **kwargs):
         bundle = real(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)  # as if the scheduler preempted the job while the data was prepared
         return bundle
 
-    monkeypatch.setattr(train.run, "prepare_data", prepare_then_signal)
+    monkeypatch.setattr(train.commands.ranks, "prepare_data", prepare_then_signal)
     code = _train(wndb, tmp_path, "train.run_id=sig")
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGTERM, err

@@ -70,3 +70,23 @@ exec {sys.executable} "$@"
     assert all(steps[n]["status"] == "not run" for n in STEPS[2:]) and not doc["passed"]
     assert "bench-precision: FAILED" in proc.stdout and "verify-gpu: TIMEOUT" in proc.stdout
     assert "## bench-precision: failed" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
+def test_a_python_without_torch_stops_at_once_with_one_line(tmp_path: Path, wndb: Path) -> None:
+    # once: a warning line, then every step ran that python and printed its own ImportError traceback (exit 1)
+    fake = tmp_path / "python"
+    fake.write_text("""#!/usr/bin/env bash
+echo "Traceback (most recent call last):" >&2
+echo '  File "<string>", line 1, in <module>' >&2
+echo "ModuleNotFoundError: No module named 'torch'" >&2
+exit 1
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "gpu_check.json").write_text("{}")  # an earlier result is left alone
+    proc = run_check(tmp_path, wndb, python=str(fake))
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
+    assert proc.stderr == (f"gpu-check: error: {fake} cannot import torch (ModuleNotFoundError: No module named 'torch'); "
+                           "install torch into it or point PYTHON at a python that has it\n")
+    assert (out / "gpu_check.json").read_text() == "{}" and not (tmp_path / "work").exists()

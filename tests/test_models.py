@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_resume import assert_same_final_state
+from tests.conftest import assert_same_final_state
+from train.commands.train import run_training
 from train.compat import hf_attn_implementation, load_state
 from train.config import load_config
 from train.data import prepare_data
 from train.errors import UserError
 from train.resume import list_checkpoints
-from train.run import run_training
 from train.setup import build_model, seed_everything
 
 transformers = pytest.importorskip("transformers")
@@ -193,7 +193,7 @@ def test_packing_is_refused_for_an_hf_model(tiny_cfg) -> None:
 
 
 def test_resume_on_an_hf_model_is_bit_identical(wndb, tmp_path) -> None:
-    from tests.ddp_helpers import tiny_overrides
+    from tests.conftest import tiny_overrides
 
     overrides = tiny_overrides(wndb, tmp_path, *hf_overrides("bert"), "train.max_steps=12", "train.log_every=1",
                                "train.precision=fp32")
@@ -226,15 +226,15 @@ def test_hf_flag_names_map_to_project_keys_with_one_notice_each(capsys) -> None:
 
 
 def test_importing_train_does_not_import_transformers() -> None:
-    code = "import sys, train.cli, train.run, train.config, train.models; print('transformers' in sys.modules)"
+    code = "import sys, train.cli, train.commands.train, train.config, train.models; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_bench_vs_hf_runs_both_sides_on_equal_samples(wndb, tmp_path) -> None:
     pytest.importorskip("accelerate")
-    from tests.ddp_helpers import tiny_overrides
-    from train.bench.vs_hf import run_bench_vs_hf
+    from tests.conftest import tiny_overrides
+    from train.commands.bench.vs_hf import run_bench_vs_hf
 
     cfg = load_config(str(ROOT / "configs" / "bench-vs-hf.yaml"), tiny_overrides(
         wndb, tmp_path, *hf_overrides("bert"), "data.max_samples=null", "batching.max_tokens=128", "train.max_steps=null",
@@ -264,7 +264,7 @@ def _cli_error(argv: list[str], capsys) -> str:
 
 @pytest.mark.parametrize("damage", ["truncated-safetensors", "garbage-bin"])
 def test_a_corrupt_weights_file_is_one_line_naming_the_file(tiny_cfg, wndb, tmp_path, capsys, damage) -> None:
-    from tests.ddp_helpers import tiny_overrides
+    from tests.conftest import tiny_overrides
 
     n = prepare_data(tiny_cfg(), None).num_classes
     d, _ = _save_tiny_bert(tmp_path, tiny_cfg, n)
@@ -280,7 +280,7 @@ def test_a_corrupt_weights_file_is_one_line_naming_the_file(tiny_cfg, wndb, tmp_
 
 
 def test_weights_of_another_shape_name_the_parameter_and_both_shapes(tiny_cfg, wndb, tmp_path, capsys) -> None:
-    from tests.ddp_helpers import tiny_overrides
+    from tests.conftest import tiny_overrides
 
     bundle = prepare_data(tiny_cfg(), None)
     d, _ = _save_tiny_bert(tmp_path, tiny_cfg, bundle.num_classes)  # hidden_size 32
@@ -342,7 +342,7 @@ def test_a_python_model_is_probed_at_the_longest_length(tiny_cfg, tmp_path, monk
 
 
 def test_bench_skips_rows_the_model_cannot_run_and_says_why(tiny_cfg, capsys) -> None:
-    from train.bench import run_bench
+    from train.commands.bench import run_bench
 
     quick = ("bench.warmup_steps=1", "bench.rounds=1", "bench.window=1", "bench.skip_inference=true")
     cfg = tiny_cfg(*hf_overrides("bert"), "bench.configs=optimized,optimized-packed", "train.run_id=b", *quick)
@@ -358,7 +358,7 @@ def test_bench_skips_rows_the_model_cannot_run_and_says_why(tiny_cfg, capsys) ->
 
 
 def test_precision_flags_false_do_not_override_the_other_and_both_true_is_refused(tiny_cfg) -> None:
-    from train.bench.training import arm_config
+    from train.commands.bench.training import arm_config
     from train.config.hf_aliases import expand_hf_alias
 
     assert load_config(None, ["bf16=true", "fp16=false"]).train.precision == "bf16"
@@ -381,9 +381,11 @@ def test_precision_flags_false_do_not_override_the_other_and_both_true_is_refuse
 def test_lever_reasons_print_null_not_none(tiny_cfg) -> None:
     from types import SimpleNamespace
 
-    from train.models.levers import levers_section
+    from train.commands.bench.training import skip_reasons
+    from train.report.levers import levers_section
 
     cfg = tiny_cfg("batching.max_tokens=null")
     policy = SimpleNamespace(mode="fp32", source="config", reason="asked")
-    levers = levers_section(cfg, torch.nn.Linear(2, 2), policy, None, SimpleNamespace(enabled=False), False)
+    levers = levers_section(cfg, torch.nn.Linear(2, 2), policy, None, SimpleNamespace(enabled=False), False,
+                            skip_reasons(cfg))
     assert "batching.max_tokens=null" in levers["token_budget"]["reason"] and "None" not in str(levers)

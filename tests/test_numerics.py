@@ -9,57 +9,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
+from tests.conftest import CPU, HostReads, batch, small_trainer
 from train.clipping import ClipResult
+from train.commands.train import run_training
 from train.compat import fused_adamw_supported, make_grad_scaler
-from train.config import load_config
-from train.model import EncoderClassifier, resolve_spec
+from train.model import EncoderClassifier
 from train.numerics import NumericsAbort, NumericsGuard
 from train.precision import PrecisionPolicy
-from train.run import run_training
-from train.trainer import Trainer
-
-CPU = torch.device("cpu")
-HOST_READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "numpy", "cpu"}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts reads of tensor values by the host (each one a host-device sync on CUDA)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS:
-            self.names.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-def small_trainer(*overrides: str, policy: PrecisionPolicy | None = None) -> Trainer:
-    cfg = load_config(None, ["train.max_steps=100", "model.dropout=0.0", *overrides])
-    torch.manual_seed(0)
-    model = EncoderClassifier(resolve_spec("tiny", 50, 5, 16, 0.0, num_layers=1, hidden_size=16, num_heads=2, ffn_size=32))
-    policy = policy or PrecisionPolicy(mode="fp32", reason="test", device=CPU)
-    return Trainer(cfg=cfg, model=model, policy=policy, device=CPU, train_loader=[None], num_classes=5)
-
-
-def batch(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 50, (4, 16), generator=g), torch.ones(4, 16, dtype=torch.bool),
-            torch.randint(0, 5, (4,), generator=g))
 
 
 @pytest.mark.skipif(not fused_adamw_supported(CPU), reason="no fused CPU AdamW in this torch (< 2.4)")
 @pytest.mark.parametrize("method", ["global-norm", "per-layer-std", "agc", "none"])
 def test_healthy_steps_read_nothing_back(method: str) -> None:
     tr = small_trainer(f"clip.method={method}")
-    tr.train_step(*batch())  # first step: optimizer state is created
+    tr.step(batch())  # first step: optimizer state is created
     with HostReads() as reads:
         for i in range(5):
-            tr.train_step(*batch(i))
+            tr.step(batch(i))
     assert reads.names == [], reads.names  # the guard and clipping stay on the device
     with HostReads() as reads:
         record = tr.guard.end_window(6)
@@ -75,10 +42,10 @@ def test_grad_scaler_steps_read_nothing_back() -> None:
     except RuntimeError:
         pytest.skip("no CPU GradScaler in this torch")
     tr = small_trainer(policy=PrecisionPolicy(mode="fp32", reason="test", device=CPU, scaler=scaler))
-    tr.train_step(*batch())
+    tr.step(batch())
     with HostReads() as reads:
         for i in range(3):
-            tr.train_step(*batch(i))
+            tr.step(batch(i))
     assert reads.names == [], reads.names
 
 
@@ -88,7 +55,7 @@ def test_bad_steps_skipped_and_counted(fused: str) -> None:
         pytest.skip("no fused CPU AdamW in this torch")
     tr = small_trainer(f"optim.fused={fused}")
     params = lambda: [p.detach().clone() for p in tr.model.parameters()]  # noqa: E731
-    tr.train_step(*batch())
+    tr.step(batch())
     bad_steps = {2, 3, 5}
     for i in range(1, 7):
         before = params()
@@ -96,7 +63,7 @@ def test_bad_steps_skipped_and_counted(fused: str) -> None:
             if i in bad_steps:  # poison one weight for this step only, restore it after
                 saved = tr.model.head.bias[0].clone()
                 tr.model.head.bias[0] = float("nan")
-        tr.train_step(*batch(i))
+        tr.step(batch(i))
         if i in bad_steps:
             with torch.no_grad():
                 tr.model.head.bias[0] = saved
@@ -116,11 +83,11 @@ def test_fp16_scaler_skip_is_counted() -> None:
         pytest.skip("no CPU GradScaler in this torch")
     policy = PrecisionPolicy(mode="fp32", reason="test: fp32 compute, fp16-style loss scaling", device=CPU, scaler=scaler)
     tr = small_trainer(policy=policy)
-    tr.train_step(*batch())
+    tr.step(batch())
     scale = scaler.get_scale()
     with torch.no_grad():
         tr.model.head.weight.mul_(1e36)  # logits ~1e36: the scaled loss's gradients overflow
-    tr.train_step(*batch(1))
+    tr.step(batch(1))
     assert scaler.get_scale() == scale / 2  # the GradScaler skipped the step (and backed off)
     assert tr.guard.end_window(2)["skipped_steps"] == 1
 
@@ -129,7 +96,8 @@ def test_guard_names_the_module_that_produced_inf() -> None:
     tr = small_trainer()
     with torch.no_grad():
         tr.model.layers[0].ffn[0].weight[0, 0] = float("inf")
-    tr.guard.diagnose_batch(lambda: tr._diagnostic_pass(*batch()))
+    tr._last_inputs = (*(batch()[k] for k in ("input_ids", "attention_mask", "labels")), {})
+    tr.guard.diagnose_batch(tr._diagnostic_pass)
     assert tr.guard.first_nonfinite["module"] == "layers.0.ffn.0"  # not its parents, not later modules
     assert tr.guard.first_nonfinite["inputs_finite"] is True
     assert "layers.0.ffn.0.weight" in tr.guard.nonfinite_grads
@@ -137,11 +105,11 @@ def test_guard_names_the_module_that_produced_inf() -> None:
 
 def test_hooks_only_while_diagnosing() -> None:
     tr = small_trainer()
-    tr.train_step(*batch())
+    tr.step(batch())
     assert not any(m._forward_hooks for m in tr.model.modules())
     with torch.no_grad():
-        tr.model.tok_emb.weight[batch(1)[0][0, 0]] = float("inf")
-    tr.train_step(*batch(1))
+        tr.model.tok_emb.weight[batch(1)["input_ids"][0, 0]] = float("inf")
+    tr.step(batch(1))
     tr.guard.end_window(2)  # the window had a bad step → armed for the next window
     seen = []
     orig = tr.guard.hooks
@@ -151,7 +119,7 @@ def test_hooks_only_while_diagnosing() -> None:
         return orig()
 
     tr.guard.hooks = spy
-    tr.train_step(*batch(1))
+    tr.step(batch(1))
     assert seen and tr.guard.first_nonfinite["module"] == "tok_emb"
     assert not any(m._forward_hooks for m in tr.model.modules())  # removed after the step
 

@@ -1,5 +1,6 @@
 """Sequence packing: every sample once, rows within capacity, and logits identical to unpacked."""
 
+import contextlib
 from collections import Counter
 
 import numpy as np
@@ -106,7 +107,7 @@ def test_packed_sampler_resumes_at_any_cut_and_is_deterministic(lengths, cut, se
 def test_a_packed_training_run_is_dense_with_one_shape_and_learns(tiny_cfg) -> None:
     import time
 
-    from train.run import run_training
+    from train.commands.train import run_training
 
     bucketed = run_training(tiny_cfg("train.run_id=b", "train.max_steps=40"), time.perf_counter())
     packed = run_training(tiny_cfg("train.run_id=p", "batching.method=packed", "train.max_steps=40"), time.perf_counter())
@@ -117,7 +118,7 @@ def test_a_packed_training_run_is_dense_with_one_shape_and_learns(tiny_cfg) -> N
 
 
 def test_packed_logits_through_the_trainer_inputs_equal_unpacked() -> None:
-    from train.trainer import packed_inputs
+    from train.data.batch import packed_inputs
 
     torch.manual_seed(0)
     spec = resolve_spec("tiny", 50, 4, 16, 0.0, "mean", num_layers=2, hidden_size=32, num_heads=2, ffn_size=64)
@@ -232,25 +233,25 @@ def test_auto_picks_flex_only_when_it_measures_at_least_as_fast(monkeypatch, tin
     model, policy = EncoderClassifier(spec), SimpleNamespace(mode="fp32")
     calls = []
 
-    def forced(model, policy, batch, device, flex):
+    def forced(model, step, batch, device, flex):
         calls.append(batch["input_ids"].shape)
         return {"sdpa-mask": 10.0 * speedup, "flex": 10.0, "speedup": speedup, "repeats": 3, "shape": "x".join(map(str, batch["input_ids"].shape))}
 
-    choice = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False, measure=forced)
+    choice = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False, probe=contextlib.nullcontext, measure=forced)
     assert (choice.path, choice.source) == (expected, "measured") and f"{speedup:.2f}x" in choice.reason
     assert choice.reason.endswith(f": {expected}") and choice.cache_path and len(calls) == 1
-    again = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False, measure=forced)
+    again = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False, probe=contextlib.nullcontext, measure=forced)
     assert (again.path, again.source, len(calls)) == (expected, "cached", 1)
     # dropout > 0: flex would drop attention dropout, so auto keeps sdpa-mask by rule, unmeasured
     ruled = attn.choose_packed_attention(model, policy, tiny_cfg("batching.method=packed", "model.dropout=0.1"), bundle,
-                                         torch.device("cpu"), False, measure=forced)
+                                         torch.device("cpu"), False, probe=contextlib.nullcontext, measure=forced)
     assert (ruled.path, ruled.source, len(calls)) == ("sdpa-mask", "rule", 1)
 
 
 def test_report_records_the_attention_path_that_ran(tiny_cfg) -> None:
     import time
 
-    from train.run import run_training
+    from train.commands.train import run_training
 
     report = run_training(tiny_cfg("train.run_id=att", "batching.method=packed", "model.packed_attention=sdpa-mask",
                                    "train.max_steps=3"), time.perf_counter())

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_numerics import batch, small_trainer
+from tests.conftest import batch, small_trainer
 from train.compat import make_grad_scaler
 from train.errors import UserError
 from train.model import EncoderClassifier, resolve_spec
@@ -92,7 +92,7 @@ def test_bf16_backward_is_unscaled() -> None:
     grads = {}
     for mode in ("fp32", "bf16"):
         tr = small_trainer(policy=PrecisionPolicy(mode=mode, reason="test", device=CPU))
-        loss = torch.nn.functional.cross_entropy(tr.model(*batch()[:2], tr.policy.blocks_autocast), batch()[2])
+        loss = torch.nn.functional.cross_entropy(tr.model(batch()["input_ids"], batch()["attention_mask"], tr.policy.blocks_autocast), batch()["labels"])
         tr.policy.backward(loss)
         grads[mode] = torch.cat([p.grad.flatten() for p in tr.model.parameters()])
     rel = (grads["bf16"] - grads["fp32"]).norm() / grads["fp32"].norm()
@@ -107,8 +107,8 @@ def test_unscale_before_clip_norm_in_true_units() -> None:
     ref = small_trainer("clip.max_norm=0.01", policy=PrecisionPolicy(mode="fp32", reason="ref", device=CPU))
     scaled = small_trainer("clip.max_norm=0.01",
                            policy=PrecisionPolicy(mode="fp32", reason="scaled", device=CPU, scaler=scaler))
-    _, norm_ref = ref.train_step(*batch())
-    _, norm_scaled = scaled.train_step(*batch())
+    norm_ref = ref.step(batch()).grad_norm
+    norm_scaled = scaled.step(batch()).grad_norm
     assert scaler.get_scale() == 65536.0  # the loss really was scaled
     assert float(norm_scaled) == pytest.approx(float(norm_ref), rel=1e-5)  # true units, not 65536× larger
     assert float(norm_ref) > 0.01  # clipping was active, so the threshold was compared in true units too

@@ -13,15 +13,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from train.commands.profile import run_profile
+from train.commands.train import run_training
 from train.profiling import attribution as A
 from train.profiling.config import ProfileConfig
 from train.profiling.nsys import StaleExportError, check_fresh, export_stats, nsys_available, parse_stats_csv
 from train.profiling.ops import OpRecord, bytes_moved, estimated_flops
 from train.profiling.pyspy import PySpyPhase, ptrace_preflight
 from train.profiling.ranges import null_ranges
-from train.profiling.session import ProfileSession, run_profile
+from train.profiling.session import ProfileSession
 from train.profiling.window import TorchProfileWindow
-from train.run import run_training
 
 PROFILE = ["profile.wait=1", "profile.warmup=1", "profile.active=3", "profile.top_k=40"]
 

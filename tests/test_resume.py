@@ -14,38 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ddp_helpers import interrupt_at, tiny_overrides
+from tests.conftest import assert_same_final_state, interrupt_at, tiny_overrides
 from train.cli import main
+from train.commands.train import run_training
 from train.compat import load_state
 from train.config import load_config
 from train.resume import list_checkpoints
-from train.run import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMING = ("step_time_ms", "samples_per_s")
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl without the wall-clock fields."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in records if r.get("event") != "system"]
-
-
-def assert_same_final_state(a: Path, b: Path) -> None:
-    """Bit-identical parameters and optimizer state, equal losses and metrics."""
-    ca, cb = load_state(str(a / "checkpoint.pt")), load_state(str(b / "checkpoint.pt"))
-    assert ca["step"] == cb["step"]
-    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
-    for sa, sb in zip(ca["optimizer"]["state"].values(), cb["optimizer"]["state"].values()):
-        assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    ra, rb = json.loads((a / "report.json").read_text()), json.loads((b / "report.json").read_text())
-    assert ra["quality"]["final_train_loss"] == rb["quality"]["final_train_loss"]
-    assert ra["quality"]["evals"] == rb["quality"]["evals"]
-    assert ra["quality"]["test_accuracy"] == rb["quality"]["test_accuracy"]
-    assert ra["perf"]["train_samples_seen"] == rb["perf"]["train_samples_seen"]
-    assert metrics(a) == metrics(b)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, Path, list[str]]:
     """(wndb, root, overrides) and an uninterrupted 40-step run ``root/runs/ref`` (dropout on, 1 thread, log every step)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_numerics import CPU, HostReads, small_trainer
+from tests.conftest import CPU, HostReads, small_trainer
 from train.callbacks import Callback
 from train.compat import fused_adamw_supported
 from train.perf.timer import StepTimer
@@ -125,13 +125,13 @@ def _fit_with_fake_events(needs_step_ms: bool):
     tr.train_loader = _Loader(12)
     clock = FakeClock()
     tr.timer = StepTimer(torch.device("cuda"), event_factory=clock.event)  # the CUDA branch, on a CPU
-    real_train_step = tr.train_step
+    real_forward = tr.train_model
 
-    def train_step(*a):
-        clock.now += 10.0  # every step takes 10 ms of "device" time
-        return real_train_step(*a)
+    def forward(*a, **k):
+        clock.now += 10.0  # every step takes 10 ms of "device" time (inside the timed step)
+        return real_forward(*a, **k)
 
-    tr.train_step = train_step
+    tr.train_model = forward
     with HostReads() as reads:
         probe = _Probe(clock, reads, needs_step_ms)
         tr.add_callback(probe)
@@ -168,24 +168,23 @@ def test_a_callback_that_needs_step_times_gets_them() -> None:
 def test_sync_audit_passes_the_loop_and_catches_a_host_read(tiny_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
+    from train.commands.train import run_training
     from train.perf.sync_audit import SyncAudit
-    from train.run import run_training
-    from train.trainer import Trainer
-
     cfg = ["train.max_steps=8", "train.log_every=4", "train.eval_every=100"]
     audit = SyncAudit()
     report = run_training(tiny_cfg(*cfg), t_start=time.perf_counter(), hooks=(audit,))
     r = report["sync_audit"]
     assert r["watched_steps"] == 5 and r["host_syncs"] == 0 and r["passed"], r  # steps 2, 3, 5, 6, 7
-    real = Trainer.optimize
+    from train.numerics import NumericsGuard
 
-    def optimize(self, logits, labels):  # a step that reads its loss back: the audit must see it
-        loss, norm = real(self, logits, labels)
+    real = NumericsGuard.observe
+
+    def observe(self, loss, clip):  # a step that reads its loss back: the audit must see it
         float(loss)
-        return loss, norm
+        return real(self, loss, clip)
 
-    monkeypatch.setattr(Trainer, "optimize", optimize)
+    monkeypatch.setattr(NumericsGuard, "observe", observe)
     audit = SyncAudit()
     r = run_training(tiny_cfg(*cfg, "train.run_id=t2"), t_start=time.perf_counter(), hooks=(audit,))["sync_audit"]
     assert r["host_syncs"] == 5 and not r["passed"]
-    assert r["first_syncs"][0]["step"] == 2 and r["first_syncs"][0]["what"] == "__float__" and any("train_step" in f for f in r["first_syncs"][0]["stack"]), r
+    assert r["first_syncs"][0]["step"] == 2 and r["first_syncs"][0]["what"] == "__float__" and any(f.startswith("trainer.py:") and f.endswith(" step") for f in r["first_syncs"][0]["stack"]), r

@@ -84,7 +84,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_has_no_cycle() -> None:
     mods = modules()
     graph = import_graph(mods)
-    assert graph["train.run"] >= {"train.setup", "train.compiling.warmup"}  # the graph is really read
+    assert graph["train.commands.train"] >= {"train.setup", "train.compiling.warmup"}  # the graph is really read
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -161,4 +161,95 @@ def test_the_top_level_holds_only_the_core() -> None:
     """Components live in their folders; at most 16 modules beside ``__init__``/``__main__`` at the top."""
     top = sorted(p.stem for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert len(top) <= 16, f"{len(top)} top-level modules: {top}; move components into their packages"
-    assert {"cli", "setup", "run", "report", "trainer", "callbacks"} <= set(top)
+    assert {"cli", "setup", "trainer", "evaluation", "callbacks"} <= set(top)
+    assert (PKG / "commands" / "__init__.py").is_file() and (PKG / "report" / "levers.py").is_file()
+
+
+COMMANDS = ("train.commands", "train.cli", "train.__main__")
+RUN_SETUP = ("train.setup", "train.report", "train.report.levers", "train.resume")
+STEP = ("train.trainer",)
+
+
+def _layer(module: str) -> int:
+    """4 commands, 3 run set-up, 2 the step (the trainer), 1 components and core."""
+    for rank, prefixes in ((4, COMMANDS), (3, RUN_SETUP), (2, STEP)):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    return 1
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that go up a layer: a component importing the trainer, the run set-up or a command; the trainer
+    importing the set-up or a command; the set-up importing a command (lazy imports included)."""
+    return sorted(f"{a} imports {b}" for a, targets in graph.items() for b in targets if _layer(b) > _layer(a))
+
+
+def test_components_never_import_the_trainer_the_run_setup_or_a_command() -> None:
+    graph = import_graph(modules())
+    assert graph["train.commands.bench.training"] >= {"train.setup"}  # the graph is really read
+    bad = layer_violations(graph)
+    assert not bad, f"commands → run set-up → trainer → components: {bad}"
+    assert layer_violations({"train.data.x": {"train.trainer"}, "train.setup": {"train.commands.train"},
+                             "train.commands.train": {"train.setup", "train.data.x"}}) == [
+        "train.data.x imports train.trainer", "train.setup imports train.commands.train"]
+
+
+def test_one_step_drives_training() -> None:
+    """``optimizer.step`` and ``.backward(`` only in the step's own machinery: the trainer, the precision policy
+    (backward, scaler step) and the numerics guard (the step it may skip); a FLOP count and a capability probe
+    run a backward that trains nothing."""
+    allowed = {"trainer.py", "precision.py", "numerics.py", "perf/flops.py", "compat.py"}
+    found = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
+                   if re.search(r"optimizer\.step\(|\.backward\(", "\n".join(
+                       line for line in p.read_text(encoding="utf-8").splitlines() if not line.strip().startswith("#"))))
+    assert set(found) <= allowed, f"a training step outside Trainer.step: {set(found) - allowed}"
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def imported_test_modules(path: Path) -> set[str]:
+    """The ``tests/test_*.py`` modules (by stem) that ``path`` imports anywhere in its body: ``from tests.test_x
+    import …``, ``import tests.test_x``, ``from tests import test_x``, ``from test_x import …`` (tests/ on
+    sys.path), relative forms, and ``importlib.import_module("tests.test_x")`` / ``__import__`` with a literal."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names.append(base)
+            names += [f"{base}.{a.name}" if base else a.name for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__"):
+                names.append(node.args[0].value)
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        if parts and parts[0] == "tests":
+            parts = parts[1:]
+        if parts and parts[0].startswith("test_"):
+            found.add(parts[0])
+    return found - {path.stem}
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers shared by test modules live in ``tests/conftest.py`` (``from tests.conftest import …``); a test
+    module importing another runs (and couples to) that module's tests and imports."""
+    offenders = {p.name: sorted(found) for p in sorted(TESTS.glob("*.py")) if (found := imported_test_modules(p))}
+    assert not offenders, f"move the shared helpers into tests/conftest.py: {offenders}"
+
+
+def test_the_test_import_check_sees_every_form(tmp_path: Path) -> None:
+    forms = ["from tests.test_numerics import small_trainer", "import tests.test_resume", "from tests import test_cli",
+             "from test_ddp import x", "from .test_models import y",
+             "def f():\n    import importlib\n    return importlib.import_module('tests.test_packing')"]
+    for i, form in enumerate(forms):
+        (tmp_path / f"test_sample{i}.py").write_text(form + "\n")
+    assert [imported_test_modules(tmp_path / f"test_sample{i}.py") for i in range(len(forms))] == [
+        {"test_numerics"}, {"test_resume"}, {"test_cli"}, {"test_ddp"}, {"test_models"}, {"test_packing"}]
+    (tmp_path / "test_fine.py").write_text("from tests.conftest import small_trainer\nimport test_fine\nimport train.tests\n")
+    assert imported_test_modules(tmp_path / "test_fine.py") == set()

@@ -13,24 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import ListLogger
+from train.commands.train import run_training
 from train.config import TrackingConfig
-from train.run import run_training
 from train.tracking.gradstats import GradStats, grad_table
 from train.tracking.loggers import JsonlLogger
 from train.tracking.system import SystemMonitor
 from train.tracking.wandb_logger import WandbLogger, resolve_mode, to_wandb
-
-
-class ListLogger:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def log(self, record: dict) -> None:
-        self.records.append(record)
-
-    def close(self) -> None:
-        pass
-
 
 # -- mode resolution -----------------------------------------------------------------------------
 

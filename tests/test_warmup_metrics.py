@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from train.commands.train import run_training
 from train.compiling.warmup import planned_shapes
 from train.data import make_loader, prepare_data
 from train.data.collate import IGNORE_LABEL, PadCollate, TokenDataset
+from train.evaluation import evaluate
 from train.precision import PrecisionPolicy
-from train.run import run_training
 from train.setup import build_model, seed_everything
-from train.trainer import evaluate
 
 EAGER_COMPILE = ["compile.enabled=true", "compile.backend=eager", "compile.warmup_window=2", "compile.warmup_max_steps=3",
                  "compile.warmup_cv=0.9", "train.max_steps=10", "train.log_every=5", "train.eval_every=100"]

@@ -11,36 +11,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from train.commands.entry import (  # noqa: F401  (load_cfg, flag_overrides: part of this module's interface)
+    cmd_bench,
+    cmd_bench_baseline,
+    cmd_bench_batching,
+    cmd_bench_compile,
+    cmd_bench_gate,
+    cmd_bench_precision,
+    cmd_bench_tracking,
+    cmd_buckets,
+    cmd_compare,
+    cmd_precision,
+    cmd_profile,
+    cmd_train,
+    cmd_wandb_sync,
+    cmd_warmup,
+    flag_overrides,
+    load_cfg,
+)
 from train.errors import Interrupted, RunAborted, UserError
-
-
-def load_cfg(args: argparse.Namespace, default_config: Optional[str] = None):
-    """The command's RunConfig: ``--config`` (or ``default_config``) + overrides (+ ``--run-id`` as ``train.run_id``,
-    + each given config-key flag such as ``--rounds 8`` as its key, e.g. ``bench.rounds=8``; a flag wins over an
-    override of the same key).
-
-    Raises:
-        UserError: unreadable config, unknown key, bad value.
-    """
-    from train.config import load_config
-
-    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if getattr(args, "run_id", None) else [])
-    overrides += flag_overrides(args)
-    return load_config(args.config or default_config, overrides)
-
-
-def flag_overrides(args: argparse.Namespace) -> list[str]:
-    """``section.key=value`` for every config-key flag given on the command line (see :func:`_key_flag`)."""
-    keys: dict[str, str] = getattr(args, "_config_keys", None) or {}
-    return [f"{key}={json.dumps(getattr(args, dest))}" for dest, key in keys.items() if getattr(args, dest) is not None]
 
 
 def _key_flag(p: argparse.ArgumentParser, flag: str, key: str, what: str, type: Optional[type] = int) -> None:
@@ -57,177 +52,6 @@ def _key_flag(p: argparse.ArgumentParser, flag: str, key: str, what: str, type: 
     else:
         action = p.add_argument(flag, type=type, default=None, help=text)
     p.set_defaults(_config_keys={**(p.get_default("_config_keys") or {}), action.dest: key})
-
-
-# -- the commands ---------------------------------------------------------------------------------------------
-
-def cmd_train(args: argparse.Namespace, t_start: float) -> int:
-    from train.config import load_config
-    from train.report import summary_lines
-    from train.run import run_training
-
-    if args.resume:
-        from train.resume import find_resume_checkpoint
-
-        run_dir, _ = find_resume_checkpoint(args.resume)
-        cfg = load_config(str(run_dir / "config.yaml"), list(args.overrides))
-        cfg.train.output_dir, cfg.train.run_id = str(run_dir.parent), run_dir.name
-    else:
-        cfg = load_cfg(args)
-    report = run_training(cfg, t_start, buckets_force=args.buckets_force, resume=args.resume)
-    main_rank = os.environ.get("RANK", "0") == "0"
-    if report.get("status") == "interrupted":
-        info = report["interrupted"]
-        if main_rank:
-            print(f"interrupted by {info['signal']} after step {info['step']}/{info['total_steps']}; "
-                  f"checkpoint {info['checkpoint']}; resume with: {info['resume_command']}")
-        return 0 if info["signal"] == "SIGTERM" else 130  # SIGTERM = preemption: a clean, resumable stop
-    if main_rank:
-        for line in summary_lines(report):
-            print(line)
-    return 0
-
-
-def cmd_precision(args: argparse.Namespace, t_start: float) -> int:
-    from train.precision import PrecisionPolicy, decision_cache_path, probe_for
-    from train.tools.env import resolve_device
-
-    cfg = load_cfg(args)
-    if args.remeasure:
-        decision_cache_path(probe_for(cfg), cfg.data.cache_dir).unlink(missing_ok=True)
-    policy = PrecisionPolicy.for_config(cfg, resolve_device(cfg.train.device))
-    print(f"precision {policy.mode} [{policy.source}] {policy.reason}")
-    return 0
-
-
-def cmd_buckets(args: argparse.Namespace, t_start: float) -> int:
-    from pathlib import Path
-
-    from train.data import fit_bucket_plan
-
-    cfg = load_cfg(args)
-    b = cfg.batching
-    plan = fit_bucket_plan(cfg)
-    out = Path(args.out or f"{cfg.train.output_dir}/buckets/{b.method}-{b.num_buckets}.json")
-    plan.save(out)
-    print(f"{b.method} K={b.num_buckets}: bounds {plan.bounds}, counts {plan.counts}, "
-          f"predicted token efficiency {plan.predicted_token_efficiency:.4f}")
-    print(f"wrote {out}; train with batching.boundaries_file={out}")
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench import markdown, run_bench
-
-    cfg = load_cfg(args)
-    result = run_bench(cfg)
-    print(markdown(result))
-    print(f"wrote {cfg.train.output_dir}/{cfg.train.run_id}/bench/ (bench.json, bench.md, PNGs)")
-    return 0
-
-
-def cmd_bench_gate(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.gate import run_gate
-
-    passed, _ = run_gate(load_cfg(args, default_config="configs/bench-gate.yaml"))
-    return 0 if passed else 1
-
-
-def cmd_bench_baseline(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.gate import write_baseline
-
-    write_baseline(load_cfg(args, default_config="configs/bench-gate.yaml"))
-    return 0
-
-
-def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.batching import run_bench
-    from train.setup import make_run_dir
-
-    cfg = load_cfg(args)
-    run_dir = make_run_dir(cfg, prefix="bench-batching-")
-    run_bench(cfg, run_dir)
-    print((run_dir / "bench-batching.md").read_text(encoding="utf-8"))
-    print(f"wrote {run_dir}/bench-batching.json, .md, .png")
-    return 0
-
-
-def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
-    from train.profiling.session import parse_tools, run_profile
-
-    tools = parse_tools(args.tools)
-    child_args = (["--config", args.config] if args.config else []) + list(args.overrides)
-    run_profile(load_cfg(args), tools, t_start, child_args)
-    return 0
-
-
-def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.precision import markdown, run_bench
-
-    out = run_bench(load_cfg(args))
-    print(markdown(out))
-    print(f"wrote {out['run_dir']}/bench-precision.json and .md")
-    return 0
-
-
-def cmd_compare(args: argparse.Namespace, t_start: float) -> int:
-    from train.tracking.compare import compare, compare_bench, is_bench_file
-
-    if all(is_bench_file(a) for a in args.runs):
-        md, md_path = compare_bench(args.runs, args.out, args.runs_dir)
-        print(md)
-        print(f"wrote {md_path}")
-        return 0
-    md, md_path, png_path = compare(args.runs, args.out, args.runs_dir)
-    print(md)
-    print(f"wrote {md_path} and {png_path}")
-    return 0
-
-
-def cmd_wandb_sync(args: argparse.Namespace, t_start: float) -> int:
-    from train.tracking.sync import sync
-
-    return sync(args.runs_dir, args.all, args.dry_run)
-
-
-def cmd_bench_tracking(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.tracking import run_bench
-
-    cfg = load_cfg(args, default_config="configs/smoke.yaml")
-    res = run_bench(cfg)
-    med = res["ms_per_step_median"]
-    print(f"ms/step (median of {cfg.bench_tracking.rounds} blocks): none {med['none']:.2f}, jsonl {med['jsonl']:.2f}, full {med['full']:.2f}")
-    print(f"overhead of full tracking vs none: {100 * res['overhead_full_vs_none']:+.2f}% (target ≤ 2%: "
-          f"{'met' if res['target_met'] else 'NOT met'}); vs jsonl only: {100 * res['overhead_full_vs_jsonl']:+.2f}%")
-    print(f"CPU time per step (process + wandb-core), less sensitive to a shared machine: full vs none "
-          f"{100 * res['cpu_overhead_full_vs_none']:+.2f}%, vs jsonl {100 * res['cpu_overhead_full_vs_jsonl']:+.2f}%")
-    if "online_unreachable" in res:
-        o = res["online_unreachable"]
-        print(f"W&B forced online, server unreachable: extra wall time {o['extra_wall_s']:.1f} s "
-              f"(init timeout {o['init_timeout_s']:g} s); W&B active: {o['wandb_active']}; reason: {o['wandb_fallback_reason']}")
-    print(f"wrote {res['path']}")
-    return 0
-
-
-def cmd_warmup(args: argparse.Namespace, t_start: float) -> int:
-    from train.compiling.warmup import run_warmup
-
-    result = run_warmup(load_cfg(args), buckets_force=args.buckets_force)
-    t = result["totals"]
-    print(f"{t['shapes']} shapes ({t['train_shapes']} train, {t['eval_shapes']} eval) in {t['warmup_s']:.1f}s, "
-          f"{t['stable_shapes']} stable (CV ≤ {100 * result['criteria']['cv_threshold']:.0f}%); wrote {result['path']}")
-    return 0
-
-
-def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
-    from train.bench.compilation import first_step_child, run_bench
-
-    cfg = load_cfg(args)
-    if args.child:
-        first_step_child(cfg, t_start, args.child)
-        return 0
-    run_bench(cfg, args.config, list(args.overrides))
-    return 0
 
 
 # -- the table ------------------------------------------------------------------------------------------------
@@ -342,7 +166,7 @@ COMMANDS: dict[str, Command] = {
     "bench-baseline": Command("measure the gate's figures bench_gate.repeats times and rewrite the baseline (says what "
                               "changed)", cmd_bench_baseline, _args_bench_gate, run_id="bench-baseline-<UTC time>-<random>"),
     "bench-vs-hf": Command("an HF model: the HF Trainer vs this project, interleaved → runs/<id>/bench-vs-hf.{json,md}",
-                           lambda a, t: __import__("train.bench.vs_hf", fromlist=["command"]).command(a, t),
+                           lambda a, t: __import__("train.commands.bench.vs_hf", fromlist=["command"]).command(a, t),
                            run_id="bench-vs-hf-<UTC time>-<random>"),
     "bench-batching": Command("batching methods side by side → runs/<id>/bench-batching.{json,md,png}", cmd_bench_batching,
                               _args_bench_batching, run_id="bench-batching-<UTC time>-<random>"),

@@ -74,6 +74,26 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+class Frozen:
+    """Base of every config section: a section can be frozen (:meth:`freeze`), after which assigning a field raises
+    :class:`dataclasses.FrozenInstanceError` naming the key — a resolved config is a value; a decision makes a new one
+    (``RunConfig.with_values``). ``dataclasses.replace`` of a frozen section gives an unfrozen copy."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen_", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign {type(self).__name__}.{name}: the run's config is resolved and frozen; make a new one "
+                "with cfg.with_values({'section.key': value})")
+        object.__setattr__(self, name, value)
+
+    def freeze(self) -> None:
+        object.__setattr__(self, "_frozen_", True)
+
+    @property
+    def frozen(self) -> bool:
+        return self.__dict__.get("_frozen_", False)
+
+
 def allowed(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = None, le: Optional[float] = None,
             lt: Optional[float] = None, choices: Optional[tuple] = None) -> Any:
     """A dataclass field with ``default`` whose accepted values are declared once, here (see :class:`Allowed`);

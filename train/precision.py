@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import statistics
-import time
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +36,7 @@ import torch
 
 from train.compat import make_grad_scaler
 from train.errors import UserError
+from train.perf.ab import Arm, interleave
 from train.tools import decisions
 from train.tools.env import cpuinfo as _cpuinfo
 from train.tools.env import machine_load
@@ -84,29 +83,29 @@ def probe_for(cfg) -> ProbeShape:
 def measure_bf16_speedup(probe: ProbeShape, repeats: int = PROBE_REPEATS) -> dict[str, Any]:
     """Time ``F.linear`` at ``probe`` in fp32 and under CPU bf16 autocast (casts included, as in training).
 
-    One untimed call of each first; then ``repeats`` rounds, each timing one fp32 call and one bf16 call
-    in alternating order. Returns ``fp32_ms`` and ``bf16_ms`` (medians, milliseconds), ``ratio``
-    (fp32_ms / bf16_ms: > 1 means bf16 is faster) and ``repeats``.
+    Through the one A/B primitive (:func:`train.perf.ab.interleave`): one untimed call of each first; then
+    ``repeats`` rounds, each timing one fp32 call and one bf16 call in alternating order. Returns ``fp32_ms`` and
+    ``bf16_ms`` (medians, milliseconds), ``ratio`` (fp32_ms / bf16_ms: > 1 means bf16 is faster), its paired
+    ``ratio_interval`` and ``repeats``.
     """
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(probe.tokens, probe.hidden, generator=gen)
     w = torch.randn(probe.ffn, probe.hidden, generator=gen) / probe.hidden ** 0.5
     b = torch.zeros(probe.ffn)
 
-    def run(dtype: str) -> float:
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
-        t0 = time.perf_counter()
-        with ctx:
-            torch.nn.functional.linear(x, w, b)
-        return (time.perf_counter() - t0) * 1e3
+    def arm(dtype: str) -> Arm:
+        def one() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext():
+                torch.nn.functional.linear(x, w, b)
 
-    run("fp32"), run("bf16")  # warm-up: allocations, kernel selection
-    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    for i in range(repeats):
-        for dtype in (("fp32", "bf16") if i % 2 == 0 else ("bf16", "fp32")):
-            times[dtype].append(run(dtype))
-    fp32_ms, bf16_ms = statistics.median(times["fp32"]), statistics.median(times["bf16"])
-    return {"fp32_ms": fp32_ms, "bf16_ms": bf16_ms, "ratio": fp32_ms / bf16_ms, "repeats": repeats}
+        return Arm(dtype, one)
+
+    # the one A/B primitive: an untimed call each (allocations, kernel selection), then rotated rounds
+    ab = interleave([arm("fp32"), arm("bf16")], rounds=repeats, window=1, warmup=1, device=torch.device("cpu"))
+    fp32_ms, bf16_ms = ab.arms["fp32"].median_step_ms(), ab.arms["bf16"].median_step_ms()
+    r = ab.ratio("bf16", "fp32", "steps")
+    return {"fp32_ms": fp32_ms, "bf16_ms": bf16_ms, "ratio": fp32_ms / bf16_ms, "ratio_interval": [r.low, r.high],
+            "repeats": repeats}
 
 
 def machine_fingerprint(probe: ProbeShape) -> dict[str, Any]:

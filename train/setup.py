@@ -4,19 +4,22 @@ the device, torch threads, seeds and the precision policy; and the model built f
     start = start_run(cfg, prefix="bench-precision-")   # run_dir, device, policy
     model = build_model(cfg, bundle).to(start.device)
 
-``python -m train train`` starts through the same pieces in :mod:`train.run`, where under torchrun rank 0
+``python -m train train`` starts through the same pieces in :mod:`train.commands.train`, where under torchrun rank 0
 creates the directory and every rank follows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
 import secrets
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -55,7 +58,8 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
     """Create ``<train.output_dir>/<train.run_id>`` and return it.
 
     Without ``train.run_id`` a new id (:func:`new_run_id`) is created exclusively (a directory that exists
-    already is never shared: another id is drawn) and written back to ``cfg.train.run_id``. An explicit
+    already is never shared: another id is drawn); the directory's name is the run id (the caller's config is not
+    edited: ``start_run`` and ``run_training`` make the resolved config with it). An explicit
     ``train.run_id`` is created exclusively too: a directory that exists and is not empty is used only to
     continue it (``resume=True``) or with ``train.overwrite=true``, which removes the earlier run's
     :data:`RUN_OUTPUTS` first.
@@ -87,7 +91,6 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
                     break
                 except FileExistsError:
                     continue
-            cfg.train.run_id = run_dir.name
         probe = run_dir / ".write-test"
         probe.write_text("")
         probe.unlink()
@@ -116,11 +119,13 @@ def _reuse(run_dir: Path, cfg: RunConfig, resume: bool) -> None:
 
 @dataclass
 class RunStart:
-    """What :func:`start_run` set up: ``run_dir`` (None when not asked for), ``device``, ``policy``."""
+    """What :func:`start_run` set up: ``run_dir`` (None when not asked for), ``device``, ``policy`` and ``cfg``, the
+    resolved, frozen config (its ``train.run_id`` the directory's name; what ``config.yaml`` holds)."""
 
     run_dir: Optional[Path]
     device: torch.device
     policy: PrecisionPolicy
+    cfg: Optional[RunConfig] = None
 
 
 def start_run(cfg: RunConfig, prefix: str = "", run_dir: bool = True) -> RunStart:
@@ -131,12 +136,17 @@ def start_run(cfg: RunConfig, prefix: str = "", run_dir: bool = True) -> RunStar
         UserError: unwritable run directory, unavailable device, or a precision the device cannot run.
     """
     directory = None
+    resolved = cfg
     if run_dir:
         directory = make_run_dir(cfg, prefix)
-        atomic_write_text(directory / "config.yaml", dump_config(cfg))
+        if directory.name != cfg.train.run_id:
+            resolved = cfg.with_values({"train.run_id": directory.name})
+    resolved = resolved.with_values({}).freeze() if not resolved.frozen else resolved
+    if directory is not None:
+        atomic_write_text(directory / "config.yaml", dump_config(resolved))
     device = resolve_device(cfg.train.device)
     apply_threads_and_seed(cfg)
-    return RunStart(run_dir=directory, device=device, policy=PrecisionPolicy.for_config(cfg, device))
+    return RunStart(run_dir=directory, device=device, policy=PrecisionPolicy.for_config(cfg, device), cfg=resolved)
 
 
 def build_model(cfg: RunConfig, bundle, hf_config: Optional[str] = None) -> torch.nn.Module:
@@ -161,3 +171,118 @@ def build_model(cfg: RunConfig, bundle, hf_config: Optional[str] = None) -> torc
         raise UserError(f"bucket bound {max(bundle.bounds)} exceeds data.max_len={spec.max_len} (the position table); "
                         "refit the buckets or raise data.max_len")
     return EncoderClassifier(spec)
+
+
+def replan(cfg: RunConfig, bundle):
+    """``bundle`` with the bucket plan of ``cfg.batching`` (a benchmark row or a decision that changed the batching
+    method); the prepared splits are shared, only bounds, padding and plan are new. Fitted plans are not saved."""
+    from train.data import bucket_plan
+
+    bounds, pad_to, plan, source = bucket_plan(cfg, bundle.splits["train"].lengths, bundle.data_fingerprint,
+                                               bundle.tokenizer_info["fingerprint"], None, False, lambda _m: None)
+    return dataclasses.replace(bundle, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source)
+
+
+@dataclass
+class BuiltRun:
+    """A run ready to take steps: its config, device, precision policy, data bundle, model (the plain module),
+    loaders by split, compile session (None when not asked for) and trainer."""
+
+    cfg: RunConfig
+    device: torch.device
+    policy: PrecisionPolicy
+    bundle: Any
+    model: torch.nn.Module
+    loaders: dict[str, Any]
+    trainer: Any
+    compiled: Any = None
+
+
+def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPolicy, *,
+              splits: tuple[str, ...] = ("train",), model: Optional[torch.nn.Module] = None,
+              hf_config: Optional[str] = None, ctx: Any = None, compile: bool = False,
+              logger: Optional[Callable[[torch.nn.Module], Any]] = None,
+              before_wrap: Optional[Callable[[torch.nn.Module, Any], None]] = None) -> BuiltRun:
+    """The one set-up of a run from a resolved config and its prepared data — what ``make train``, warm-up and every
+    benchmark row build, in this order: the model (seeded with ``train.seed``, unless ``model`` is given), a loader
+    per split in ``splits`` (``train`` shuffled, rank-sharded under ``ctx``), the compile session (``compile``: the
+    run's ``compile`` settings, shapes planned), ``before_wrap(model, compiled)`` (e.g. loading a checkpoint before DDP
+    broadcasts rank 0's weights), and the :class:`~train.trainer.Trainer` (validation as its periodic evaluation when
+    that split is built and not empty; ``logger(model)`` its metrics logger; the step through the compiled forward or
+    the DDP wrapper).
+
+    Raises:
+        UserError: a model that cannot be built for this data, or ``batching.method=packed`` on a model without
+            packed rows.
+    """
+    from train.compiling.warmup import start_compile
+    from train.data import make_loader
+    from train.distributed import DistContext, wrap_model
+    from train.trainer import Trainer
+
+    ctx = ctx or DistContext()
+    if model is None:
+        seed_everything(cfg.train.seed)  # every row / side of a comparison starts from the same weights
+        model = build_model(cfg, bundle, hf_config).to(device)
+    check_packing(cfg, model)
+    loaders = {s: make_loader(bundle, s, cfg, train=s == "train", device=device, world_size=ctx.world_size,
+                              rank=ctx.rank) for s in splits}
+    compiled = None
+    if compile:
+        evals = [loaders[s] for s in ("validation", "test") if s in loaders]
+        compiled = start_compile(cfg, device, model, bundle.pad_to, loaders["train"], evals)
+    if before_wrap is not None:
+        before_wrap(model, compiled)
+    val = loaders.get("validation")
+    has_val = val is not None and len(bundle.splits["validation"]) > 0  # none: no periodic evaluation
+    forward = compiled.forward if compiled is not None and compiled.enabled else wrap_model(model, ctx, device)
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders.get("train"),
+                      eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,
+                      logger=logger(model) if logger is not None else None, train_model=forward)
+    return BuiltRun(cfg, device, policy, bundle, model, loaders, trainer, compiled)
+
+
+def check_packing(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """Raises UserError when ``batching.method=packed`` and the model cannot run packed rows."""
+    if cfg.batching.method == "packed" and not getattr(model, "supports_packing", False):
+        raise UserError(f"batching.method=packed: the model model.source={cfg.model.source} "
+                        f"({type(getattr(model, 'inner', model)).__name__}) cannot take per-sample "
+                        "positions and a block-diagonal mask (forward(..., position_ids=, seq_index=, num_seqs=)); use "
+                        "batching.method=optimal")
+
+
+@contextlib.contextmanager
+def probe_trainer(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy,
+                  device: torch.device) -> Iterator[Any]:
+    """A throwaway :class:`~train.trainer.Trainer` on ``model`` (an AdamW of its own, no loader: the probe hands
+    every batch to ``step(batch, count=False)``), so an ``auto`` probe times the step ``make train`` runs. The model's
+    weights, the GradScaler and every RNG are restored bit-exactly afterwards (the run continues as if no probe ran).
+
+    Raises:
+        RuntimeError: the state could not be restored bit-exactly.
+    """
+    from train.compiling.warmup import restore, snapshot
+    from train.trainer import Trainer
+
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=None, num_classes=1)
+    state = snapshot(model, trainer)
+    was_training = model.training
+    model.train()
+    try:
+        yield trainer
+    finally:
+        model.train(was_training)
+        if not restore(model, trainer, state):
+            raise RuntimeError("a probe could not restore the model state bit-exactly")
+
+
+@contextlib.contextmanager
+def probe_steps(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy,
+                device: torch.device) -> Iterator[Callable[[dict], None]]:
+    """``step(batch)``: one uncounted :meth:`~train.trainer.Trainer.step` of a :func:`probe_trainer` — what the
+    ``auto`` probes (batching, packed attention) time; everything is restored on exit."""
+    with probe_trainer(cfg, model, policy, device) as trainer:
+        def step(batch: dict) -> None:
+            trainer.step(batch, count=False)
+
+        yield step

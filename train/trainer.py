@@ -8,7 +8,7 @@ CUDA) only when a record is logged: a steady step between two records never wait
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -24,9 +24,10 @@ from train.callbacks import Callback
 from train.clipping import clip_gradients
 from train.compat import fused_adamw_supported
 from train.config import RunConfig
-from train.data.collate import IGNORE_LABEL
+from train.data.batch import batch_samples, epochs, move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
+from train.evaluation import evaluate
 from train.model import EncoderClassifier, param_groups
 from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
@@ -65,58 +66,49 @@ class TrainStats:
     first_step_end: Optional[float] = None  # time.perf_counter() at the end of step 1
     evals: list = field(default_factory=list)
 
-
-def move(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    nb = device.type == "cuda"  # async copy from pinned memory
-    return (batch["input_ids"].to(device, non_blocking=nb), batch["attention_mask"].to(device, non_blocking=nb),
-            batch["labels"].to(device, non_blocking=nb))
-
-
-def packed_inputs(batch: dict, device: torch.device) -> dict[str, Any]:
-    """A packed batch's extra forward arguments (train/data/packing.py): ``position_ids`` and ``seq_index``
-    (LongTensor[R, C], on ``device``) and ``num_seqs`` (its label slots); ``{}`` for an ordinary batch."""
-    if "position_ids" not in batch:
-        return {}
-    nb = device.type == "cuda"
-    return {"position_ids": batch["position_ids"].to(device, non_blocking=nb),
-            "seq_index": batch["seq_index"].to(device, non_blocking=nb), "num_seqs": int(batch["labels"].shape[0])}
+    def add(self, rec: "StepRecord", steady: bool) -> None:
+        """Count one step (``steady``: not this process's first, cold step)."""
+        self.steps, self.samples = rec.step, self.samples + rec.samples
+        self.real_tokens += rec.real_tokens
+        self.padded_tokens += rec.padded_tokens
+        self.truncated_in_collate += rec.truncated
+        self.seq_lens.add(rec.seq_len)
+        self.batch_shapes.add((rec.rows, rec.seq_len))
+        if steady:
+            self.steady_shape_counts[(rec.rows, rec.seq_len)] += 1
+            self.steady_samples += rec.samples
+            self.steady_real_tokens += rec.real_tokens
 
 
-@torch.no_grad()
-def evaluate(model: EncoderClassifier, loader: DataLoader, policy: PrecisionPolicy, num_classes: int,
-             device: torch.device, dist_ctx: Optional[DistContext] = None) -> dict[str, float]:
-    """Accuracy (micro), macro-F1 (torchmetrics) and mean cross-entropy over ``loader``.
+@dataclass(frozen=True)
+class StepRecord:
+    """What one :meth:`Trainer.step` did.
 
-    Under DDP each rank evaluates its shard (``loader`` from ``make_loader(..., world_size, rank)``):
-    torchmetrics all-gathers its states in ``compute()``; the loss sum and count are all-reduced. Filler rows
-    (label ``IGNORE_LABEL``, which fill a bucket's last batch to the training shape) count nowhere.
+    ``loss``: the batch's mean cross-entropy, an fp32 scalar tensor on the device (not read back: no sync);
+    ``grad_norm``: the pre-clip global gradient norm in true units (device tensor, or None when clipping computes
+    none); ``rows`` × ``seq_len`` the batch's shape (rows hold several samples when packed); ``samples``,
+    ``real_tokens`` (tokens that are not padding) and ``truncated`` (samples cut to fit) counts; ``ms`` the step's
+    duration in milliseconds when the host knows it (always on a CPU; on CUDA only when resolved), else None.
     """
-    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score  # here: its import costs ~1 s of start-up
 
-    ctx = dist_ctx or DistContext()
-    was_training = model.training
-    model.eval()
-    acc = MulticlassAccuracy(num_classes=num_classes, average="micro", ignore_index=IGNORE_LABEL).to(device)
-    f1 = MulticlassF1Score(num_classes=num_classes, average="macro", ignore_index=IGNORE_LABEL).to(device)
-    loss_sum = torch.zeros((), device=device)
-    n = 0
-    for batch in loader:
-        ids, mask, labels = move(batch, device)
-        logits = model(ids, mask, policy.blocks_autocast)
-        loss_sum += F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE_LABEL)
-        acc.update(logits, labels)
-        f1.update(logits, labels)
-        n += batch.get("samples", labels.numel())
-    model.train(was_training)
-    if ctx.enabled:  # every rank, even one with an empty shard, joins the reductions
-        totals = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(float(n), dtype=torch.float64,
-                                                                              device=device)]), ctx)
-        loss_sum, n = totals[0], int(totals[1])
-    if n == 0:
-        return {"accuracy": None, "macro_f1": None, "loss": None, "samples": 0,
-                "unavailable_reason": "the split has no examples"}
-    return {"accuracy": float(acc.compute()), "macro_f1": float(f1.compute()),
-            "loss": float(loss_sum) / n, "samples": n}  # float(): sync point, once per evaluation
+    step: int
+    loss: torch.Tensor
+    grad_norm: Optional[torch.Tensor]
+    rows: int
+    seq_len: int
+    samples: int
+    real_tokens: int
+    truncated: int
+    ms: Optional[float] = None
+
+    @property
+    def padded_tokens(self) -> int:
+        """Token slots the step processed (rows × seq_len), padding included."""
+        return self.rows * self.seq_len
+
+    def counts(self) -> dict[str, int]:
+        """The step's work as numbers that add up over steps (what an A/B window sums)."""
+        return {"samples": self.samples, "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens}
 
 
 class Trainer:
@@ -129,7 +121,9 @@ class Trainer:
         model: the plain module: its parameters are optimised, evaluation and checkpoints use it.
         policy: the precision policy (autocast for the blocks, GradScaler for fp16).
         device: where batches go.
-        train_loader: yields padded batches (``input_ids`` [B, S], ``attention_mask`` [B, S], ``labels`` [B]).
+        train_loader: yields padded batches (``input_ids`` [B, S], ``attention_mask`` [B, S], ``labels`` [B]); None for
+            a trainer whose caller hands every batch to :meth:`step` (a probe): then ``total_steps`` is
+            ``train.max_steps`` (or 1) and :meth:`fit` cannot run.
         num_classes: for evaluation metrics.
         eval_loader: periodic evaluation every ``train.eval_every`` steps, or None.
         logger: receives one record every ``train.log_every`` steps (default: a NullLogger).
@@ -137,10 +131,14 @@ class Trainer:
         dist_ctx: the torchrun/DDP context (default: single process).
         train_model: what a training step calls, when it is not ``model`` itself: the DDP wrapper or the
             compiled forward (``train.compiling.session.CompiledForward``).
+
+    Raises:
+        RuntimeError: a training loader that yields no batches.
+        UserError: ``optim.fused=true`` where torch has no fused AdamW for the device.
     """
 
     def __init__(self, *, cfg: RunConfig, model: EncoderClassifier, policy: PrecisionPolicy, device: torch.device,
-                 train_loader: DataLoader, num_classes: int, eval_loader: Optional[DataLoader] = None,
+                 train_loader: Optional[DataLoader], num_classes: int, eval_loader: Optional[DataLoader] = None,
                  logger: Optional[MetricLogger] = None, callbacks: Iterable[Callback] = (),
                  dist_ctx: Optional[DistContext] = None, train_model: Optional[torch.nn.Module] = None) -> None:
         self.cfg, self.model, self.policy, self.device = cfg, model, policy, device
@@ -150,11 +148,14 @@ class Trainer:
         self.train_loader, self.eval_loader = train_loader, eval_loader
         self.logger: MetricLogger = logger if logger is not None else NullLogger()
         self.num_classes = num_classes
-        batches_per_epoch = len(train_loader)
-        if batches_per_epoch == 0:
-            raise RuntimeError("the training loader yields no batches")
         t = cfg.train
-        self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * batches_per_epoch))
+        if train_loader is None:
+            self.total_steps = t.max_steps or 1
+        else:
+            batches_per_epoch = len(train_loader)
+            if batches_per_epoch == 0:
+                raise RuntimeError("the training loader yields no batches")
+            self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * batches_per_epoch))
         o = cfg.optim
         fused = fused_adamw_supported(device) if o.fused is None else o.fused
         if fused and not fused_adamw_supported(device):
@@ -174,6 +175,9 @@ class Trainer:
         self.start_step = 0  # > 0 after resuming from a checkpoint
         self.stopped_at: Optional[int] = None  # the step the loop stopped at when a callback asked
         self.last_grad_norm: Optional[torch.Tensor] = None  # the last step's pre-clip global norm (device tensor)
+        self._stream: Optional[Iterator[tuple[int, dict]]] = None  # (epoch, batch) of train_loader, from self.epoch
+        self._counted = 0  # steps counted by this process (the first one is cold)
+        self._last_inputs: Optional[tuple] = None  # the last step's device inputs, for the numerics diagnosis
         self.reset_window()
 
     def add_callback(self, callback: Callback) -> None:
@@ -194,33 +198,41 @@ class Trainer:
         """Start a new logging window (loss/norm accumulate on the device in ``self.guard`` until the next record)."""
         self.window = {"steps": 0, "ms": 0.0, "samples": 0, "real": 0, "padded": 0}
 
-    def _batches(self) -> Iterator[dict]:
-        sampler = self.train_loader.batch_sampler
-        while True:
-            sampler.set_epoch(self.epoch)
-            for batch in self.train_loader:
-                self.batches_in_epoch += 1
-                yield batch
-            self.epoch += 1
-            self.batches_in_epoch = 0
+    def next_batch(self) -> dict:
+        """The next batch of ``train_loader``, epoch after epoch (the sampler's ``set_epoch`` before each pass);
+        ``epoch`` and ``batches_in_epoch`` follow what was consumed (the DataLoader prefetches ahead)."""
+        if self._stream is None:
+            if self.train_loader is None:
+                raise RuntimeError("this trainer has no train_loader: pass the batch to step()")
+            self._stream = epochs(self.train_loader, self.epoch)
+        epoch, batch = next(self._stream)
+        if epoch != self.epoch:
+            self.epoch, self.batches_in_epoch = epoch, 0
+        self.batches_in_epoch += 1
+        return batch
 
-    def train_step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                   **packed: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One optimizer step. Returns (loss, pre-clip global grad norm in true units) as device tensors.
-        ``packed``: :func:`packed_inputs` of a packed batch (then ``labels`` has one slot per packed sample).
+    def step(self, batch: Optional[dict] = None, *, resolve: bool = False, count: bool = True) -> StepRecord:
+        """One training step — the only code in this project that runs one: fetch (``batch`` None: the next batch
+        of ``train_loader``, the wait timed as part of the step), move to the device, forward (packed rows with their
+        positions and block mask), fp32 cross-entropy, backward, unscale, clip (``clip.method``), the numerics guard
+        (a non-finite step is skipped and counted on the device, no host sync), optimizer and scheduler step.
 
-        A step with non-finite loss or gradients is skipped and counted by ``self.guard`` (no host sync).
+        ``count`` (default): time the step with ``self.timer`` (``resolve``: read its duration now, a device sync on
+        CUDA; the first counted step always is: time to first step) and add it to ``self.stats`` and the logging
+        window. ``count=False``: nothing is counted or timed (warm-up and probes, which time and restore around it).
+        Returns the :class:`StepRecord`.
         """
+        first = count and self._counted == 0
+        if count:
+            self.timer.start()
+        with self.ranges("data_wait"):
+            if batch is None:
+                batch = self.next_batch()
+            ids, mask, labels = move(batch, self.device)
+            packed = packed_inputs(batch, self.device)
         with self.ranges("forward"):
             with self.guard.forward_context():  # hooks only while diagnosing a bad step
                 logits = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # [B or N, C] fp32
-        return self.optimize(logits, labels)
-
-    def optimize(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The rest of a step from the forward's ``logits`` (fp32 [B, C]) and ``labels`` (int64 [B]): loss,
-        backward, unscale, clip (``clip.method``), the numerics guard, optimizer and scheduler step. Returns
-        (loss, pre-clip global grad norm) as device tensors. For callers with a forward of their own (packed rows)."""
-        with self.ranges("forward"):
             loss = F.cross_entropy(logits, labels)  # fp32, outside autocast
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
@@ -228,92 +240,87 @@ class Trainer:
             self.policy.backward(loss)
         with self.ranges("optimizer"):
             self.policy.unscale_(self.optimizer)  # clip in true units
-            clip = clip_gradients(self.model.parameters(), **vars(self.cfg.clip))
-            ok = self.guard.observe(loss, clip)
-            self.guard.step(self.policy, self.optimizer, ok)
+            clip = clip_gradients(self.model.parameters(), **dataclasses.asdict(self.cfg.clip))
+            self.guard.step(self.policy, self.optimizer, self.guard.observe(loss, clip))
             self.scheduler.step()
-        return loss.detach(), clip.grad_norm
+        ms = self.timer.stop(resolve=resolve or first) if count else None
+        b, seq = ids.shape
+        rec = StepRecord(step=self.stats.steps + 1, loss=loss.detach(), grad_norm=clip.grad_norm, rows=b, seq_len=seq,
+                         samples=batch_samples(batch), real_tokens=int(batch["real_tokens"]),
+                         truncated=int(batch.get("truncated", 0)), ms=ms)
+        self.last_grad_norm, self.last_batch_shape = clip.grad_norm, (b, seq)
+        self._last_inputs = (ids, mask, labels, packed)
+        if count:
+            self._counted += 1
+            if first:
+                self.stats.first_step_end = time.perf_counter()
+            self.stats.add(rec, steady=not first)
+            w = self.window
+            w["steps"], w["samples"] = w["steps"] + 1, w["samples"] + rec.samples
+            w["real"], w["padded"] = w["real"] + rec.real_tokens, w["padded"] + rec.padded_tokens
+        return rec
 
-    def _diagnostic_pass(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, **packed: Any) -> torch.Tensor:
-        """Forward + backward on one batch, no optimizer step (for the numerics guard's diagnosis)."""
+    def _diagnostic_pass(self) -> torch.Tensor:
+        """Forward + backward on the last step's batch, no optimizer step (for the numerics guard's diagnosis)."""
+        ids, mask, labels, packed = self._last_inputs
         self.optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(ids, mask, self.policy.blocks_autocast, **packed), labels)
         loss.backward()
         return loss.detach()
 
     def fit(self) -> TrainStats:
-        t, s = self.cfg.train, self.stats
+        """Train from ``start_step + 1`` to ``total_steps`` (or until a callback asks to stop); returns the stats."""
         self.model.train()
-        bar = progress_bar(self.total_steps, "train", t.progress and self.dist.is_main, initial=self.start_step)
-        batches = self._batches()
+        bar = progress_bar(self.total_steps, "train", self.cfg.train.progress and self.dist.is_main,
+                           initial=self.start_step)
         for step in range(self.start_step + 1, self.total_steps + 1):
-            window = self.window
             for cb in tuple(self.callbacks):
                 cb.on_step_start(step)
-            self.timer.start()
-            with self.ranges("data_wait"):
-                batch = next(batches)  # data wait is part of the step time
-                ids, mask, labels = move(batch, self.device)
-                packed = packed_inputs(batch, self.device)
-            loss, self.last_grad_norm = self.train_step(ids, mask, labels, **packed)
-            # on CUDA, the duration is known now only on the first step (time to first step) or when a callback asks
-            ms = self.timer.stop(resolve=step == self.start_step + 1 or
-                                 any(getattr(cb, "needs_step_ms", False) for cb in self.callbacks))
-            if step == self.start_step + 1:
-                s.first_step_end = time.perf_counter()
-            b, seq = ids.shape  # rows for a packed batch, which holds n samples
-            self.last_batch_shape = (b, seq)
-            n = batch.get("samples", b)
-            s.steps, s.samples = step, s.samples + n
-            s.real_tokens += batch["real_tokens"]
-            s.padded_tokens += b * seq
-            s.truncated_in_collate += batch["truncated"]
-            s.seq_lens.add(seq)
-            s.batch_shapes.add((b, seq))
-            if step > self.start_step + 1:  # steady state: after this process's first (cold) step
-                s.steady_shape_counts[(b, seq)] += 1
-                s.steady_samples += n
-                s.steady_real_tokens += batch["real_tokens"]
-            window["steps"] += 1
-            window["samples"] += n
-            window["real"] += batch["real_tokens"]
-            window["padded"] += b * seq
-            if step % t.log_every == 0 or step == self.total_steps:
-                record = self._log_record(step, window)
-                self.logger.log(record)
-                if self.guard.should_abort():
-                    self.guard.diagnose_batch(functools.partial(self._diagnostic_pass, ids, mask, labels, **packed))
-                    bar.close()
-                    raise self.guard.abort(step)
-                for cb in tuple(self.callbacks):  # this step's gradients are still in .grad
-                    cb.on_log(record)
-                s.final_train_loss = record["loss"]
-                bar.set_postfix(loss="n/a" if record["loss"] is None else f"{record['loss']:.3f}", samples_s=f"{record['samples_per_s']:.0f}",
-                                pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
-                self.reset_window()
-            if self.eval_loader is not None and (step % t.eval_every == 0 or step == self.total_steps):
-                result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device, self.dist)
-                s.evals.append({"step": step, **result})
-                self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
-                msg = (f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 "
-                       f"{result['macro_f1']:.4f}" if result["accuracy"] is not None else
-                       f"step {step}/{self.total_steps}: no evaluation ({result.get('unavailable_reason')})")
-                if not bar.disable:
-                    bar.write(msg)
-                elif self.dist.is_main:
-                    print(msg, flush=True)
+            # on CUDA a step's duration is read at once only when a callback asks (else once per logged step)
+            rec = self.step(resolve=any(getattr(cb, "needs_step_ms", False) for cb in self.callbacks))
+            if step % self.cfg.train.log_every == 0 or step == self.total_steps:
+                self._log(step, bar)
+            if self.eval_loader is not None and (step % self.cfg.train.eval_every == 0 or step == self.total_steps):
+                self._evaluate(step, bar)
             bar.update(1)
             stop = False
             for cb in tuple(self.callbacks):  # every callback sees every step; one may remove itself
-                stop = cb.on_step_end(step, ms) or stop
+                stop = cb.on_step_end(step, rec.ms) or stop
             if stop:
                 self.stopped_at = step
                 break
         bar.close()
         self.settle_times()
         for cb in tuple(self.callbacks):
-            cb.on_fit_end(s)
-        return s
+            cb.on_fit_end(self.stats)
+        return self.stats
+
+    def _log(self, step: int, bar: Any) -> None:
+        """One metrics record of the open window; abort on too many bad steps; the ``on_log`` callbacks."""
+        record = self._log_record(step, self.window)
+        self.logger.log(record)
+        if self.guard.should_abort():
+            self.guard.diagnose_batch(self._diagnostic_pass)
+            bar.close()
+            raise self.guard.abort(step)
+        for cb in tuple(self.callbacks):  # this step's gradients are still in .grad
+            cb.on_log(record)
+        self.stats.final_train_loss = record["loss"]
+        bar.set_postfix(loss="n/a" if record["loss"] is None else f"{record['loss']:.3f}",
+                        samples_s=f"{record['samples_per_s']:.0f}", pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
+        self.reset_window()
+
+    def _evaluate(self, step: int, bar: Any) -> None:
+        result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device, self.dist)
+        self.stats.evals.append({"step": step, **result})
+        self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
+        msg = (f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 "
+               f"{result['macro_f1']:.4f}" if result["accuracy"] is not None else
+               f"step {step}/{self.total_steps}: no evaluation ({result.get('unavailable_reason')})")
+        if not bar.disable:
+            bar.write(msg)
+        elif self.dist.is_main:
+            print(msg, flush=True)
 
     def settle_times(self) -> None:
         """Read the step durations the timer still holds into the open window (a sync point on CUDA)."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from train.errors import UserError, allowed, check_fields
+from train.errors import Frozen, UserError, allowed, check_fields
 
 
 @dataclass
-class CompileConfig:
+class CompileConfig(Frozen):
     """``torch.compile`` of the model, warm-up per batch shape, the persistent cache (train/compiling/session.py)."""
 
     enabled: Union[bool, str] = allowed("auto", choices=("auto", "true", "false"))

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from train import compat
 from train.checkpoint import rng_state, set_rng_state
 from train.compiling.session import CompileSession, _delta, resolve_compile
-from train.errors import UserError, atomic_write_text
+from train.errors import atomic_write_text
 from train.perf.timer import Timed
 from train.tools.progress import beside, progress_bar
 
@@ -194,7 +194,7 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
             notice: Callable[[str], None] = print, progress: bool = False) -> dict[str, Any]:
     """Warm every shape in ``shapes``; restore the training state; return warmup.json's shapes, totals and criteria.
 
-    ``trainer`` supplies ``train_step``, ``optimizer``, ``scheduler``, ``policy`` and ``device``;
+    ``trainer`` (a :class:`~train.trainer.Trainer`) supplies ``step``, ``optimizer``, ``scheduler``, ``policy`` and ``device``;
     ``forward`` is what the trainer calls (the compiled wrapper, or the model itself); ``model`` the
     plain module whose state is restored. ``clock`` returns seconds (injectable for tests). ``progress``: ask
     for a progress bar over the shapes (drawn on a terminal only).
@@ -205,8 +205,7 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
     was_training = forward.training
 
     def train_step(batch: dict) -> None:
-        ids, mask, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
-        trainer.train_step(ids, mask, labels)
+        trainer.step(batch, count=False)  # the training step itself; nothing counted (the state is restored after)
 
     @torch.no_grad()
     def eval_step(batch: dict) -> None:
@@ -306,34 +305,3 @@ def _overall_cache(shapes: list[dict]) -> str:
     if not kinds:
         return "none compiled"
     return kinds.pop() if len(kinds) == 1 else "mixed (" + ", ".join(sorted(kinds)) + ")"
-
-
-def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
-    """``python -m train warmup``: build the run's model and bucket plan, warm every shape, write ``runs/<id>/warmup.json``.
-
-    Compiles when ``compile.enabled`` resolves on (``make warmup`` passes ``compile.enabled=true``);
-    otherwise warms the eager shapes and says why. Raises UserError for bad input.
-    """
-    from train.data import make_loader, prepare_data
-    from train.setup import build_model, start_run
-    from train.trainer import Trainer
-
-    start = start_run(cfg)
-    run_dir, device, policy = start.run_dir, start.device, start.policy
-    bundle = prepare_data(cfg, run_dir, buckets_force)
-    model = build_model(cfg, bundle).to(device)
-    loaders = [make_loader(bundle, split, cfg, train=split == "train", device=device)
-               for split in ("train", "validation", "test")]
-    session = start_compile(cfg, device, model, bundle.pad_to, loaders[0], loaders[1:])
-    if not session.enabled:
-        print(f"compile is off ({session.reason}); warming the eager shapes only", flush=True)
-        session.shapes = plan_all_shapes(loaders[0], loaders[1:] if cfg.compile.warmup_eval else ())
-    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders[0], eval_loader=loaders[1],
-                      num_classes=bundle.num_classes, train_model=session.forward)
-    result = warm_up_for_run(session, trainer, model, run_dir, force=True)
-    if result is None:
-        raise UserError(f"nothing to warm up: {session.warmup_skipped_reason}")
-    for line in session.loud_warnings():
-        print(line, flush=True)
-    result["path"] = str(run_dir / "warmup.json")
-    return result

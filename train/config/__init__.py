@@ -39,13 +39,13 @@ from train.config.sections import (
     OptimConfig,
     TrainConfig,
 )
-from train.errors import UserError
+from train.errors import Frozen, UserError
 from train.profiling.config import ProfileConfig
 from train.tracking.config import TrackingConfig
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Frozen):
     """Everything a run needs; saved fully resolved as ``runs/<id>/config.yaml``. The ``bench*`` sections
     (train/config/bench.py) are read only by the ``bench*`` commands."""
 
@@ -89,6 +89,29 @@ class RunConfig:
         d = dataclasses.asdict(self)
         d["optim"]["betas"] = list(self.optim.betas)
         return d
+
+    def freeze(self) -> "RunConfig":
+        """Make this config a value: every section refuses assignment from now on (returns ``self``)."""
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).freeze()
+        super().freeze()
+        return self
+
+    def with_values(self, changes: dict[str, Any], where: str = "resolved config") -> "RunConfig":
+        """A new config: this one with ``{"section.key": value}`` applied, validated like a config file (a frozen
+        config gives a frozen one). How a decision (``auto`` resolved, a drawn run id) changes a run's config.
+
+        Raises:
+            UserError: an unknown key or a value out of its range.
+        """
+        raw = self.to_dict()
+        for key, value in changes.items():
+            section, _, name = key.partition(".")
+            if section not in raw or name not in raw[section]:
+                raise UserError(f"{where}: unknown key {key}")
+            raw[section][name] = value
+        new = build_config(raw, where)
+        return new.freeze() if self.frozen else new
 
 
 def _field_names(cls: type) -> list[str]:
@@ -170,6 +193,49 @@ def build_config(raw: dict[str, Any], where: str = "config") -> RunConfig:
     return RunConfig(**sections)
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping key given twice in one YAML document (PyYAML silently keeps the last one)."""
+
+    def __init__(self, key: str, line: int, first_line: int) -> None:
+        super().__init__(f"duplicate key {key} (first at line {first_line})")
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping, at any level (:class:`DuplicateKeyError` with
+    the dotted key path and both 1-based lines): ``max_steps: 3`` then ``max_steps: 5`` would silently use 5, and a
+    second ``train:`` section would silently drop the whole first one. Keys merged in with ``<<: *anchor`` may be
+    overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        paths = self.__dict__.setdefault("_key_paths", {})  # id(mapping node) -> its dotted path
+        prefix = paths.get(id(node), "")
+        first: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                continue  # SafeConstructor raises its own "found unhashable key"
+            path = f"{prefix}.{key}" if prefix else str(key)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise DuplicateKeyError(path, line, first[key])
+            first[key] = line
+            if isinstance(value_node, yaml.MappingNode):
+                paths[id(value_node)] = path
+            elif isinstance(value_node, yaml.SequenceNode):
+                paths.update((id(item), f"{path}[{i}]") for i, item in enumerate(value_node.value))
+        return super().construct_mapping(node, deep=deep)
+
+
+def strict_load(text: str) -> Any:
+    """``yaml.safe_load`` that raises :class:`DuplicateKeyError` for a key repeated in one mapping."""
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``section.key=value`` (value as YAML); a bare ``key=value`` gives ``["", key]``: a Hugging Face flag name
     (:func:`train.config.hf_aliases.expand_hf_alias`). Raises UserError for a malformed override."""
@@ -182,7 +248,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     elif len(parts) != 2 or not all(parts):
         raise UserError(f"override {text!r}: the key must be section.key, e.g. train.max_steps")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = strict_load(value) if value.strip() else None
+    except DuplicateKeyError as exc:
+        raise UserError(f"override {text!r}: {exc} in the value; keep one") from None
     except yaml.YAMLError as exc:
         raise UserError(f"override {text!r}: the value is not valid YAML ({exc.__class__.__name__})") from None
     return parts, parsed
@@ -192,7 +260,8 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
     """Load ``path`` (YAML, may be None for defaults) and apply ``section.key=value`` overrides.
 
     Raises:
-        UserError: missing/unparsable file, unknown key, wrong type, invalid value.
+        UserError: missing/unparsable file, a key given twice (any level: ``file:line: duplicate key
+            train.max_steps (first at line 3); keep one``), unknown key, wrong type, invalid value.
     """
     raw: dict[str, Any] = {}
     where = "config"
@@ -202,7 +271,9 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
         if not p.is_file():
             raise UserError(f"config file {p} does not exist (configs/ holds cpu-tiny.yaml, smoke.yaml, gpu-bert-base.yaml)")
         try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8-sig")) or {}
+            raw = strict_load(p.read_text(encoding="utf-8-sig")) or {}
+        except DuplicateKeyError as exc:
+            raise UserError(f"{p}:{exc.line}: {exc}; keep one") from None
         except UnicodeDecodeError as exc:
             line = p.read_bytes()[: exc.start].count(b"\n") + 1
             raise UserError(f"{p}:{line}: not valid UTF-8 (byte {exc.start}); save the config as UTF-8") from None

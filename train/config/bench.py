@@ -3,8 +3,8 @@
 as ``section.key=value`` overrides and a YAML block do. Each field has its docstring; its accepted values
 are declared on the field (``allowed(…)``, train/errors.py) and checked in ``__post_init__``.
 
-Kept out of :mod:`train.bench` on purpose: importing ``train.config`` must not import torch, and
-``train/bench/__init__.py`` does.
+Kept out of :mod:`train.commands.bench` on purpose: importing ``train.config`` must not import torch, and
+``train/commands/bench/__init__.py`` does.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from train.errors import UserError, allowed, check_fields
+from train.errors import Frozen, UserError, allowed, check_fields
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(Frozen):
     """``python -m train bench``: the training configurations side by side, then the inference benchmark."""
 
     configs: Optional[str] = None
-    """Comma-separated training configurations to run (names from train/bench/training.py ``CONFIGS``:
+    """Comma-separated training configurations to run (names from train/commands/bench/training.py ``CONFIGS``:
     naive, hf-style, optimized, naive+buckets, naive+precision-auto); null = all of them."""
     warmup_steps: int = allowed(3, ge=1)
     """Untimed steps per configuration before the timed rounds (the first one is its time to first step)."""
@@ -56,7 +56,7 @@ class BenchConfig:
 
 
 @dataclass
-class BenchBatchingConfig:
+class BenchBatchingConfig(Frozen):
     """``python -m train bench-batching``: sizes of the batching benchmark (data, model and precision come from
     the rest of the run config)."""
 
@@ -82,7 +82,7 @@ class BenchBatchingConfig:
 
 
 @dataclass
-class BenchPrecisionConfig:
+class BenchPrecisionConfig(Frozen):
     """``python -m train bench-precision``: how long each precision row trains."""
 
     steps: int = allowed(150, ge=2)
@@ -99,7 +99,7 @@ class BenchPrecisionConfig:
 
 
 @dataclass
-class BenchCompileConfig:
+class BenchCompileConfig(Frozen):
     """``python -m train bench-compile``: the in-process eager vs compiled step-time comparison."""
 
     steps: int = allowed(8, ge=2)
@@ -112,7 +112,7 @@ class BenchCompileConfig:
 
 
 @dataclass
-class BenchTrackingConfig:
+class BenchTrackingConfig(Frozen):
     """``python -m train bench-tracking``: blocks of training steps with no / JSONL / full tracking, interleaved."""
 
     rounds: int = allowed(5, ge=1)
@@ -129,8 +129,8 @@ class BenchTrackingConfig:
 
 
 @dataclass
-class BenchGateConfig:
-    """``python -m train bench-gate`` / ``bench-baseline``: the performance regression gate (train/bench/gate.py).
+class BenchGateConfig(Frozen):
+    """``python -m train bench-gate`` / ``bench-baseline``: the performance regression gate (train/commands/bench/gate.py).
     The run's length comes from the ``bench`` section (configs/bench-gate.yaml keeps it short)."""
 
     baseline: Optional[str] = None

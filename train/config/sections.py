@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from train.errors import UserError, allowed, check_fields
+from train.errors import Frozen, UserError, allowed, check_fields
 
 BATCHING_METHODS = ("optimal", "quantile", "kmeans", "pad-to-max", "random", "hf-group-by-length", "packed", "auto")
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Frozen):
     """Where the examples come from and how they are tokenized."""
 
     source: str = "wordnet"
@@ -53,7 +53,7 @@ class DataConfig:
 
 
 @dataclass
-class BatchingConfig:
+class BatchingConfig(Frozen):
     """How examples are grouped into batches and padded."""
 
     method: str = allowed("optimal", choices=BATCHING_METHODS)
@@ -93,7 +93,7 @@ class BatchingConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Frozen):
     """The encoder classifier. ``preset`` fills the sizes; explicit sizes override the preset."""
 
     preset: str = allowed("tiny", choices=("tiny", "small", "bert-base"))
@@ -130,7 +130,7 @@ class ModelConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Frozen):
     """AdamW with linear warm-up then linear decay to zero."""
 
     lr: float = allowed(1e-3, gt=0)
@@ -158,7 +158,7 @@ class OptimConfig:
 
 
 @dataclass
-class ClipConfig:
+class ClipConfig(Frozen):
     """Gradient clipping (train/clipping.py), on gradients in true units (after GradScaler.unscale_)."""
 
     method: str = allowed("global-norm", choices=("global-norm", "per-layer-std", "agc", "none"))
@@ -178,7 +178,7 @@ class ClipConfig:
 
 
 @dataclass
-class NumericsConfig:
+class NumericsConfig(Frozen):
     """The numerics guard (train/numerics.py): skip non-finite steps, name the culprit, abort."""
 
     max_bad_steps: int = allowed(10, ge=1)
@@ -192,7 +192,7 @@ class NumericsConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Frozen):
     """The loop: how long, how often to evaluate/log, where to write."""
 
     max_steps: Optional[int] = allowed(None, ge=1)

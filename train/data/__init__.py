@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,14 +16,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from train.config import RunConfig
-from train.data import cache
+from train.data import cache, prepare
 from train.data.buckets import BucketPlan
 from train.data.collate import PadCollate, TokenDataset
 from train.data.grouping import LengthGroupedBatchSampler
 from train.data.packing import PackCollate, PackedBatchSampler, RowDataset
 from train.data.sampler import BucketBatchSampler, ShardedBatchSampler
-from train.data.sources import Corpus, check_classes, load_corpus
-from train.data.tokenizer import TokenizedSplit, encode, load_or_train, pad_id, texts_fingerprint
+from train.data.sources import Corpus, check_classes
+from train.data.tokenizer import TokenizedSplit
 from train.errors import UserError
 
 BUCKETED = ("optimal", "quantile", "kmeans")
@@ -123,19 +127,48 @@ def check_token_budget(max_tokens: Optional[int], bounds: list[int], max_len: in
                         f"raise batching.max_tokens to at least {max(bounds)} or lower data.max_len")
 
 
-def _build(cfg: RunConfig) -> cache.Prepared:
-    """Read, split and tokenize the configured source (no cache)."""
-    corpus = load_corpus(cfg.data)
-    tok, tok_info = load_or_train(corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
-    splits = {name: encode(tok, corpus.split(name).texts, corpus.split(name).labels, cfg.data.max_len)
-              for name in ("train", "validation", "test")}
-    return cache.Prepared(corpus=corpus, splits=splits, tokenizer_info=tok_info, vocab_size=tok.get_vocab_size(),
-                          pad_id=pad_id(tok), data_fingerprint=texts_fingerprint(corpus.train.texts))
+def _build(cfg: RunConfig, entry: Optional[Path] = None) -> cache.Prepared:
+    """Read, split and tokenize the configured source in bounded memory (train/data/prepare.py): into the cache
+    entry ``entry`` (a temporary directory named after this process, renamed into place), or without one into a
+    scratch directory that is removed once its files are memory-mapped (they stay readable until unmapped)."""
+    if entry is not None:
+        tmp = cache.writer_dir(entry.parent, f".{entry.name}.")
+    else:
+        scratch_root = Path(tempfile.gettempdir())
+        cache.remove_dead_writers(scratch_root, _SCRATCH)
+        try:
+            tmp = cache.writer_dir(scratch_root, "deep-model-perf-prepare.")
+        except OSError as exc:
+            raise _scratch_error(scratch_root, exc) from None
+    try:
+        tok_info = prepare.build(cfg, tmp)
+        if entry is not None:
+            cache.publish(tmp, entry)
+        built = cache.load(entry if entry is not None else tmp)
+        if built is None:
+            raise OSError(f"the prepared data just written to {entry or tmp} cannot be read back")
+    except OSError as exc:
+        if entry is None and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES) \
+                and (exc.filename is None or str(exc.filename).startswith(str(tmp))):
+            raise _scratch_error(tmp.parent, exc) from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    built.tokenizer_info = tok_info  # where the tokenizer came from (trained, cache-hit, user), not the entry's copy
+    return built
+
+
+def _scratch_error(where: Path, exc: OSError) -> UserError:
+    return UserError(f"cannot write the prepared data to {where} ({exc.strerror or exc}); free space there or point "
+                     "TMPDIR at a disk with room (or fix data.cache_dir, where it is normally kept)")
+
+
+_SCRATCH = re.compile(r"deep-model-perf-prepare\.(?P<pid>\d+)-(?P<ns>\d+)@(?P<host>.+)\.[a-z0-9_]{8}")
 
 
 def prepare_splits(cfg: RunConfig) -> cache.Prepared:
     """The corpus and its tokenized splits: from the prepared-data cache when an entry exists for this source
-    content and these settings (train/data/cache.py), else built and stored. ``data.cache_prepared=false``
+    content and these settings (train/data/cache.py), else built in bounded memory and stored. ``data.cache_prepared=false``
     always builds. Raises UserError for any bad input."""
     d = cfg.data
     if not d.cache_prepared:
@@ -147,17 +180,18 @@ def prepare_splits(cfg: RunConfig) -> cache.Prepared:
     if why is not None:
         return _with_cache(_build(cfg), {"cache": "off", "cache_unavailable_reason": why})
     entry = Path(d.cache_dir) / "data" / cache.cache_key(d, source_sha, user_tok)
+    cache.remove_dead_writers(entry.parent)  # what a killed writer left behind
     hit = cache.load(entry)
     if hit is not None:
         if hit.tokenizer_info.get("source") == "trained":
             hit.tokenizer_info = {**hit.tokenizer_info, "source": "cache-hit"}
         return _with_cache(hit, {"cache": "hit", "cache_dir": str(entry)})
-    built = _build(cfg)
     facts: dict = {"cache": "miss", "cache_dir": str(entry)}
     try:
-        cache.save(entry, built)
+        built = _build(cfg, entry)
     except OSError as exc:  # an unwritable cache costs a rebuild next time, nothing more
         facts["cache_unavailable_reason"] = f"not written: {exc.strerror or exc}"
+        built = _build(cfg)
     return _with_cache(built, facts)
 
 

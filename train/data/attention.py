@@ -12,9 +12,9 @@ Two paths, both exact (a packed sample's logits equal its unpacked logits; tests
 Availability comes from :func:`train.compat.flex_attention_functions` (training needs its backward: torch 2.13 has
 none on CPU). ``flex`` requested where it cannot run is a one-line :class:`~train.errors.UserError`. ``auto`` is
 ``sdpa-mask`` by rule where flex cannot run or ``model.dropout`` > 0 (flex would drop attention dropout and so change
-the model's training); otherwise it times forward + backward of the model on one packed batch of the run's own
+the model's training); otherwise it times the run's training step (a probe trainer's) on one packed batch of the run's own
 shape with each path (one untimed call each, then ``repeats`` interleaved, median) and picks ``flex`` when it is
-≥ :data:`FLEX_MARGIN` × as fast. The RNG state is restored afterwards. Measured decisions are cached under
+≥ :data:`FLEX_MARGIN` × as fast. The model and every RNG are restored afterwards. Measured decisions are cached under
 ``data.cache_dir/decisions/`` like ``batching.method=auto`` (train/data/batching_auto.py); a busy machine measures
 but does not cache.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import statistics
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -36,6 +36,7 @@ from train.config import RunConfig
 from train.data import DataBundle, pack_layout
 from train.data.packing import PackCollate, pack_rows
 from train.errors import UserError
+from train.perf.ab import Arm, interleave
 from train.precision import PrecisionPolicy
 from train.tools import decisions
 from train.tools.env import cpuinfo, machine_load
@@ -94,35 +95,29 @@ def probe_batch(cfg: RunConfig, bundle: DataBundle) -> dict:
     return PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs).collate_items(items)
 
 
-def measure_paths(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, device: torch.device,
+def measure_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
                   flex: tuple[Callable, Callable], repeats: int = 3) -> dict[str, Any]:
-    """Median ms of forward + backward of ``model`` on the packed ``batch`` per path (one untimed call each first,
-    then ``repeats`` interleaved rounds): ``{"sdpa-mask": ms, "flex": ms, "speedup": sdpa ÷ flex, "repeats",
-    "shape"}``. The model's path, training mode and the RNG state are restored afterwards."""
-    from train.data.batching_auto import _fwd_bwd
-
+    """Median ms of the run's training step (``step(batch)``: a probe trainer's :meth:`~train.trainer.Trainer.step`,
+    restored by its caller) on the packed ``batch`` per path, through the one A/B primitive (one untimed step each,
+    then ``repeats`` rotated rounds): ``{"sdpa-mask": ms, "flex": ms, "speedup": sdpa ÷ flex, "speedup_interval":
+    [low, high], "repeats", "shape"}``. The model's path is restored afterwards."""
     before = (model.packed_attention, model._flex)
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-    was_training = model.training
-    model.train()
-    times: dict[str, list[float]] = {"sdpa-mask": [], "flex": []}
+
+    def arm(path: str) -> Arm:
+        def one() -> None:
+            model.set_packed_attention(path, flex if path == "flex" else None)
+            step(batch)
+
+        return Arm(path, one)
+
     try:
-        for r in range(repeats + 1):
-            for path in times:
-                model.set_packed_attention(path, flex if path == "flex" else None)
-                ms = _fwd_bwd(model, policy, batch, device)
-                if r:
-                    times[path].append(ms)
+        ab = interleave([arm("sdpa-mask"), arm("flex")], rounds=repeats, window=1, warmup=1, device=device)
     finally:
         model.set_packed_attention(*before)
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        model.train(was_training)
-    med = {path: statistics.median(v) for path, v in times.items()}
-    return {**med, "speedup": med["sdpa-mask"] / med["flex"], "repeats": repeats,
-            "shape": "x".join(map(str, batch["input_ids"].shape))}
+    med = {path: ab.arms[path].median_step_ms() for path in ("sdpa-mask", "flex")}
+    ratio = ab.ratio("flex", "sdpa-mask", "steps")
+    return {**med, "speedup": med["sdpa-mask"] / med["flex"], "speedup_interval": [ratio.low, ratio.high],
+            "repeats": repeats, "shape": "x".join(map(str, batch["input_ids"].shape))}
 
 
 def _cache_key(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, device: torch.device,
@@ -137,9 +132,12 @@ def _cache_key(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, dev
 
 def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
                             device: torch.device, compiled: bool,
+                            probe: Optional[Callable[[], ContextManager[Callable[[dict], Any]]]] = None,
                             measure: Optional[Callable[..., dict[str, Any]]] = None) -> AttentionChoice:
     """Resolve ``model.packed_attention`` for this packed run (module docstring); ``compiled``: the run's compile
-    is on. ``measure``: :func:`measure_paths` when None (tests force its result).
+    is on. ``probe()``: a context manager giving the run's training step for a measurement and restoring the model
+    after it (:func:`train.setup.probe_steps`; needed only where a measurement runs). ``measure``:
+    :func:`measure_paths` when None (tests force its result).
 
     Raises:
         UserError: ``flex`` requested where FlexAttention cannot train (one line: the key, torch, the fix).
@@ -170,10 +168,11 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
         return AttentionChoice(cached["path"], requested, cached["reason"], "cached", compiled, cached["measurement"],
                                path)
     load = machine_load()
-    m = (measure or measure_paths)(model, policy, batch, device, flex)
+    with probe() as step:
+        m = (measure or measure_paths)(model, step, batch, device, flex)
     chosen = "flex" if m["speedup"] >= FLEX_MARGIN else "sdpa-mask"
     reason = (f"auto: flex ran {m['speedup']:.2f}x the speed of sdpa-mask on this run's packed shape {m['shape']} "
-              f"(forward+backward {m['flex']:.1f} vs {m['sdpa-mask']:.1f} ms, median of {m['repeats']}, {policy.mode}, "
+              f"(training step {m['flex']:.1f} vs {m['sdpa-mask']:.1f} ms, median of {m['repeats']}, {policy.mode}, "
               f"flex {how}): {chosen}")
     choice = AttentionChoice(chosen, requested, reason + decisions.busy_note(load), "measured", compiled, m)
     choice.cache_path = decisions.store(path, {"path": chosen, "reason": reason, "measurement": m, "fingerprint": fp},

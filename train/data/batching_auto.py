@@ -1,8 +1,9 @@
 """``batching.method=auto``: packed rows or optimal buckets, whichever trains more samples/s on this device,
 model and data — measured, cached, and said.
 
-The measurement times forward + backward (no optimizer step, gradients cleared after) of real training batches
-in the run's precision, after one untimed call per shape:
+The measurement times the run's own training step (:meth:`~train.trainer.Trainer.step` of a throwaway trainer; the
+model, GradScaler and RNGs are restored after) on real training batches in the run's precision, through the one A/B
+primitive (one untimed step per shape, then rotated rounds):
 
 * **buckets** (``optimal``, the run's ``num_buckets`` / ``max_tokens`` / ``batch_size``): one full batch per bucket,
   each timed ``repeats`` times (median), weighted by the number of batches that bucket gives per epoch, so the
@@ -20,25 +21,25 @@ not cache. Same pattern as ``precision=auto`` (train/precision.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
 import os
-import statistics
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from train.config import RunConfig
 from train.data import DataBundle, bucket_plan, pack_layout
 from train.data.collate import PadCollate
 from train.data.packing import PackCollate, PackedBatchSampler
 from train.data.sampler import BucketBatchSampler
-from train.perf.timer import Timed
+from train.perf.ab import Arm, bootstrap_interval, interleave
 from train.precision import PrecisionPolicy
 from train.tools import decisions
 from train.tools.env import cpuinfo, machine_load
@@ -64,26 +65,17 @@ class BatchingDecision:
                 "measurement": self.measurement, "cache_path": self.cache_path}
 
 
-def _fwd_bwd(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, device: torch.device) -> float:
-    """Milliseconds of one forward + backward of ``batch`` (synchronised); gradients cleared after."""
-    from train.trainer import packed_inputs
-
-    ids, mask, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
-    extra = packed_inputs(batch, device)
-    with Timed(device) as t:
-        logits = model(ids, mask, policy.blocks_autocast, **extra)
-        F.cross_entropy(logits, labels).backward()
-    model.zero_grad(set_to_none=True)
-    return t.ms
-
-
-def measure_layouts(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
-                    bounds: list[int], device: torch.device, repeats: int = 2) -> dict[str, Any]:
+def measure_layouts(step: Callable[[dict], Any], cfg: RunConfig, bundle: DataBundle, bounds: list[int],
+                    device: torch.device, repeats: int = 2) -> dict[str, Any]:
     """Expected training samples/s of optimal buckets (``bounds``) and of packed rows for this model and data.
 
-    Returns ``{"buckets": {...}, "packed": {...}, "ratio": packed ÷ buckets samples/s, "repeats": int}``; each
-    layout has ``samples_per_s``, ``token_efficiency`` (real ÷ processed tokens) and ``step_ms`` (per shape, median,
-    milliseconds). Raises ValueError on an empty training split.
+    ``step(batch)`` is the run's own training step (:meth:`~train.trainer.Trainer.step` of a probe trainer, whose
+    caller restores the model afterwards). Every layout's shape is one arm of the A/B primitive
+    (:func:`train.perf.ab.interleave`: one untimed step each, then ``repeats`` rotated rounds).
+
+    Returns ``{"buckets": {...}, "packed": {...}, "ratio": packed ÷ buckets samples/s, "ratio_interval": [low,
+    high], "repeats": int}``; each layout has ``samples_per_s``, ``token_efficiency`` (real ÷ processed tokens) and
+    ``step_ms`` (per shape, median, milliseconds). Raises ValueError on an empty training split.
     """
     b, lengths = cfg.batching, bundle.splits["train"].lengths
     if len(lengths) == 0:
@@ -96,48 +88,45 @@ def measure_layouts(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunCon
     for k, size in enumerate(sampler.batch_sizes):
         members = np.flatnonzero(sampler.bucket_of == k)
         if len(members):
-            bucket_batches.append((collate([(ids_of[i], 0) for i in members[:size].tolist()]), math.ceil(len(members) / size)))
+            bucket_batches.append((collate([(ids_of[i], 0) for i in members[:size].tolist()]),
+                                   math.ceil(len(members) / size)))
     layout = pack_layout(cfg, lengths)
     pack = PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs)
     packed_batches = [pack.collate_items([(r, ids_of[i], 0) for r, i in batch]) for batch in itertools.islice(
-        PackedBatchSampler(lengths, layout.capacity, layout.rows, seed=cfg.train.seed, window=b.pack_window), repeats + 1)]
+        PackedBatchSampler(lengths, layout.capacity, layout.rows, seed=cfg.train.seed, window=b.pack_window),
+        repeats + 1)]
+    used = packed_batches[1:] or packed_batches
+    packed_calls = itertools.count()
 
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
-    was_training = model.training
-    model.train()
-    try:
-        for batch, _ in bucket_batches:
-            _fwd_bwd(model, policy, batch, device)  # untimed: first call of each shape
-        _fwd_bwd(model, policy, packed_batches[0], device)
-        bucket_ms: list[list[float]] = [[] for _ in bucket_batches]
-        packed_ms: list[float] = []
-        for r in range(repeats):  # interleaved: a drifting machine moves both layouts alike
-            for i, (batch, _) in enumerate(bucket_batches):
-                bucket_ms[i].append(_fwd_bwd(model, policy, batch, device))
-            packed_ms.append(_fwd_bwd(model, policy, packed_batches[1 + r % (len(packed_batches) - 1)]
-                                      if len(packed_batches) > 1 else packed_batches[0], device))
-    finally:
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        model.train(was_training)
-    med = [statistics.median(v) for v in bucket_ms]
+    def packed_step() -> None:  # the first (untimed) call on batch 0, then the others in turn
+        i = next(packed_calls)
+        step(packed_batches[0] if i == 0 else used[(i - 1) % len(used)])
+
+    arms = [Arm(f"bucket-{k}", functools.partial(step, bt))
+            for k, (bt, _) in enumerate(bucket_batches)] + [Arm("packed", packed_step)]
+    ab = interleave(arms, rounds=repeats, window=1, warmup=1, device=device)
     n = [count for _, count in bucket_batches]
     samples = sum(c * bt["samples"] for c, (bt, _) in zip(n, bucket_batches))
     real = sum(c * bt["real_tokens"] for c, (bt, _) in zip(n, bucket_batches))
     padded = sum(c * bt["input_ids"].numel() for c, (bt, _) in zip(n, bucket_batches))
-    buckets_sps = samples / (sum(c * m for c, m in zip(n, med)) / 1e3)
-    used = packed_batches[1:] or packed_batches
     p_samples = sum(bt["samples"] for bt in used) / len(used)
-    packed_sps = p_samples / (statistics.median(packed_ms) / 1e3)
+    # per round: the epoch's expected time with buckets (each shape weighted by its batches) vs packed rows
+    per_round = []
+    for r in range(repeats):
+        epoch_s = sum(c * ab.arms[f"bucket-{k}"].windows[r].seconds for k, c in enumerate(n))
+        per_round.append((p_samples / ab.arms["packed"].windows[r].seconds) / (samples / epoch_s))
+    med = [ab.arms[f"bucket-{k}"].median_step_ms() for k in range(len(bucket_batches))]
+    buckets_sps = samples / (sum(c * m for c, m in zip(n, med)) / 1e3)
+    packed_ms = ab.arms["packed"].median_step_ms()
+    packed_sps = p_samples / (packed_ms / 1e3)
     return {"buckets": {"samples_per_s": buckets_sps, "token_efficiency": real / padded, "bounds": list(bounds),
                         "step_ms": {f"{bt['input_ids'].shape[0]}x{bt['input_ids'].shape[1]}": m
                                     for (bt, _), m in zip(bucket_batches, med)}},
-            "packed": {"samples_per_s": packed_sps, "token_efficiency": float(np.mean([bt["real_tokens"] / bt["input_ids"].numel()
-                                                                                       for bt in used])),
-                       "step_ms": {f"{layout.rows}x{layout.capacity}": statistics.median(packed_ms)}},
-            "ratio": packed_sps / buckets_sps, "repeats": repeats}
+            "packed": {"samples_per_s": packed_sps,
+                       "token_efficiency": float(np.mean([bt["real_tokens"] / bt["input_ids"].numel() for bt in used])),
+                       "step_ms": {f"{layout.rows}x{layout.capacity}": packed_ms}},
+            "ratio": packed_sps / buckets_sps, "ratio_interval": list(bootstrap_interval(per_round)),
+            "repeats": repeats, "load_1min_start": ab.load_start, "load_1min_end": ab.load_end}
 
 
 def _fingerprint(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
@@ -154,10 +143,13 @@ def _fingerprint(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig
 
 
 def choose_batching(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
-                    device: torch.device, measure: Optional[Callable[..., dict[str, Any]]] = None) -> BatchingDecision:
+                    device: torch.device, probe: Callable[[], ContextManager[Callable[[dict], Any]]],
+                    measure: Optional[Callable[..., dict[str, Any]]] = None) -> BatchingDecision:
     """Resolve ``batching.method=auto`` for this run (see the module docstring). ``bundle`` holds the optimal
-    bucket plan (what ``auto`` plans before the model exists). ``measure``: :func:`measure_layouts` when None (tests
-    force its result)."""
+    bucket plan (what ``auto`` plans before the model exists). ``probe()``: a context manager giving the run's
+    training step (``step(batch)``) for the measurement and restoring the model after it
+    (:func:`train.setup.probe_steps`); entered only when a measurement runs. ``measure``: :func:`measure_layouts`
+    when None (tests force its result)."""
     if not getattr(model, "supports_packing", False):
         return BatchingDecision("optimal", f"auto: the model {type(model).__name__} cannot run packed rows "
                                            "(supports_packing is false): optimal buckets by rule", "rule")
@@ -167,12 +159,13 @@ def choose_batching(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunCon
     if cached is not None:
         return BatchingDecision(cached["method"], cached["reason"], "cached", cached["measurement"], path)
     load = machine_load()
-    m = (measure or measure_layouts)(model, policy, cfg, bundle, list(bundle.bounds), device)
+    with probe() as step:
+        m = (measure or measure_layouts)(step, cfg, bundle, list(bundle.bounds), device)
     method = "packed" if m["ratio"] >= PACKED_MARGIN else "optimal"
     pk, bk = m["packed"], m["buckets"]
     reason = (f"auto: packed rows trained {m['ratio']:.2f}x the samples/s of optimal buckets on this device and data "
               f"(packed {pk['samples_per_s']:.0f} samples/s at token efficiency {pk['token_efficiency']:.3f}, "
-              f"{len(bk['bounds'])} buckets {bk['samples_per_s']:.0f} at {bk['token_efficiency']:.3f}; forward+backward, "
+              f"{len(bk['bounds'])} buckets {bk['samples_per_s']:.0f} at {bk['token_efficiency']:.3f}; training steps, "
               f"median of {m['repeats']} per shape, {policy.mode}): {method}")
     decision = BatchingDecision(method, reason + decisions.busy_note(load), "measured", m)
     decision.cache_path = decisions.store(path, {"method": method, "reason": reason, "measurement": m, "fingerprint": fp},
@@ -180,12 +173,13 @@ def choose_batching(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunCon
     return decision
 
 
-def apply_batching(cfg: RunConfig, bundle: DataBundle, method: str) -> DataBundle:
-    """Set ``cfg.batching.method`` to the resolved ``method`` and return the bundle planned for it (the packed
-    layout's bounds and evaluation padding when ``packed``; the optimal plan already in ``bundle`` otherwise)."""
-    cfg.batching.method = method
+def apply_batching(cfg: RunConfig, bundle: DataBundle, method: str) -> tuple[RunConfig, DataBundle]:
+    """The run's config with ``batching.method`` = the resolved ``method`` (a new config: the loaded one is left as it
+    is) and the bundle planned for it (the packed layout's bounds and evaluation padding when ``packed``; the optimal
+    plan already in ``bundle`` otherwise)."""
+    cfg = cfg.with_values({"batching.method": method}, "batching.method=auto")
     if method != "packed":
-        return bundle
+        return cfg, bundle
     bounds, pad_to, plan, source = bucket_plan(cfg, bundle.splits["train"].lengths, bundle.data_fingerprint,
                                                bundle.tokenizer_info["fingerprint"], None, False, lambda _m: None)
-    return replace(bundle, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source)
+    return cfg, replace(bundle, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source)

@@ -13,7 +13,10 @@ Those go into the key of ``<data.cache_dir>/data/<key>/``. An entry holds ``meta
 fingerprints, the tokenizer facts), a copy of the tokenizer (``tokenizer.json``) and, per split, ``.npy`` arrays: token ids (int32, flat) with row
 offsets (int64 ``[N+1]``), labels (int64), the texts as UTF-8 bytes with offsets. Entries are read with
 ``numpy.load(mmap_mode="r")`` (no copy; rows are views into the mapping) and written to a temporary
-directory that is renamed into place, so a reader never sees half an entry and two writers do not clash.
+directory that is renamed into place, so a reader never sees half an entry and two writers do not clash. A temporary
+directory is named after its writer (``.<key>.<pid>-<pid namespace>@<host>.<random>``): the next preparation removes
+those whose writer is dead (``kill -9``, a crash), and any older than an hour from another host or an older version.
+Entries are built in bounded memory by train/data/prepare.py.
 
 Hugging Face datasets (``hf:``) are not cached: there is no local file to fingerprint.
 """
@@ -23,8 +26,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,19 +147,119 @@ class Prepared:
     cache: dict[str, Any] = field(default_factory=dict)
 
 
+STALE_AFTER_S = 3600.0
+"""A temporary directory whose writer cannot be checked (another host, an older version) is removed after this long."""
+ENTRY_TEMP = re.compile(r"\.[0-9a-f]{20}\.(?:(?P<pid>\d+)-(?P<ns>\d+)@(?P<host>.+)\.)?[a-z0-9_]{8}")
+"""A temporary entry directory: ``.<key>.<writer>.<mkdtemp's 8 characters>`` (no writer: written before it was named)."""
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino  # two containers sharing a host name have their own pids
+    except OSError:
+        return 0
+
+
+def writer_tag() -> str:
+    """``<pid>-<pid namespace>@<host>``: who writes a temporary directory (:func:`remove_dead_writers`)."""
+    return f"{os.getpid()}-{_pid_namespace()}@{socket.gethostname()}"
+
+
+def writer_dir(parent: Path, prefix: str) -> Path:
+    """A new temporary directory ``<prefix><writer tag>.<random>`` in ``parent`` (created), readable as the umask says.
+
+    Raises:
+        OSError: ``parent`` cannot be written.
+    """
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{writer_tag()}.", dir=parent))
+    honour_umask(tmp, directory=True)  # other users sharing the cache can read the entry
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, as another user
+        return True
+    return True
+
+
+def _newest_mtime(d: Path) -> float:
+    newest = d.stat().st_mtime
+    for f in d.iterdir():
+        try:
+            newest = max(newest, f.stat().st_mtime)
+        except OSError:
+            pass
+    return newest
+
+
+def remove_dead_writers(parent: Path, pattern: re.Pattern = ENTRY_TEMP) -> list[Path]:
+    """Remove the temporary directories in ``parent`` (names matching ``pattern``) that no live writer will finish:
+    the writer's pid is gone (same host and pid namespace), or, where that cannot be checked, nothing in the directory
+    changed for :data:`STALE_AFTER_S`. Returns what was removed; never raises."""
+    removed: list[Path] = []
+    host, ns = socket.gethostname(), _pid_namespace()
+    try:
+        children = list(parent.iterdir())
+    except OSError:
+        return removed
+    for d in children:
+        m = pattern.fullmatch(d.name)
+        if m is None:
+            continue
+        try:
+            if not d.is_dir():
+                continue
+            if m["pid"] is not None and m["host"] == host and int(m["ns"]) == ns:
+                dead = int(m["pid"]) != os.getpid() and not _alive(int(m["pid"]))
+            else:
+                dead = time.time() - _newest_mtime(d) > STALE_AFTER_S
+        except OSError:
+            continue
+        if dead:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def publish(tmp: Path, entry: Path) -> None:
+    """Rename the finished temporary directory ``tmp`` to ``entry`` (an entry another process wrote first is kept).
+
+    Raises:
+        OSError: the rename failed and there is no entry.
+    """
+    try:
+        os.rename(tmp, entry)
+    except OSError:
+        if not (entry / "meta.json").is_file():  # not "another process wrote it first"
+            raise
+
+
+def meta_for(name: str, label_names: list[str], tokenizer_info: dict, vocab_size: int, pad_id: int,
+             data_fingerprint: str, splits: dict[str, dict]) -> dict:
+    """``meta.json`` of an entry; ``splits`` maps each split to ``{"rows", "truncated", "unk_only_words"}``."""
+    return {"format": CACHE_FORMAT, "name": name, "label_names": label_names, "tokenizer_info": tokenizer_info,
+            "vocab_size": vocab_size, "pad_id": pad_id, "data_fingerprint": data_fingerprint, "splits": splits}
+
+
+def write_meta(tmp: Path, meta: dict) -> None:
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+
+
 def save(entry: Path, p: Prepared) -> None:
-    """Write ``p`` as the entry ``entry`` (temporary directory, then rename; an existing entry is kept).
+    """Write the in-memory ``p`` as the entry ``entry`` (temporary directory, then rename; an existing entry is kept).
+    Prepared data is normally written by train/data/prepare.py instead, chunk by chunk; this is the same format.
 
     Raises:
         OSError: the cache directory cannot be written.
     """
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-    honour_umask(tmp, directory=True)  # other users sharing the cache can read the entry
+    tmp = writer_dir(entry.parent, f".{entry.name}.")
     try:
-        meta = {"format": CACHE_FORMAT, "name": p.corpus.name, "label_names": p.corpus.label_names,
-                "tokenizer_info": p.tokenizer_info, "vocab_size": p.vocab_size, "pad_id": p.pad_id,
-                "data_fingerprint": p.data_fingerprint, "splits": {}}
+        splits = {}
         for name in SPLITS:
             split, texts = p.splits[name], p.corpus.split(name).texts
             encoded = [t.encode("utf-8") for t in texts]
@@ -162,16 +268,13 @@ def save(entry: Path, p: Prepared) -> None:
             np.save(tmp / f"{name}.labels.npy", np.asarray(split.labels, dtype=np.int64))
             np.save(tmp / f"{name}.texts.npy", np.frombuffer(b"".join(encoded), dtype=np.uint8))
             np.save(tmp / f"{name}.text_offsets.npy", _offsets([len(b) for b in encoded]))
-            meta["splits"][name] = {"rows": len(split), "truncated": split.truncated}
+            splits[name] = {"rows": len(split), "truncated": split.truncated, "unk_only_words": split.unk_only_words}
         tok_file = Path(p.tokenizer_info.get("path") or "")
         if tok_file.is_file():
             shutil.copyfile(tok_file, tmp / "tokenizer.json")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not (entry / "meta.json").is_file():  # not "another process wrote it first"
-                raise
+        write_meta(tmp, meta_for(p.corpus.name, p.corpus.label_names, p.tokenizer_info, p.vocab_size, p.pad_id,
+                                 p.data_fingerprint, splits))
+        publish(tmp, entry)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -191,7 +294,8 @@ def load(entry: Path) -> Optional[Prepared]:
             offsets = np.asarray(arr["offsets"])
             splits[name] = TokenizedSplit(ids=Ragged(arr["ids"], offsets), labels=np.asarray(arr["labels"]),
                                           lengths=np.diff(offsets).astype(np.int32),
-                                          truncated=meta["splits"][name]["truncated"])
+                                          truncated=meta["splits"][name]["truncated"],
+                                          unk_only_words=meta["splits"][name].get("unk_only_words"))
             texts[name] = TextSplit(Texts(arr["texts"], np.asarray(arr["text_offsets"])), splits[name].labels)
     except (OSError, ValueError, KeyError):
         return None

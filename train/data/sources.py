@@ -15,7 +15,8 @@ import re
 import socket
 import sys
 import urllib.parse
-from collections.abc import Iterator
+from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -214,37 +215,80 @@ def _rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
     return path.name, reader(path, cfg)
 
 
-def _map_labels(raw: list[Any], locs: list[str], cfg: DataConfig, names: Optional[list[str]]) -> tuple[np.ndarray, list[str]]:
-    """Class ids (int64 [N]) and label names. Ints must be in [0, num_classes); strings are sorted into ids."""
-    is_int = [isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in raw]
-    if all(is_int):
-        ids = np.asarray(raw, dtype=np.int64)
-        distinct = np.unique(ids)
-        if cfg.num_classes is None and not names and int(ids.max()) + 1 > max(2 * distinct.size, distinct.size + SPARSE_SLACK):
-            shown = ", ".join(map(str, distinct[:5].tolist())) + (", …" if distinct.size > 5 else "")
-            raise UserError(f"data: {distinct.size} distinct integer labels ({shown}) but the largest is {int(ids.max())}, "
-                            f"so num_classes would be {int(ids.max()) + 1}; remap the labels to 0..{distinct.size - 1} "
-                            "(or use them as strings), or set data.num_classes")
-        n = cfg.num_classes or (len(names) if names else int(ids.max()) + 1)
-        bad = np.flatnonzero((ids < 0) | (ids >= n))
-        if bad.size:
-            i = int(bad[0])
-            raise UserError(f"{locs[i]}: label {raw[i]} is out of range [0, {n}); "
-                            "fix the label or set data.num_classes")
-        return ids, names[:n] if names else [str(k) for k in range(n)]
-    for i, (x, ok) in enumerate(zip(raw, is_int)):
-        if not ok and not isinstance(x, str):
-            raise UserError(f"{locs[i]}: label {x!r} must be a string or an integer")
-        if not ok and not x.strip():
-            raise UserError(f"{locs[i]}: empty label")
-    if any(is_int):
-        i = is_int.index(True) if not is_int[0] else is_int.index(False)
-        raise UserError(f"{locs[i]}: labels mix strings and integers; use one kind for every row")
-    label_names = sorted(set(raw))
-    index = {name: k for k, name in enumerate(label_names)}
-    if cfg.num_classes is not None and len(label_names) > cfg.num_classes:
-        raise UserError(f"data has {len(label_names)} distinct labels but data.num_classes={cfg.num_classes}")
-    return np.asarray([index[x] for x in raw], dtype=np.int64), label_names
+class _Labels:
+    """Raw labels collected row by row into compact form (an int64 per row, the distinct strings once), with the
+    first row of each kind of problem, so :meth:`finish` gives exactly the class ids and the error a list of every raw
+    label would give: ints must be in [0, num_classes); strings are sorted into ids."""
+
+    def __init__(self) -> None:
+        self.values = array("q")  # the int label, or the string label's code in ``codes``
+        self.codes: dict[str, int] = {}
+        self.first_int: Optional[int] = None
+        self.first_str: Optional[int] = None
+        self.bad: Optional[tuple[int, Any]] = None  # the first label that is neither int nor str, or a blank str
+        self.wide: dict[int, int] = {}  # rows whose int label does not fit int64 (stored as -1: out of range)
+
+    def add(self, x: Any) -> None:
+        i = len(self.values)
+        if isinstance(x, str):
+            code = self.codes.get(x)
+            if code is None:
+                code = self.codes[x] = len(self.codes)
+                if self.bad is None and not x.strip():
+                    self.bad = (i, x)
+            if self.first_str is None:
+                self.first_str = i
+            self.values.append(code)
+        elif isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+            if self.first_int is None:
+                self.first_int = i
+            try:
+                self.values.append(x)
+            except OverflowError:
+                self.wide[i] = int(x)
+                self.values.append(-1)
+        else:
+            if self.bad is None:
+                self.bad = (i, x)
+            self.values.append(0)
+
+    def finish(self, cfg: DataConfig, names: Optional[list[str]], loc: Callable[[int], str]) -> tuple[np.ndarray, list[str]]:
+        """Class ids (int64 [N]) and label names; ``loc(i)`` names row ``i`` in a message.
+
+        Raises:
+            UserError: a label of another type, an empty label, mixed kinds, sparse or out-of-range ints, more
+                distinct strings than ``num_classes``.
+        """
+        raw = np.frombuffer(self.values, dtype=np.int64) if len(self.values) else np.zeros(0, np.int64)
+        if self.first_str is None and self.bad is None:
+            ids = raw.copy()
+            distinct = np.unique(ids)
+            if cfg.num_classes is None and not names and int(ids.max()) + 1 > max(2 * distinct.size, distinct.size + SPARSE_SLACK):
+                shown = ", ".join(map(str, distinct[:5].tolist())) + (", …" if distinct.size > 5 else "")
+                raise UserError(f"data: {distinct.size} distinct integer labels ({shown}) but the largest is {int(ids.max())}, "
+                                f"so num_classes would be {int(ids.max()) + 1}; remap the labels to 0..{distinct.size - 1} "
+                                "(or use them as strings), or set data.num_classes")
+            n = cfg.num_classes or (len(names) if names else int(ids.max()) + 1)
+            bad = np.flatnonzero((ids < 0) | (ids >= n))
+            if bad.size:
+                i = int(bad[0])
+                raise UserError(f"{loc(i)}: label {self.wide.get(i, int(ids[i]))} is out of range [0, {n}); "
+                                "fix the label or set data.num_classes")
+            return ids, names[:n] if names else [str(k) for k in range(n)]
+        if self.bad is not None:
+            i, x = self.bad
+            if not isinstance(x, str):
+                raise UserError(f"{loc(i)}: label {x!r} must be a string or an integer")
+            raise UserError(f"{loc(i)}: empty label")
+        if self.first_int is not None:
+            i = self.first_int if self.first_int != 0 else self.first_str
+            raise UserError(f"{loc(i)}: labels mix strings and integers; use one kind for every row")
+        label_names = sorted(self.codes)
+        if cfg.num_classes is not None and len(label_names) > cfg.num_classes:
+            raise UserError(f"data has {len(label_names)} distinct labels but data.num_classes={cfg.num_classes}")
+        index = {name: k for k, name in enumerate(label_names)}
+        remap = np.asarray([index[name] for name in self.codes], dtype=np.int64)  # code order = first-seen order
+        return remap[raw], label_names
 
 
 def check_classes(splits: dict[str, np.ndarray], label_names: list[str], notice) -> list[str]:
@@ -270,21 +314,40 @@ def check_classes(splits: dict[str, np.ndarray], label_names: list[str], notice)
     return [label_names[k] for k in unseen]
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read, validate, split and (with ``cfg.max_samples``) subsample the configured source.
+@dataclass
+class Scan:
+    """A source read once, kept compact: no Python object per row. Row ``i`` is the ``i``-th row the source yields.
 
-    Within each split, examples are ordered by their stable hash, so a ``max_samples`` cap takes a
-    deterministic pseudo-random subset (not, say, only the nouns that come first in WordNet).
+    Attributes:
+        name: the corpus name (``wordnet``, the file name, or the ``hf:`` spec).
+        label_names: class names, by class id.
+        labels: int64 ``[N]`` class ids, by row.
+        splits: per split, the int64 row numbers in the split's order (by stable hash; ``max_samples`` applied).
+        rows: rows read.
+    """
+
+    name: str
+    label_names: list[str]
+    labels: np.ndarray
+    splits: dict[str, np.ndarray]
+    rows: int
+
+
+def scan_source(cfg: DataConfig, on_text: Callable[[str], None], progress: Optional[Callable[[int], None]] = None) -> Scan:
+    """Read, validate and split the configured source in one pass, handing each row's text to ``on_text`` (in row
+    order) and keeping only its split hash (float64) and label (int64); ``progress(n)`` every 65,536 rows and at the end.
+
+    Within each split, examples are ordered by their stable hash, so a ``max_samples`` cap takes a deterministic
+    pseudo-random subset (not, say, only the nouns that come first in WordNet).
 
     Raises:
         UserError: missing source, malformed row (file:line), missing field, empty text, bad label,
             or an empty training split.
     """
     name, rows = _rows_for(cfg)
-    keys: list[str] = []
-    texts: list[str] = []
-    raw_labels: list[Any] = []
-    locs: list[str] = []
+    fractions = array("d")
+    labels = _Labels()
+    done = 0
     for key, text, label, loc in rows:
         if not isinstance(text, str):
             raise UserError(f"{loc}: text must be a string, got {type(text).__name__}")
@@ -292,27 +355,52 @@ def load_corpus(cfg: DataConfig) -> Corpus:
             raise UserError(f"{loc}: empty text; remove the row or fill in {cfg.text_field!r}")
         if label is None:
             raise UserError(f"{loc}: missing label")
-        keys.append(key)
-        texts.append(text)
-        raw_labels.append(label)
-        locs.append(loc)
-    if not texts:
+        fractions.append(stable_fraction(key))
+        labels.add(label)
+        on_text(text)
+        if progress is not None and len(fractions) - done >= 65536:
+            progress(len(fractions) - done)
+            done = len(fractions)
+    if progress is not None and len(fractions) > done:
+        progress(len(fractions) - done)
+    n = len(fractions)
+    if not n:
         raise UserError(f"data.source={cfg.source!r}: no examples found")
-    names = list(wordnet.LEXNAMES) if name == "wordnet" else None
-    labels, label_names = _map_labels(raw_labels, locs, cfg, names)
 
-    order = sorted(range(len(keys)), key=lambda i: stable_fraction(keys[i]))
-    buckets: dict[str, list[int]] = {s: [] for s in SPLITS}
-    for i in order:
-        buckets[split_of(keys[i], cfg.val_fraction, cfg.test_fraction)].append(i)
+    def loc_of(i: int) -> str:  # only for a message: read the source again up to row i
+        for k, row in enumerate(_rows_for(cfg)[1]):
+            if k == i:
+                return row[3]
+        return f"{name}: row {i}"
+
+    ids, label_names = labels.finish(cfg, list(wordnet.LEXNAMES) if name == "wordnet" else None, loc_of)
+    u = np.frombuffer(fractions, dtype=np.float64)
+    order = np.argsort(u, kind="stable")  # as sorted(): equal hashes (equal keys) keep their row order
+    su = u[order]
+    test, val = cfg.test_fraction, cfg.val_fraction
+    splits = {"test": order[su < test], "validation": order[(su >= test) & (su < test + val)],
+              "train": order[su >= test + val]}  # split_of's rule, vectorized
     if cfg.max_samples is not None:
         caps = {"train": cfg.max_samples, "validation": max(1, cfg.max_samples // 10), "test": max(1, cfg.max_samples // 10)}
-        buckets = {s: idx[: caps[s]] for s, idx in buckets.items()}
-    if not buckets["train"]:
-        raise UserError(f"data.source={cfg.source!r}: the training split is empty ({len(texts)} examples in all)")
+        splits = {s: idx[: caps[s]] for s, idx in splits.items()}
+    if not splits["train"].size:
+        raise UserError(f"data.source={cfg.source!r}: the training split is empty ({n} examples in all)")
+    return Scan(name=name, label_names=label_names, labels=ids, splits={s: splits[s].astype(np.int64) for s in SPLITS},
+                rows=n)
 
-    def make(idx: list[int]) -> TextSplit:
-        return TextSplit([texts[i] for i in idx], labels[np.asarray(idx, dtype=np.int64)] if idx else np.zeros(0, np.int64))
 
-    return Corpus(name=name, label_names=label_names, train=make(buckets["train"]),
-                  validation=make(buckets["validation"]), test=make(buckets["test"]))
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Read, validate, split and (with ``cfg.max_samples``) subsample the configured source, every text in memory
+    (:func:`scan_source`; the prepared-data path streams instead: train/data/prepare.py).
+
+    Raises:
+        UserError: as :func:`scan_source`.
+    """
+    texts: list[str] = []
+    scan = scan_source(cfg, texts.append)
+
+    def make(idx: np.ndarray) -> TextSplit:
+        return TextSplit([texts[i] for i in idx.tolist()], scan.labels[idx])
+
+    return Corpus(name=scan.name, label_names=scan.label_names, train=make(scan.splits["train"]),
+                  validation=make(scan.splits["validation"]), test=make(scan.splits["test"]))

@@ -10,6 +10,7 @@ settings, so a second run with the same data loads it instead of training again.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -38,12 +39,16 @@ class TokenizedSplit:
     labels: np.ndarray
     lengths: np.ndarray
     truncated: int
+    unk_only_words: Optional[int] = None
+    """``[UNK]`` tokens in the encoded texts (before truncation): with WordPiece each is one whole word the vocabulary
+    cannot spell (longer than 100 characters, or a character it never saw). None for a cache entry written before it was
+    counted."""
 
     def __len__(self) -> int:
         return len(self.ids)
 
 
-def texts_fingerprint(texts: list[str]) -> str:
+def texts_fingerprint(texts: Iterable[str]) -> str:
     """SHA-256 (hex, first 16 chars) of the texts in order; identifies a data split."""
     h = hashlib.sha256()
     for t in texts:
@@ -57,17 +62,34 @@ def tokenizer_fingerprint(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()[:16]
 
 
-def continuing_alphabet(texts: list[str], normalizer: normalizers.Normalizer) -> list[str]:
+@dataclass
+class TrainingTexts:
+    """The training split's texts for :func:`load_or_train` without holding them in memory: ``batches()`` yields them
+    in order as lists of str, ``fingerprint`` is their :func:`texts_fingerprint` and ``chars`` every character in
+    them (train/data/prepare.py computes both while writing the texts)."""
+
+    batches: Callable[[], Iterator[list[str]]]
+    fingerprint: str
+    chars: set[str]
+
+
+def continuing_alphabet(texts: Iterable[str], normalizer: normalizers.Normalizer,
+                        chars: Optional[set[str]] = None) -> list[str]:
     """Every character that can follow another inside a word after ``normalizer``, sorted: the normalised
     alphabet less whitespace and BERT punctuation (which BertPreTokenizer splits off as words of their own).
+    ``chars``, when given, is the set of characters in ``texts`` (then ``texts`` is not read).
 
     A superset is harmless (at most a few unused ``##c`` tokens); normalising each distinct character alone
     is exact because the BERT normalizer works character by character.
     """
-    chars: set[str] = set()
-    for ch in set().union(*map(set, texts)) if texts else ():
-        chars.update(normalizer.normalize_str(ch))
-    return sorted(c for c in chars if not c.isspace() and not _is_punctuation(c))
+    if chars is None:
+        chars = set()
+        for t in texts:  # one text at a time: a set per text for every text at once took 2 KB a text
+            chars.update(t)
+    out: set[str] = set()
+    for ch in chars:
+        out.update(normalizer.normalize_str(ch))
+    return sorted(c for c in out if not c.isspace() and not _is_punctuation(c))
 
 
 def _is_punctuation(ch: str) -> bool:
@@ -78,8 +100,9 @@ def _is_punctuation(ch: str) -> bool:
         or unicodedata.category(ch).startswith("P")
 
 
-def train_wordpiece(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Train a BERT-style WordPiece tokenizer on ``texts``; the same texts give the same tokenizer in every process.
+def train_wordpiece(texts: Sequence[str] | TrainingTexts, vocab_size: int) -> Tokenizer:
+    """Train a BERT-style WordPiece tokenizer on ``texts`` (a list, or :class:`TrainingTexts` streamed in batches);
+    the same texts give the same tokenizer in every process.
 
     ``tokenizers``' trainer is not deterministic across processes on its own (huggingface/tokenizers#1794):
     it assigns ids to continuing-subword tokens (``##c``) in hash-map iteration order, and those ids break
@@ -88,13 +111,18 @@ def train_wordpiece(texts: list[str], vocab_size: int) -> Tokenizer:
     then rebuilt into a tokenizer whose only special tokens are :data:`SPECIAL_TOKENS`.
     """
     normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True, clean_text=True)
-    seeded = [f"##{c}" for c in continuing_alphabet(texts, normalizer)]
+    alphabet = continuing_alphabet((), normalizer, texts.chars) if isinstance(texts, TrainingTexts) \
+        else continuing_alphabet(texts, normalizer)
+    seeded = [f"##{c}" for c in alphabet]
     draft = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
     draft.normalizer = normalizer
     draft.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + seeded,
                                         min_frequency=2, show_progress=False)
-    draft.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    if isinstance(texts, TrainingTexts):  # word counts do not depend on how the texts are batched
+        draft.train_from_iterator(texts.batches(), trainer=trainer)
+    else:
+        draft.train_from_iterator(texts, trainer=trainer, length=len(texts))
     tok = Tokenizer(models.WordPiece(vocab=draft.get_vocab(), unk_token="[UNK]", max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True, clean_text=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -107,9 +135,9 @@ def train_wordpiece(texts: list[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def load_or_train(train_texts: list[str], vocab_size: int, cache_dir: str,
+def load_or_train(train_texts: Sequence[str] | TrainingTexts, vocab_size: int, cache_dir: str,
                   tokenizer_path: Optional[str] = None) -> tuple[Tokenizer, dict]:
-    """Return the tokenizer and facts about where it came from.
+    """Return the tokenizer and facts about where it came from (``train_texts``: a list, or :class:`TrainingTexts`).
 
     The facts dict has ``source`` (``user``, ``cache-hit``, ``trained``), ``path``, ``vocab_size``
     and ``fingerprint``.
@@ -127,7 +155,8 @@ def load_or_train(train_texts: list[str], vocab_size: int, cache_dir: str,
             raise UserError(f"{p}: not a Hugging Face tokenizers JSON file ({exc})") from None
         return tok, {"source": "user", "path": str(p), "vocab_size": tok.get_vocab_size(),
                      "fingerprint": tokenizer_fingerprint(tok)}
-    key = hashlib.sha256(f"v{FORMAT_VERSION}:{vocab_size}:{texts_fingerprint(train_texts)}".encode()).hexdigest()[:16]
+    texts_fp = train_texts.fingerprint if isinstance(train_texts, TrainingTexts) else texts_fingerprint(train_texts)
+    key = hashlib.sha256(f"v{FORMAT_VERSION}:{vocab_size}:{texts_fp}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / "tokenizers" / f"wordpiece-{vocab_size}-{key}.json"
     if path.is_file():
         try:
@@ -157,22 +186,39 @@ def pad_id(tok: Tokenizer) -> int:
     return 0
 
 
-def encode(tok: Tokenizer, texts: list[str], labels: np.ndarray, max_len: int) -> TokenizedSplit:
-    """Tokenize ``texts`` and truncate each to ``max_len`` tokens, keeping the final special token.
+def unk_id(tok: Tokenizer) -> Optional[int]:
+    """The id of the model's unknown token (``[UNK]``, ``<unk>``), or None when it has none."""
+    name = getattr(tok.model, "unk_token", None)
+    for candidate in (name, "[UNK]", "<unk>"):
+        i = tok.token_to_id(candidate) if isinstance(candidate, str) else None
+        if i is not None:
+            return i
+    return None
 
-    Truncation is done here rather than by the tokenizer so the number of truncated examples
-    can be reported exactly.
-    """
-    tok.no_truncation()
-    tok.no_padding()
-    encodings = tok.encode_batch(texts)
-    ids: list[np.ndarray] = []
+
+def encode_chunk(tok: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], int, int]:
+    """``(ids per text, truncated, unk)`` for one batch of texts: each cut to ``max_len`` tokens keeping the final
+    special token (done here rather than by the tokenizer so truncations are counted exactly); ``unk`` counts the
+    ``[UNK]`` tokens before the cut. Call ``tok.no_truncation()`` and ``tok.no_padding()`` first."""
+    batch = getattr(tok, "encode_batch_fast", None) or tok.encode_batch  # _fast (tokenizers >= 0.20): no offsets
+    seqs = [enc.ids for enc in batch(texts)]
+    unk = unk_id(tok)
+    unks = sum(s.count(unk) for s in seqs) if unk is not None else 0
     truncated = 0
-    for enc in encodings:
-        seq = enc.ids
+    for k, seq in enumerate(seqs):
         if len(seq) > max_len:
             truncated += 1
-            seq = seq[: max_len - 1] + seq[-1:]
-        ids.append(np.asarray(seq, dtype=np.int32))
+            seqs[k] = seq[: max_len - 1] + seq[-1:]
+    return seqs, truncated, unks
+
+
+def encode(tok: Tokenizer, texts: Sequence[str], labels: np.ndarray, max_len: int) -> TokenizedSplit:
+    """Tokenize ``texts`` and truncate each to ``max_len`` tokens, keeping the final special token (every
+    encoding at once: for a few texts; prepared data is encoded in chunks, train/data/prepare.py)."""
+    tok.no_truncation()
+    tok.no_padding()
+    seqs, truncated, unks = encode_chunk(tok, list(texts), max_len)
+    ids = [np.asarray(seq, dtype=np.int32) for seq in seqs]
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
-    return TokenizedSplit(ids=ids, labels=np.asarray(labels, dtype=np.int64), lengths=lengths, truncated=truncated)
+    return TokenizedSplit(ids=ids, labels=np.asarray(labels, dtype=np.int64), lengths=lengths, truncated=truncated,
+                          unk_only_words=unks)

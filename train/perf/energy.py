@@ -11,7 +11,8 @@ Sources, in order of preference:
 4. Otherwise ``energy_j = None`` with ``energy_unavailable_reason``. Never 0, never an exception.
 
 NVML comes from ``pynvml`` as shipped by NVIDIA's ``nvidia-ml-py`` package (not the 2017 fork
-``nvidia-ml-py3``, which lacks the energy call).
+``nvidia-ml-py3``, which lacks the energy call); the handle from :func:`train.perf.nvml.nvml_handle`, which finds
+the GPU by UUID (``CUDA_VISIBLE_DEVICES`` can make CUDA device 0 another NVML index).
 """
 
 from __future__ import annotations
@@ -24,12 +25,7 @@ from typing import Any, Optional
 
 import torch
 
-
-def _nvml() -> Any:
-    import pynvml  # lazy: optional dependency (nvidia-ml-py)
-
-    pynvml.nvmlInit()
-    return pynvml
+from train.perf.nvml import nvml, nvml_handle
 
 
 class _RaplReader:
@@ -70,6 +66,7 @@ class EnergyMeter:
         self.rapl_root = rapl_root
         self.source: Optional[str] = None
         self.reason: Optional[str] = None
+        self.nvml_mapping: Optional[str] = None  # which GPU NVML reads, and how it was found (CUDA only)
         self._handle: Any = None
         self._nvml: Any = None
         self._rapl: Optional[_RaplReader] = None
@@ -81,13 +78,11 @@ class EnergyMeter:
 
     def _choose_source(self) -> None:
         if self.device.type == "cuda":
-            try:
-                self._nvml = _nvml()
-                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                self._handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
-            except Exception as exc:  # ImportError, NVMLError_LibraryNotFound, driver errors
-                self.reason = f"NVML unavailable ({exc.__class__.__name__}: {exc}); install nvidia-ml-py"
+            self._handle, how = nvml_handle(self.device)
+            if self._handle is None:  # pynvml missing, NVMLError_LibraryNotFound, driver errors, no such GPU
+                self.reason = f"NVML unavailable: {how}"
                 return
+            self._nvml, self.nvml_mapping = nvml()[0], how
             try:
                 self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
                 self.source = "nvml-energy-counter"

@@ -1,4 +1,4 @@
-"""Sync audit: do steady training steps ever wait for the device? (``python -m train.perf.sync_audit``)
+"""Sync audit: do steady training steps ever wait for the device? (``python -m train.commands.sync_audit``)
 
 A real training run (``run_training``) with a callback that watches every steady step — not the first (cold)
 step, not a logged step (the loop reads its on-device accumulators there, once per ``train.log_every``), not an
@@ -16,9 +16,6 @@ Writes ``--out`` (JSON): ``watched_steps``, ``host_syncs`` (count), ``first_sync
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -134,31 +131,3 @@ class SyncAudit(Callback):
                   else "host reads of tensor values (TorchFunctionMode), the reads that sync on CUDA")
         return {"watched_steps": self.watched_steps, "host_syncs": self.host_syncs, "first_syncs": self.first_syncs,
                 "method": method, "device": device, "passed": self.watched_steps > 0 and self.host_syncs == 0}
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m train.perf.sync_audit --config C [--mode warn|error] [--out PATH] [section.key=value …]``."""
-    from train.config import load_config
-    from train.run import run_training
-
-    p = argparse.ArgumentParser(prog="python -m train.perf.sync_audit", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None)
-    p.add_argument("--mode", default="warn", choices=("warn", "error"))
-    p.add_argument("--out", default=None, help="result JSON (default: <run dir>/sync_audit.json)")
-    p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv)
-    t0 = time.perf_counter()
-    cfg = load_config(args.config, args.overrides)
-    audit = SyncAudit(args.mode)
-    report = run_training(cfg, t0, hooks=(audit,))
-    result = {**audit.result(), "report_path": str(Path(report["run_dir"]) / "report.json")}
-    out = Path(args.out) if args.out else Path(report["run_dir"]) / "sync_audit.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"sync audit: {result['host_syncs']} host sync(s) in {result['watched_steps']} steady steps "
-          f"({result['method']}): {'PASS' if result['passed'] else 'FAIL'}; wrote {out}", flush=True)
-    return 0 if result["passed"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.errors import allowed, check_fields
+from train.errors import Frozen, allowed, check_fields
 
 
 @dataclass
-class ProfileConfig:
+class ProfileConfig(Frozen):
     """``python -m train profile``: which steps are captured and how the attribution is judged (train/profiling)."""
 
     wait: int = allowed(2, ge=0)

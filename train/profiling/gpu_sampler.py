@@ -13,22 +13,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from train.errors import atomic_path
+from train.perf.nvml import nvml, nvml_handle
 
 FIELDS = ("t_s", "sm_util_pct", "mem_util_pct", "mem_used_bytes", "power_w", "sm_clock_mhz", "mem_clock_mhz")
 
 
-def nvml_reader(index: int) -> tuple[Optional[Callable[[], dict]], Optional[str]]:
-    """(read() → one sample without ``t_s``, None) for GPU ``index``, or (None, why NVML is unavailable)."""
-    try:
-        import pynvml
-    except ImportError:
-        return None, "GPU sampling skipped: pynvml is not installed (pip install nvidia-ml-py)"
-    try:
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    except pynvml.NVMLError as exc:
-        return None, f"GPU sampling skipped: NVML unavailable ({exc})"
+def nvml_reader(index: int | torch.device) -> tuple[Optional[Callable[[], dict]], Optional[str]]:
+    """(read() → one sample without ``t_s``, None) for CUDA device ``index``, or (None, why NVML is unavailable).
+
+    The GPU is found by :func:`train.perf.nvml.nvml_handle` (by UUID: right under a permuted
+    ``CUDA_VISIBLE_DEVICES``); ``read.nvml_mapping`` says how.
+    """
+    handle, how = nvml_handle(index)
+    if handle is None:
+        return None, f"GPU sampling skipped: {how}"
+    pynvml = nvml()[0]
 
     def read() -> dict:
         util = pynvml.nvmlDeviceGetUtilizationRates(handle)
@@ -38,6 +40,7 @@ def nvml_reader(index: int) -> tuple[Optional[Callable[[], dict]], Optional[str]
                 "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                 "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM)}
 
+    read.nvml_mapping = how  # type: ignore[attr-defined]
     return read, None
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from train.errors import allowed, check_fields
+from train.errors import Frozen, allowed, check_fields
 
 
 @dataclass
-class TrackingConfig:
+class TrackingConfig(Frozen):
     """Experiment tracking beside metrics.jsonl (always written): W&B, system metrics, gradient statistics.
 
     The scalar cadence is ``train.log_every``. See train/tracking/wandb_logger.py and README "Experiment tracking".

@@ -5,7 +5,8 @@ At start, every ``tracking.system_interval_s`` seconds, and once more at stop, t
 * ``cpu_percent`` (all cores, 0–100) and ``process_cpu_percent`` (this process; 100 = one core busy),
   ``process_rss_bytes``, ``system_memory_used_bytes`` — from psutil.
 * on CUDA, from NVML (``pynvml`` of the ``nvidia-ml-py`` package): ``gpu_utilization_percent``,
-  ``gpu_memory_used_bytes``, ``gpu_memory_total_bytes``, ``gpu_power_w``, ``gpu_temperature_c``.
+  ``gpu_memory_used_bytes``, ``gpu_memory_total_bytes``, ``gpu_power_w``, ``gpu_temperature_c`` — of the GPU
+  :func:`train.perf.nvml.nvml_handle` finds by UUID (``CUDA_VISIBLE_DEVICES`` remapping respected).
 
 A figure that cannot be read is absent, and ``gpu_metrics_unavailable_reason`` /
 ``cpu_metrics_unavailable_reason`` say why — never 0, never an exception in training.
@@ -18,36 +19,8 @@ import time
 import warnings
 from typing import Any, Optional
 
+from train.perf.nvml import nvml, nvml_handle
 from train.tracking.loggers import MetricLogger
-
-
-def _nvml_handle(device_index: int) -> tuple[Any, Any, Optional[str]]:
-    """``(pynvml, handle, None)`` for CUDA device ``device_index``, or ``(None, None, reason)``.
-
-    The device is found by UUID (``torch.cuda.get_device_properties(i).uuid``) so CUDA_VISIBLE_DEVICES
-    remapping is respected; NVML index ``device_index`` is the fallback.
-    """
-    try:
-        import pynvml
-    except ImportError:
-        return None, None, "pynvml not importable (pip install nvidia-ml-py)"
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # NVMLError_LibraryNotFound, driver not loaded, …
-        return None, None, f"nvmlInit failed: {exc}"
-    try:
-        import torch
-
-        uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
-        if uuid is not None:
-            text = str(uuid)
-            return pynvml, pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith("GPU-") else f"GPU-{text}"), None
-    except Exception:
-        pass
-    try:
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(device_index), None
-    except Exception as exc:
-        return None, None, f"no NVML handle for CUDA device {device_index}: {exc}"
 
 
 class SystemMonitor:
@@ -76,10 +49,15 @@ class SystemMonitor:
         except Exception as exc:
             self.cpu_reason = f"psutil unavailable: {exc.__class__.__name__}: {exc}"
         self._nvml = self._handle = None
+        self.gpu_mapping: Optional[str] = None  # which GPU NVML reads, and how it was found
         if cuda_index is None:
             self.gpu_reason: Optional[str] = "not a CUDA run"
         else:
-            self._nvml, self._handle, self.gpu_reason = _nvml_handle(cuda_index)
+            self._handle, how = nvml_handle(cuda_index)
+            if self._handle is None:
+                self.gpu_reason = how
+            else:
+                self._nvml, self.gpu_mapping, self.gpu_reason = nvml()[0], how, None
 
     def sample(self) -> dict[str, Any]:
         """One record (without ``step``); fields that cannot be read are left out, with a reason."""
@@ -132,15 +110,11 @@ class SystemMonitor:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread (waits at most one sample's duration), take one last sample (the end state) and
-        shut NVML down."""
+        """Stop the thread (waits at most one sample's duration), take one last sample (the end state) and drop
+        the handle. NVML itself stays initialised: :mod:`train.perf.nvml` owns it for the whole process, and an
+        ``nvmlShutdown`` here would invalidate the handles the energy meter or GPU sampler still hold."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._log_one()
-        if self._nvml is not None:
-            try:
-                self._nvml.nvmlShutdown()
-            except Exception:
-                pass
-            self._nvml = self._handle = None
+        self._nvml = self._handle = None

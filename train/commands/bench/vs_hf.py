@@ -19,13 +19,14 @@ and accuracy on the validation split, measured for both by the same evaluation. 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,11 @@ from train.callbacks import Callback
 from train.config import RunConfig
 from train.data import make_loader, prepare_data
 from train.errors import UserError, atomic_write_text
+from train.evaluation import evaluate
+from train.perf.ab import CONFIDENCE, Arm, interleave
 from train.perf.memory import WindowPeakMemory
-from train.setup import build_model, seed_everything, start_run
+from train.setup import build_model, build_run, seed_everything, start_run
 from train.tools.env import collect_env, machine_facts
-from train.trainer import Trainer, evaluate
 
 SIDES = ("hf-trainer", "this-project")
 
@@ -117,27 +119,24 @@ def _figures(t0: float, ends: list[float], counts: list[tuple[int, int]]) -> dic
     return {"samples_per_s": sum(n for n, _ in steady) / steady_s if steady_s else None,
             "tokens_per_s": sum(t for _, t in steady) / steady_s if steady_s else None,
             "time_to_first_step_s": ends[0] - t0 if ends else None,
-            "samples_seen": sum(n for n, _ in counts)}
+            "samples_seen": sum(n for n, _ in counts), "steady_samples": sum(n for n, _ in steady), "steady_s": steady_s}
 
 
 def _our_side(cfg: RunConfig, bundle, device, policy) -> tuple[dict[str, Any], torch.nn.Module]:
-    """One run of this project's trainer (the config as given: the optimized settings)."""
+    """One run of this project's trainer (the config as given: the optimized settings), built by the one set-up."""
     t0 = time.perf_counter()
-    seed_everything(cfg.train.seed)
-    model = build_model(cfg, bundle).to(device)
-    loader = make_loader(bundle, "train", cfg, train=True, device=device)
-    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader,
-                      num_classes=bundle.num_classes)
+    run = build_run(cfg, bundle, device, policy)
     ends = _StepEnds()
-    trainer.add_callback(ends)
-    stats = trainer.fit()
+    run.trainer.add_callback(ends)
+    stats = run.trainer.fit()
     steady_s = ends.ends[-1] - ends.ends[0] if len(ends.ends) > 1 else 0.0
     out = {"samples_per_s": stats.steady_samples / steady_s if steady_s else None,
            "tokens_per_s": stats.steady_real_tokens / steady_s if steady_s else None,
            "time_to_first_step_s": ends.ends[0] - t0 if ends.ends else None, "samples_seen": stats.samples,
+           "steady_samples": stats.steady_samples, "steady_s": steady_s,
            "steps": stats.steps, "batch_size": cfg.batching.batch_size, "max_tokens": cfg.batching.max_tokens,
            "batching_method": cfg.batching.method}
-    return out, model
+    return out, run.model
 
 
 def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:
@@ -158,20 +157,32 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
     device, policy = start.device, start.policy
     bundle = prepare_data(cfg, None, notice=notice)
     val = make_loader(bundle, "validation", cfg, train=False, device=device)
-    memory = WindowPeakMemory(device)
     runs: dict[str, list[dict]] = {s: [] for s in SIDES}
     env = {**collect_env(device), **machine_facts(device)}
-    for r in range(cfg.bench.rounds):
-        for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
-            memory.start()
+
+    def side(name: str) -> Arm:
+        """One whole training run per round, self-timed over its steady steps (the A/B primitive pairs the rounds)."""
+        def one() -> dict[str, float]:
             with tempfile.TemporaryDirectory() as tmp:
-                fig, model = (_hf_side(cfg, bundle, device, policy, Path(tmp)) if side == "hf-trainer"
+                fig, model = (_hf_side(cfg, bundle, device, policy, Path(tmp)) if name == "hf-trainer"
                               else _our_side(cfg, bundle, device, policy))
-            fig.update(memory.stop())
             fig["eval_accuracy"] = evaluate(model, val, policy, bundle.num_classes, device)["accuracy"]
-            runs[side].append(fig)
-            notice(f"bench-vs-hf: round {r + 1}/{cfg.bench.rounds} {side}: {_fmt(fig['samples_per_s'])} samples/s, "
-                   f"eval accuracy {_fmt(fig['eval_accuracy'], '.4f')}, {fig['samples_seen']} samples")
+            runs[name].append(fig)
+            return {"samples": fig["steady_samples"], "seconds": fig["steady_s"]}
+
+        @contextlib.contextmanager
+        def measure() -> Iterator[dict]:
+            memory, out = WindowPeakMemory(device), {}
+            memory.start()
+            yield out
+            runs[name][-1].update(memory.stop())
+            fig = runs[name][-1]
+            notice(f"bench-vs-hf: round {len(runs[name])}/{cfg.bench.rounds} {name}: {_fmt(fig['samples_per_s'])} "
+                   f"samples/s, eval accuracy {_fmt(fig['eval_accuracy'], '.4f')}, {fig['samples_seen']} samples")
+
+        return Arm(name, one, measure)
+
+    ab = interleave([side(s) for s in SIDES], rounds=cfg.bench.rounds, window=1, warmup=0, device=device)
     result = {"model_source": cfg.model.source, "precision": policy.mode, "precision_reason": policy.reason,
               "epochs": cfg.train.epochs, "rounds": cfg.bench.rounds, "train_samples": len(bundle.splits["train"]),
               "sides": {s: {"median": _median(runs[s]), "runs": runs[s]} for s in SIDES},
@@ -179,16 +190,24 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
     ours, theirs = (result["sides"][s]["median"] for s in ("this-project", "hf-trainer"))
     result["speedup_samples_per_s"] = (ours["samples_per_s"] / theirs["samples_per_s"]
                                        if ours["samples_per_s"] and theirs["samples_per_s"] else None)
-    paired = [o["samples_per_s"] / h["samples_per_s"] for o, h in zip(runs["this-project"], runs["hf-trainer"])
-              if o["samples_per_s"] and h["samples_per_s"]]
-    result["speedup_per_round"] = paired  # each round's pair ran back to back: less exposed to load drift
-    result["speedup_median_of_rounds"] = statistics.median(paired) if paired else None
+    paired = ab.ratio("this-project", "hf-trainer")  # each round's two runs ran back to back
+    result["speedup_per_round"] = paired.per_round
+    result["speedup_median_of_rounds"] = paired.median
+    result["speedup_interval"] = [paired.low, paired.high]
+    result["speedup_verdict"] = paired.verdict
     result["eval_accuracy_delta"] = (ours["eval_accuracy"] - theirs["eval_accuracy"]
                                      if None not in (ours["eval_accuracy"], theirs["eval_accuracy"]) else None)
     atomic_write_text(start.run_dir / "bench-vs-hf.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(start.run_dir / "bench-vs-hf.md", markdown(result))
     notice(markdown(result))
     return result
+
+
+def _interval(result: dict[str, Any]) -> str:
+    low, high = result.get("speedup_interval") or (None, None)
+    if low is None:
+        return "no interval"
+    return f"{100 * CONFIDENCE:.0f}% interval [{low:.2f}, {high:.2f}]: {result['speedup_verdict']}"
 
 
 def _median(runs: list[dict]) -> dict[str, Any]:
@@ -216,7 +235,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{_fmt(m['samples_seen'], '.0f')} |")
     rounds = ", ".join(_fmt(x, ".2f") for x in result["speedup_per_round"])
     lines += ["", f"this project / HF Trainer samples/s: {_fmt(result['speedup_samples_per_s'], '.2f')}x (medians); "
-              f"per round {rounds} (median {_fmt(result['speedup_median_of_rounds'], '.2f')}x); eval accuracy "
+              f"per round {rounds} (median {_fmt(result['speedup_median_of_rounds'], '.2f')}x, {_interval(result)}); eval accuracy "
               f"difference {_fmt(result['eval_accuracy_delta'], '+.4f')}"]
     return "\n".join(lines) + "\n"
 

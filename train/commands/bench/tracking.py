@@ -21,18 +21,22 @@ is set) and no reachable server, one short block with full tracking is timed fro
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from train.config import RunConfig
 from train.errors import atomic_write_text
+from train.perf.ab import Arm, interleave
 from train.perf.timer import Timed
 from train.tools.progress import beside, progress_bar
 from train.tracking.gradstats import GradStatsCallback
@@ -41,15 +45,13 @@ from train.tracking.setup import Tracking
 
 
 def _setup(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    from train.data import make_loader, prepare_data
-    from train.setup import build_model, start_run
+    from train.data import prepare_data
+    from train.setup import build_run, start_run
 
     start = start_run(cfg, run_dir=False)
-    device, policy = start.device, start.policy
     bundle = prepare_data(cfg, run_dir)
-    model = build_model(cfg, bundle).to(device)
-    loader = make_loader(bundle, "train", cfg, train=True, device=device)
-    return {"device": device, "policy": policy, "bundle": bundle, "model": model, "loader": loader}
+    run = build_run(cfg, bundle, start.device, start.policy, splits=())
+    return {"device": start.device, "policy": start.policy, "bundle": bundle, "model": run.model}
 
 
 def _cpu_s() -> float:
@@ -68,24 +70,26 @@ def _cpu_s() -> float:
     return t.user + t.system + kids
 
 
-def _block(cfg: RunConfig, env: dict[str, Any], steps: int, logger: Any, grad_stats: Any,
-           cpu: Optional[list] = None) -> float:
-    """Run ``steps`` optimizer steps; returns wall milliseconds per step (logging included).
-    Appends CPU milliseconds per step (process + children) to ``cpu`` when given."""
-    from train.trainer import Trainer
+def _block(cfg: RunConfig, env: dict[str, Any], steps: int, logger: Any, grad_stats: Any) -> dict[str, float]:
+    """Run ``steps`` optimizer steps (a fresh trainer on the shared model, built by the one set-up, logging through
+    ``logger``); returns ``{"steps": steps}`` for the A/B window that times it."""
+    from train.setup import build_run
 
     block_cfg = replace(cfg, train=replace(cfg.train, max_steps=steps, progress=False))
-    trainer = Trainer(cfg=block_cfg, model=env["model"], policy=env["policy"], device=env["device"],
-                      train_loader=env["loader"], logger=logger, num_classes=env["bundle"].num_classes)
+    trainer = build_run(block_cfg, env["bundle"], env["device"], env["policy"], model=env["model"],
+                        logger=lambda _m: logger).trainer
     if grad_stats is not None:
         trainer.add_callback(GradStatsCallback(grad_stats, trainer))
+    trainer.fit()
+    return {"block_steps": steps}
+
+
+@contextlib.contextmanager
+def _cpu_ms(cpu: list[float], steps: int) -> Iterator[dict]:
+    """Around an A/B window: CPU milliseconds per step (process + children) appended to ``cpu``."""
     c0 = _cpu_s()
-    with Timed(env["device"]) as t:
-        trainer.fit()
-    wall = t.ms / steps
-    if cpu is not None:
-        cpu.append((_cpu_s() - c0) * 1e3 / steps)
-    return wall
+    yield {}
+    cpu.append((_cpu_s() - c0) * 1e3 / steps)
 
 
 def run_bench(cfg: RunConfig) -> dict[str, Any]:
@@ -106,30 +110,30 @@ def run_bench(cfg: RunConfig) -> dict[str, Any]:
 
     cpu: dict[str, list[float]] = {"none": [], "jsonl": [], "full": []}
 
-    def run_condition(name: str) -> float:
+    def run_condition(name: str) -> dict[str, float]:
         if name == "none":
-            return _block(cfg, env, block_steps, null, None, cpu["none"])
+            return _block(cfg, env, block_steps, null, None)
         if name == "jsonl":
-            return _block(cfg, env, block_steps, jsonl, None, cpu["jsonl"])
+            return _block(cfg, env, block_steps, jsonl, None)
         logger = tracking.attach(env["model"], env["device"])  # starts the system-metrics thread
         try:
-            return _block(cfg, env, block_steps, logger, tracking.grad_stats, cpu["full"])
+            return _block(cfg, env, block_steps, logger, tracking.grad_stats)
         finally:
             if tracking.monitor is not None:
                 tracking.monitor.stop()
 
     names = ["none", "jsonl", "full"]
-    run_condition("none")  # warm-up
-    cpu["none"].clear()
-    per: dict[str, list[float]] = {n: [] for n in names}
-    with progress_bar(rounds * len(names), "bench-tracking", cfg.train.progress, unit="block") as bar:
+    arms = [Arm(n, functools.partial(run_condition, n), functools.partial(_cpu_ms, cpu[n], block_steps),
+                warmup=1 if n == "none" else 0) for n in names]
+    with progress_bar(rounds, "bench-tracking", cfg.train.progress, unit="round") as bar:
         say = beside(bar, lambda m: print(m, flush=True))
-        for r in range(rounds):
-            order = names[r % 3:] + names[:r % 3]
-            for name in order:
-                per[name].append(run_condition(name))
-                bar.update(1)
-            say(f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {per[n][-1]:.2f} ms/step (cpu {cpu[n][-1]:.2f})" for n in names))
+
+        def done(r: int) -> None:
+            bar.update(1)
+            say(f"round {r + 1}/{rounds}: cpu " + ", ".join(f"{n} {cpu[n][-1]:.2f} ms/step" for n in names))
+
+        ab = interleave(arms, rounds=rounds, window=1, warmup=0, device=env["device"], on_round=done)
+    per = {n: [1e3 * w.seconds / block_steps for w in ab.arms[n].windows] for n in names}  # ms per step, by round
     tracking.close()
     jsonl.close()
     ratios_full = [f / n for f, n in zip(per["full"], per["none"])]
@@ -142,6 +146,9 @@ def run_bench(cfg: RunConfig) -> dict[str, Any]:
         "ms_per_step_median": {n: statistics.median(v) for n, v in per.items()},
         "ms_per_step_blocks": per,
         "overhead_full_vs_none": overhead,
+        "overhead_full_vs_none_interval": [None if x is None else x - 1 for x in
+                                           (lambda r: (r.low, r.high))(ab.ratio("none", "full", "steps"))],
+        "load_1min_start": ab.load_start, "load_1min_end": ab.load_end,
         "overhead_full_vs_jsonl": statistics.median(ratios_wandb) - 1,
         "cpu_ms_per_step_median": {n: statistics.median(v) for n, v in cpu.items()},
         "cpu_ms_per_step_blocks": cpu,
@@ -170,11 +177,15 @@ def _online_check(cfg: RunConfig, env: dict[str, Any], run_dir: Path, steps: int
     os.environ.pop("WANDB_MODE", None)
     try:
         online_cfg = replace(cfg, tracking=replace(cfg.tracking, wandb="on", mode="online"))
-        base_ms = _block(cfg, env, steps, NullLogger(), None) * steps
+        with Timed(env["device"]) as base:
+            _block(cfg, env, steps, NullLogger(), None)
+        base_ms = base.ms
         t0 = time.perf_counter()
         tracking = Tracking(online_cfg, run_dir / "online", run_name="bench-tracking-online")
         logger = tracking.attach(env["model"], env["device"])
-        train_ms = _block(cfg, env, steps, logger, tracking.grad_stats) * steps
+        with Timed(env["device"]) as trained:
+            _block(cfg, env, steps, logger, tracking.grad_stats)
+        train_ms = trained.ms
         tracking.close()
         total_ms = (time.perf_counter() - t0) * 1e3
     finally:

@@ -13,6 +13,7 @@ Writes ``runs/<id>/bench-compile.json``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import torch
 from train import compat
 from train.compiling.session import CompileSession
 from train.errors import UserError, atomic_write_text
+from train.perf.ab import Arm, interleave
 from train.perf.timer import Timed, percentiles
 from train.tools.progress import beside, progress_bar
 
@@ -34,34 +36,28 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _setup(cfg: Any) -> tuple:
-    from train.data import make_loader, prepare_data
-    from train.setup import build_model, start_run
+    """The run's start, data and :func:`~train.setup.build_run` (training loader only); ``(run, data seconds)``."""
+    from train.data import prepare_data
+    from train.setup import build_run, start_run
 
     start = start_run(cfg, run_dir=False)
-    device, policy = start.device, start.policy
     t0 = time.perf_counter()
     bundle = prepare_data(cfg, None, notice=lambda _msg: None)
     data_s = time.perf_counter() - t0
-    model = build_model(cfg, bundle).to(device)
-    loader = make_loader(bundle, "train", cfg, train=True, device=device)
-    return device, policy, bundle, model, loader, data_s
+    return build_run(cfg, bundle, start.device, start.policy), data_s
 
 
 def first_step_child(cfg: Any, t_start: float, out: str) -> None:
     """One process: set up like a run, do exactly one training step on the first batch, write timings to ``out``."""
-    from train.trainer import Trainer, move
-
-    device, policy, bundle, model, loader, data_s = _setup(cfg)
-    session = CompileSession.create(cfg.compile, device, model, bundle.pad_to)
-    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader,
-                      num_classes=bundle.num_classes, train_model=session.forward)
-    batch = next(iter(loader))
-    ids, mask, labels = move(batch, device)
+    run, data_s = _setup(cfg)
+    device, bundle = run.device, run.bundle
+    session = CompileSession.create(cfg.compile, device, run.model, bundle.pad_to)
+    run.trainer.train_model = session.forward
     with Timed(device) as t:
-        trainer.train_step(ids, mask, labels)
+        rec = run.trainer.step()
     t0, t1 = t.start, t.end
     result = {"time_to_first_step_s": t1 - t_start, "first_step_s": t1 - t0, "setup_s": t0 - t_start,
-              "data_prep_s": data_s, "shape": list(ids.shape), "compile_enabled": session.enabled,
+              "data_prep_s": data_s, "shape": [rec.rows, rec.seq_len], "compile_enabled": session.enabled,
               "compile_reason": session.reason, "cache_dir": session.cache.dir if session.cache else None,
               "cache_state": session.cache.state if session.cache else None,
               "cache_counts": compat.compile_cache_counts() if session.enabled else None,
@@ -89,18 +85,21 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def steady_compare(cfg: Any) -> dict[str, Any]:
-    """Eager vs compiled step time on real batches of the first batch's shape, interleaved, after warm-up of both
-    (``bench_compile.rounds`` rounds of ``bench_compile.steps`` steps each)."""
+    """Eager vs compiled training steps (:meth:`~train.trainer.Trainer.step`, one model, a trainer each) on real
+    batches of the first batch's shape, after warm-up of both, through the one A/B primitive
+    (``bench_compile.rounds`` rotated rounds of ``bench_compile.steps`` steps each)."""
     from train.compiling.warmup import planned_shapes, warm_up
-    from train.trainer import Trainer, move
+    from train.setup import build_run
 
     steps, rounds = cfg.bench_compile.steps, cfg.bench_compile.rounds
-    device, policy, bundle, model, loader, _ = _setup(cfg)
-    session = CompileSession.create(cfg.compile, device, model, bundle.pad_to)
+    run, _ = _setup(cfg)
+    device, model, loader = run.device, run.model, run.loaders["train"]
+    session = CompileSession.create(cfg.compile, device, model, run.bundle.pad_to)
     if not session.enabled:
         raise UserError(f"bench-compile needs compile on: {session.reason}")
-    common = dict(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader, num_classes=bundle.num_classes)
-    eager, compiled = Trainer(**common), Trainer(**common, train_model=session.forward)
+    eager = run.trainer
+    compiled = build_run(cfg, run.bundle, device, run.policy, model=model).trainer
+    compiled.train_model = session.forward
     first = next(iter(loader))
     key = ("train", *first["input_ids"].shape)
     shape = planned_shapes(loader, "train", per_shape=steps)[key]
@@ -109,28 +108,32 @@ def steady_compare(cfg: Any) -> dict[str, Any]:
                           notice=lambda _m: None)
             for name, tr, fwd in (("eager", eager, model), ("compiled", compiled, session.forward))}
     session.monitor.end_warmup()
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    batches = [move(b, device) for b in shape.batches]
-    with progress_bar(2 * rounds * steps, "bench-compile steady", cfg.train.progress) as bar:
-        for r in range(rounds):
-            order = (("eager", eager), ("compiled", compiled)) if r % 2 == 0 else (("compiled", compiled), ("eager", eager))
-            for name, tr in order:
-                for i in range(steps):
-                    with Timed(device) as t:
-                        tr.train_step(*batches[i % len(batches)])
-                    times[name].append(t.ms)
-                bar.update(steps)
+
+    def arm(name: str, trainer: Any) -> Arm:
+        calls = itertools.count()
+
+        def one() -> None:
+            trainer.step(shape.batches[next(calls) % len(shape.batches)], count=False)
+
+        return Arm(name, one)
+
+    with progress_bar(rounds, "bench-compile steady", cfg.train.progress, unit="round") as bar:
+        ab = interleave([arm("eager", eager), arm("compiled", compiled)], rounds=rounds, window=steps, warmup=0,
+                        device=device, on_round=lambda _r: bar.update(1))
     m = session.monitor
     limit_hit = m.limit_hit or bool(m.eager_fallback_shapes)
-    eager_p, comp_p = percentiles(times["eager"]), percentiles(times["compiled"])
+    per_step = {name: [1e3 * w.seconds / w.steps for w in ab.arms[name].windows] for name in ("eager", "compiled")}
+    eager_p, comp_p = percentiles(per_step["eager"]), percentiles(per_step["compiled"])
     out = {"shape": list(key[1:]), "steps_per_round": steps, "rounds": rounds, "eager_step_ms": eager_p,
            "compiled_step_ms": comp_p, "eager_step_ms_p50": eager_p["p50"],
            "compiled_step_ms_p50": None if limit_hit else comp_p["p50"],
            "recompiles_after_warmup": m.graphs_after_warmup, "recompile_events": m.events[:5],
-           "recompile_limit_hit": limit_hit,
+           "recompile_limit_hit": limit_hit, "speedup": ab.ratio("compiled", "eager", "steps").as_dict(),
+           "load_1min_start": ab.load_start, "load_1min_end": ab.load_end,
            "warmup": {name: w["shapes"][0] for name, w in warm.items()}}
     if limit_hit:
         out["compiled_step_ms_p50_unavailable_reason"] = "recompile limit hit: the 'compiled' steps ran eagerly"
+        out["speedup"] = None
     out["speedup_eager_over_compiled_p50"] = _ratio(out["eager_step_ms_p50"], out["compiled_step_ms_p50"])
     return out
 
@@ -161,8 +164,7 @@ def run_bench(cfg: Any, config: Optional[str], overrides: list[str]) -> dict[str
     if not no_disk_cache and (cold["cache_state"] != "cold" or warm["cache_state"] != "warm"):
         raise RuntimeError(f"cache states were {cold['cache_state']}/{warm['cache_state']}, expected cold/warm")
 
-    cfg.compile.enabled, cfg.compile.cache_dir = "true", str(cache)
-    steady = steady_compare(cfg)
+    steady = steady_compare(cfg.with_values({"compile.enabled": "true", "compile.cache_dir": str(cache)}))
     ratio_warm_cold = _ratio(warm["time_to_first_step_s"], cold["time_to_first_step_s"])
     result = {
         "cold_time_to_first_step_s": cold["time_to_first_step_s"],

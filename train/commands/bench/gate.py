@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from train.bench.training import run_training_bench
+from train.commands.bench.training import run_training_bench
 from train.config import RunConfig
 from train.data import prepare_data
 from train.errors import UserError, atomic_write_text

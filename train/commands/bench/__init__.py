@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from train.bench.inference import run_inference_bench
-from train.bench.training import CONFIGS, add_ratios, run_training_bench, runnable_rows
+from train.commands.bench.inference import run_inference_bench
+from train.commands.bench.training import CONFIGS, add_ratios, arm_config, auto_precision, run_training_bench, runnable_rows
 from train.config import RunConfig
 from train.data import prepare_data
 from train.data.tokenizer import load_or_train
@@ -40,10 +40,15 @@ def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str
     bundle = prepare_data(cfg, None, notice=notice)
     machine_at_start = machine_facts(device)
     t0 = time.perf_counter()
-    rows = run_training_bench(cfg, bundle, device, names, notice)
+    row_cfgs = [arm_config(cfg, list(CONFIGS[n].overrides)) for n in names]
+    # one decision for every auto row, and the record of it (the start's own, when the config asks for auto)
+    auto = start.policy if cfg.train.precision == "auto" else auto_precision(cfg, device, row_cfgs)
+    rows = run_training_bench(cfg, bundle, device, names, notice, auto=auto)
     add_ratios(rows)
     result: dict[str, Any] = {
         "training": {"configs": rows, "skipped": skipped,
+                     "precision_auto": None if auto is None else {"precision": auto.mode, "reason": auto.reason,
+                                                                  "source": auto.source},
                      "settings": {"warmup_steps": b.warmup_steps, "rounds": b.rounds, "window": b.window,
                                   "batch_size": cfg.batching.batch_size,
                                   "max_tokens": cfg.batching.max_tokens, "model": cfg.model.preset,
@@ -58,6 +63,7 @@ def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str
         tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
         result["inference"] = run_inference_bench(cfg, bundle, tok, device, notice)
     result["env"]["load_1min_at_end"] = machine_facts(device)["load_1min"]
+    result["run_dir"] = str(run_dir)
     write_outputs(out_dir, result)
     return result
 

@@ -12,6 +12,7 @@ Writes ``bench-precision.json`` and ``bench-precision.md`` into the run director
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, Optional
 
@@ -21,13 +22,14 @@ import torch
 from train.checkpoint import rng_state, set_rng_state
 from train.config import RunConfig
 from train.data import make_loader, prepare_data
+from train.data.batch import epochs
 from train.errors import atomic_write_text
-from train.perf.timer import Timed
+from train.evaluation import evaluate
+from train.perf.ab import Arm, interleave
 from train.precision import PrecisionPolicy, probe_for
-from train.setup import build_model, seed_everything, start_run
+from train.setup import build_run, start_run
 from train.tools.env import collect_env
 from train.tools.progress import beside, progress_bar
-from train.trainer import Trainer, evaluate, move
 
 ACCURACY_PARITY_POINTS = 1.0  # target: low-precision eval accuracy within 1.0 point of fp32 (CUDA)
 
@@ -45,30 +47,31 @@ def _rows(device: torch.device, steps: int, bf16_cpu_steps: int) -> list[tuple[s
 
 
 class _Row:
-    def __init__(self, cfg: RunConfig, mode: str, steps: int, bundle: Any, device: torch.device, loader: Any) -> None:
+    def __init__(self, cfg: RunConfig, mode: str, steps: int, bundle: Any, device: torch.device) -> None:
         self.requested, self.steps = mode, steps
         self.policy = PrecisionPolicy.create(mode, device, probe_for(cfg), cfg.data.cache_dir)
-        seed_everything(cfg.train.seed)
-        model = build_model(cfg, bundle).to(device)  # same seed → same initial weights in every row
-        self.trainer = Trainer(cfg=cfg, model=model, policy=self.policy, device=device, train_loader=loader,
-                               num_classes=bundle.num_classes)
+        self.run = build_run(cfg, bundle, device, self.policy, splits=())  # same seed → same initial weights
+        self.trainer = self.run.trainer
         self.trainer.model.train()
         self.rng = rng_state()
         self.losses: list[float] = []
-        self.ms: list[float] = []
         self.peak: Optional[int] = None
 
-    def step(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, device: torch.device) -> None:
-        set_rng_state(self.rng)  # each row has its own dropout RNG stream
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        with Timed(device) as t:
-            loss, _ = self.trainer.train_step(ids, mask, labels)
-        self.ms.append(t.ms)
-        self.losses.append(float(loss))  # sync point (a benchmark, not the training loop)
-        self.rng = rng_state()
-        if device.type == "cuda":
-            self.peak = max(self.peak or 0, int(torch.cuda.max_memory_allocated(device)))
+    def arm(self, batches: list[dict], device: torch.device, warmup: int) -> Arm:
+        """This row as an A/B arm: its k-th step trains on ``batches[k]`` (the same batches in every row)."""
+
+        def step() -> None:
+            set_rng_state(self.rng)  # each row has its own dropout RNG stream
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            rec = self.trainer.step(batches[len(self.losses)], count=False)
+            self.losses.append(float(rec.loss))  # sync point (a benchmark, not the training loop)
+            self.rng = rng_state()
+            if device.type == "cuda":
+                self.peak = max(self.peak or 0, int(torch.cuda.max_memory_allocated(device)))
+
+        first = warmup if self.steps > warmup else 1  # a short row: all but its first (cold) step
+        return Arm(self.requested, step, warmup=first, rounds=self.steps - first)
 
 
 def _gap(a: list[float], b: list[float]) -> dict[str, Optional[float]]:
@@ -84,46 +87,46 @@ def run_bench(cfg: RunConfig) -> dict[str, Any]:
     Returns the JSON dict."""
     bp = cfg.bench_precision
     steps, bf16_cpu_steps, warmup = bp.steps, bp.bf16_cpu_steps, bp.warmup
-    cfg.train.max_steps = steps  # same LR schedule in every row
-    start = start_run(cfg, prefix="bench-precision-")
+    start = start_run(cfg.with_values({"train.max_steps": steps}), prefix="bench-precision-")  # one LR schedule
+    cfg = start.cfg
     run_dir, device = start.run_dir, start.device
     bundle = prepare_data(cfg, run_dir)
     loader = make_loader(bundle, "train", cfg, train=True, device=device)
     val_loader = make_loader(bundle, "validation", cfg, train=False, device=device)
-    rows = [_Row(cfg, mode, n, bundle, device, loader) for mode, n in _rows(device, steps, bf16_cpu_steps)]
+    rows = [_Row(cfg, mode, n, bundle, device) for mode, n in _rows(device, steps, bf16_cpu_steps)]
     print(f"bench-precision {run_dir}: {steps} steps; rows " +
           ", ".join(f"{r.requested}→{r.policy.mode} ({r.steps} steps)" for r in rows), flush=True)
 
-    batches, epoch = [], 0
-    while len(batches) < steps:
-        loader.batch_sampler.set_epoch(epoch)
-        batches += [move(b, device) for b in loader][: steps - len(batches)]
-        epoch += 1
+    batches = [b for _, b in itertools.islice(epochs(loader), steps)]
+    first = warmup if steps > warmup else 1
     with progress_bar(steps, "bench-precision", cfg.train.progress) as bar:
         say = beside(bar, lambda m: print(m, flush=True))
-        for i, (ids, mask, labels) in enumerate(batches):
-            active = [r for r in rows if i < r.steps]
-            k = i % len(active)
-            for r in active[k:] + active[:k]:  # rotate the order: no row always runs first
-                r.step(ids, mask, labels, device)
+
+        def done(i: int) -> None:
             bar.update(1)
-            if (i + 1) % max(1, steps // 10) == 0:
-                say(f"step {i + 1}/{steps}: " + ", ".join(f"{r.requested} loss {r.losses[-1]:.4f}" for r in active))
+            if (i + 1) % max(1, (steps - first) // 10) == 0:
+                say(f"step {first + i + 1}/{steps}: " + ", ".join(f"{r.requested} loss {r.losses[-1]:.4f}" for r in rows
+                                                                  if len(r.losses) == first + i + 1))
+
+        bar.update(first)
+        ab = interleave([r.arm(batches, device, warmup) for r in rows], rounds=steps - first, window=1, device=device,
+                        on_round=done)
 
     ref = rows[0]
     results = []
     for r in rows:
         full = r.steps == steps
-        first = warmup if len(r.ms) > warmup else 1  # a short row: all but its first (cold) step
-        timed = r.ms[first:]
-        p50 = float(np.median(timed)) if timed else None
-        ref_p50 = float(np.median(ref.ms[first:len(r.ms)])) if timed else None  # fp32 on the same steps/batches
+        ms = [1e3 * w.seconds for w in ab.arms[r.requested].windows]
+        ref_ms = [1e3 * w.seconds for w in ab.arms[ref.requested].windows][: len(ms)]  # fp32 on the same steps
+        p50 = float(np.median(ms)) if ms else None
+        ref_p50 = float(np.median(ref_ms)) if ms else None
+        speedup = ab.ratio(r.requested, ref.requested, "steps")  # paired per step, with its interval
         ev = evaluate(r.trainer.model, val_loader, r.policy, bundle.num_classes, device) if full else {}
         row: dict[str, Any] = {
             "requested": r.requested, "precision": r.policy.mode, "precision_reason": r.policy.reason,
-            "steps": r.steps, "timed_steps": len(timed), "step_time_ms_p50": p50,
+            "steps": r.steps, "timed_steps": len(ms), "step_time_ms_p50": p50,
             "step_time_ratio_vs_fp32": p50 / ref_p50 if p50 and ref_p50 else None,
-            "step_times_ms": r.ms,
+            "step_times_ms": ms, "speedup_vs_fp32": speedup.as_dict() if r is not ref else None,
             "peak_memory_bytes": r.peak,
             "eval_accuracy": ev.get("accuracy"), "eval_loss": ev.get("loss"),
             "final_train_loss": float(np.mean(r.losses[-10:])), "loss_gap_vs_fp32": _gap(r.losses, ref.losses),

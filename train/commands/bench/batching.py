@@ -39,10 +39,10 @@ from train.config.bench import BenchBatchingConfig
 from train.data.buckets import fit_boundaries, token_efficiency
 from train.data.collate import PadCollate, TokenDataset
 from train.data.grouping import length_grouped_batches
-from train.data.packing import PackCollate, packed_batches, packed_forward
+from train.data.packing import PackCollate, packed_batches
 from train.data.sampler import BucketBatchSampler
 from train.errors import UserError
-from train.perf.timer import Timed
+from train.perf.ab import Arm, interleave
 from train.tools.progress import beside, progress_bar
 
 BASELINE = "pad-to-max"
@@ -129,22 +129,13 @@ def _stream(batches: list[list[int]], rng: np.random.Generator) -> Iterator[list
             yield batches[i]
 
 
-def train_step(trainer: Any, batch: dict) -> None:
-    """One optimizer step of the run's :class:`~train.trainer.Trainer` (its clipping and numerics guard
-    included, no logging); packed rows run the forward through :func:`~train.data.packing.packed_forward`."""
-    if "seq_index" in batch:
-        logits = packed_forward(trainer.model, batch["input_ids"], batch["position_ids"], batch["seq_index"],
-                                len(batch["labels"]), trainer.policy.blocks_autocast)
-        trainer.optimize(logits, batch["labels"])
-    else:
-        trainer.train_step(batch["input_ids"], batch["attention_mask"], batch["labels"])
-
-
-def time_methods(methods: list[Method], dataset: TokenDataset, pad_id: int, step: Callable[[dict], None],
+def time_methods(methods: list[Method], dataset: TokenDataset, pad_id: int, step: Callable[[dict], Any],
                  bc: BenchBatchingConfig, device: torch.device, seed: int,
                  notice: Callable[[str], None] = print, bar: bool = False) -> dict[str, list[dict]]:
-    """Interleaved timed windows. Returns ``{name: [{"samples", "real_tokens", "padded_tokens", "seconds"}, …]}``.
-    ``bar``: ask for a progress bar (one tick per window; drawn on a terminal only).
+    """Interleaved timed windows through the one A/B primitive (:func:`train.perf.ab.interleave`: ``warmup_windows``
+    untimed windows, then ``windows`` rounds, the order rotated per round). ``step(batch)`` is one training step
+    (:meth:`~train.trainer.Trainer.step`). Returns ``{name: [{"samples", "real_tokens", "padded_tokens", "seconds"},
+    …]}``. ``bar``: ask for a progress bar (one tick per round; drawn on a terminal only).
 
     A window's time covers collate, host→device copy and the training steps, between two device
     synchronisations (as the trainer's step time includes waiting for the batch).
@@ -154,33 +145,30 @@ def time_methods(methods: list[Method], dataset: TokenDataset, pad_id: int, step
     collates = {m.name: PackCollate(pad_id, m.bounds[0], max(len(b) for b in m.batches)) if m.packed
                 else PadCollate(pad_id, m.bounds, m.pad_to) for m in methods}
 
-    def load(m: Method, batch: list) -> dict:
-        if m.packed:
-            return collates[m.name]([[dataset[i] for i in row] for row in batch])
-        return collates[m.name]([dataset[i] for i in batch])
-    out: dict[str, list[dict]] = {m.name: [] for m in methods}
-    rounds = bc.warmup_windows + bc.windows
-    with progress_bar(rounds * len(methods), "bench-batching", bar, unit="window") as pbar:
+    def arm(m: Method) -> Arm:
+        def one() -> dict[str, float]:
+            idx = next(streams[m.name])
+            batch = collates[m.name]([[dataset[i] for i in row] for row in idx] if m.packed else [dataset[i] for i in idx])
+            return step(batch).counts()
+
+        return Arm(m.name, one)
+
+    arms = [arm(m) for m in methods]
+    with progress_bar(bc.warmup_windows + bc.windows, "bench-batching", bar, unit="round") as pbar:
         say = beside(pbar, notice)
-        for r in range(rounds):
-            shift = r % len(methods)
-            for m in methods[shift:] + methods[:shift]:
-                w = {"samples": 0, "real_tokens": 0, "padded_tokens": 0}
-                with Timed(device) as t:
-                    while w["samples"] < bc.window_samples:
-                        batch = load(m, next(streams[m.name]))
-                        b, s = batch["input_ids"].shape
-                        step({k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()})
-                        w["samples"] += len(batch["labels"])
-                        w["real_tokens"] += batch["real_tokens"]
-                        w["padded_tokens"] += b * s
-                w["seconds"] = t.ms / 1e3
-                if r >= bc.warmup_windows:
-                    out[m.name].append(w)
-                pbar.update(1)
-            kind = "warm-up" if r < bc.warmup_windows else "timed"
-            say(f"bench-batching: round {r + 1}/{rounds} ({kind}) done")
-    return out
+        for r in range(bc.warmup_windows):  # untimed windows of every method, in turn
+            interleave(arms, rounds=1, window_samples=bc.window_samples, warmup=0, device=device)
+            pbar.update(1)
+            say(f"bench-batching: round {r + 1}/{bc.warmup_windows + bc.windows} (warm-up) done")
+
+        def done(r: int) -> None:
+            pbar.update(1)
+            say(f"bench-batching: round {bc.warmup_windows + r + 1}/{bc.warmup_windows + bc.windows} (timed) done")
+
+        result = interleave(arms, rounds=bc.windows, window_samples=bc.window_samples, warmup=0, device=device,
+                            on_round=done)
+    return {m.name: [{**{k: w.counts.get(k, 0) for k in ("samples", "real_tokens", "padded_tokens")},
+                      "seconds": w.seconds} for w in result.arms[m.name].windows] for m in methods}
 
 
 def summarize(methods: list[Method], stats: dict[str, dict], windows: dict[str, list[dict]]) -> list[dict[str, Any]]:
@@ -258,10 +246,9 @@ def run_bench(cfg: RunConfig, run_dir: Path, notice: Callable[[str], None] = pri
     Raises:
         UserError: bad data/config (as for training).
     """
-    from train.data import make_loader, prepare_data
-    from train.setup import build_model, start_run
+    from train.data import prepare_data
+    from train.setup import build_run, start_run
     from train.tools.env import collect_env
-    from train.trainer import Trainer
 
     bc = cfg.bench_batching
     start = start_run(cfg, run_dir=False)
@@ -274,15 +261,14 @@ def run_bench(cfg: RunConfig, run_dir: Path, notice: Callable[[str], None] = pri
                         f"bench_batching.batch_size={bc.batch_size}")
     methods = build_methods(lengths, cfg.data.max_len, bc, cfg.train.seed)
     stats = {m.name: epoch_stats(m, lengths) for m in methods}
-    model = build_model(cfg, bundle).to(device)
+    run = build_run(cfg, bundle, device, policy, splits=())  # one model for every method; batches come from their plans
+    model = run.model
     model.train()
-    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, num_classes=bundle.num_classes,
-                      train_loader=make_loader(bundle, "train", cfg, train=True, device=device))
     notice(f"bench-batching: {len(lengths)} training samples, {len(methods)} methods, "
            f"{bc.warmup_windows}+{bc.windows} rounds of ~{bc.window_samples} samples, model {cfg.model.preset}, "
            f"device {device}, precision {policy.mode}, {torch.get_num_threads()} threads")
     windows = time_methods(methods, TokenDataset(bundle.splits["train"]), bundle.pad_id,
-                           lambda b: train_step(trainer, b),
+                           lambda b: run.trainer.step(b, count=False),
                            bc, device, cfg.train.seed, notice, bar=cfg.train.progress)
     rows = summarize(methods, stats, windows)
     dp = dp_table(lengths, cfg.data.max_len, bc.k_table_max, bc.target_token_efficiency)
@@ -301,7 +287,7 @@ def run_bench(cfg: RunConfig, run_dir: Path, notice: Callable[[str], None] = pri
         "env": {**collect_env(device), "precision": policy.mode, "num_threads": torch.get_num_threads(),
                 "cpu_count": os.cpu_count(), "load_avg_1m_start": load_start, "load_avg_1m_end": os.getloadavg()[0]},
     }
-    from train.bench.batching_report import write_outputs
+    from train.commands.bench.batching_report import write_outputs
 
     write_outputs(result, run_dir)
     return result

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from train.models import source_kind
 
@@ -31,13 +31,12 @@ def _lever(applied: bool, reason: str) -> dict[str, Any]:
     return {"applied": bool(applied), "reason": reason}
 
 
-def _bench_lever(cfg, model) -> dict[str, Any]:
-    """``levers.bench``: which ``make bench`` rows (train/bench/training.py ``CONFIGS``) run on this model, and why
-    the others do not (rows of packed batches need ``supports_packing``)."""
-    from train.bench.training import CONFIGS, skip_reason  # the rule make bench itself applies
-
-    skipped = {n: why for n in CONFIGS if (why := skip_reason(cfg, n)) is not None}
-    rows = [n for n in CONFIGS if n not in skipped]
+def _bench_lever(cfg, bench_rows: dict[str, Optional[str]]) -> dict[str, Any]:
+    """``levers.bench``: which ``make bench`` rows run on this model, and why the others do not (rows of packed batches
+    need ``supports_packing``). ``bench_rows``: every row → why it cannot run here, or None (the rule ``make bench``
+    itself applies: ``train.commands.bench.training.skip_reasons``, handed in by the command)."""
+    skipped = {n: why for n, why in bench_rows.items() if why is not None}
+    rows = [n for n in bench_rows if n not in skipped]
     reason = f"make bench ARGS=\"model.source={cfg.model.source}\" runs the rows {', '.join(rows)}"
     if skipped:
         reason += (f"; not {', '.join(skipped)}: packed batches, which this model cannot run (supports_packing is "
@@ -45,7 +44,8 @@ def _bench_lever(cfg, model) -> dict[str, Any]:
     return _lever(bool(rows), reason)
 
 
-def levers_section(cfg, model, policy, compiled, ctx, profiled: bool) -> dict[str, dict[str, Any]]:
+def levers_section(cfg, model, policy, compiled, ctx, profiled: bool,
+                   bench_rows: dict[str, Optional[str]]) -> dict[str, dict[str, Any]]:
     """report.json ``levers``: each lever ``{"applied": bool, "reason": str}``.
 
     ``policy``: the run's PrecisionPolicy; ``compiled``: its CompileSession; ``ctx``: its DistContext;
@@ -79,7 +79,7 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool) -> dict[st
         "exact_resume": _lever(True, "weights_only checkpoints (state_dicts, RNG per rank, sampler position)"
                                + ("; the Hugging Face config as JSON in spec.hf_config" if external
                                   and cfg.model.source.startswith("hf:") else "")),
-        "bench": _bench_lever(cfg, model),
+        "bench": _bench_lever(cfg, bench_rows),
         "mfu": _lever(not external, "FLOPs counted on the built-in encoder" if not external
                       else "perf.mfu counts FLOPs of the built-in encoder only: null for this model"),
     }

@@ -6,12 +6,9 @@ Writes ``runs/<run-id>/``: ``config.yaml`` (fully resolved), ``metrics.jsonl``, 
 
 from __future__ import annotations
 
-import copy
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,19 +17,21 @@ from typing import Any, Optional
 
 import torch
 
-from train.compiling.warmup import start_compile, warm_up_for_run
+from train.commands.ranks import precision_policy, prepare_data_on_ranks, reduce_stats
+from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig, dump_config
-from train.data import DataBundle, make_loader, prepare_data
+from train.data import DataBundle
 from train.data.attention import apply_attention, choose_packed_attention
 from train.data.batching_auto import apply_batching, choose_batching
-from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main, init_distributed, teardown, wrap_model
+from train.distributed import DistContext, agreed, broadcast_from_main, init_distributed, teardown
 from train.errors import Interrupted, UserError, atomic_write_text
-from train.models.levers import levers_section, model_section
+from train.evaluation import evaluate
 from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
-from train.precision import Decision, PrecisionPolicy
+from train.precision import PrecisionPolicy
 from train.report import ReportInputs, build_report, clip_report, efficiency_fields, sampler_counts, write_aborted_report
+from train.report.levers import levers_section, model_section
 from train.resume import (
     Checkpointer,
     check_resume_state,
@@ -43,13 +42,13 @@ from train.resume import (
     truncate_metrics,
     write_state,
 )
-from train.setup import apply_threads_and_seed, build_model, make_run_dir
+from train.setup import apply_threads_and_seed, build_model, build_run, check_packing, make_run_dir, probe_steps
 from train.shutdown import ShutdownRequest
 from train.tools.env import collect_env, device_name, resolve_device
 from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import NullLogger
 from train.tracking.setup import Tracking
-from train.trainer import Trainer, TrainStats, evaluate
+from train.trainer import Trainer
 
 
 def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
@@ -71,29 +70,6 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
         return _run_training(cfg, t_start, buckets_force, resume, ctx, device, hooks)
     finally:
         teardown(ctx)
-
-
-def _precision_policy(cfg: RunConfig, device: torch.device, ctx: DistContext, state: Optional[dict],
-                      ckpt_path: Optional[Path]) -> PrecisionPolicy:
-    """The run's precision: the checkpoint's when resuming, else ``train.precision`` (``auto`` measured or cached).
-    Under DDP rank 0 decides and every rank follows, so a measurement cannot split the job.
-
-    Raises:
-        UserError: the device cannot run the requested (or the checkpoint's) precision.
-    """
-    def decide() -> Optional[PrecisionPolicy]:
-        if not ctx.is_main:
-            return None
-        if state is not None:
-            return PrecisionPolicy.for_resume(state.get("precision"), cfg, device, f"checkpoint {ckpt_path}")
-        return PrecisionPolicy.for_config(cfg, device)
-
-    policy = agreed(decide, ctx)
-    if not ctx.enabled:
-        return policy
-    mine = broadcast_from_main((policy.mode, policy.reason, policy.source, policy.measurement) if ctx.is_main else None,
-                               ctx)
-    return policy if ctx.is_main else PrecisionPolicy.from_decision(Decision(*mine), device)
 
 
 def keep_tokenizer(bundle: DataBundle, run_dir: Path) -> None:
@@ -124,64 +100,6 @@ def decision_lines(device: torch.device, policy: PrecisionPolicy, compiled, bund
             f"  compile    {'on' if compiled.enabled else 'off'}: {compiled.reason}",
             f"  buckets    {buckets}",
             f"  data       {data}; tokenizer {bundle.tokenizer_info['source']}"]
-
-
-def _reduce_stats(stats: TrainStats, ctx: DistContext) -> None:
-    """Turn this rank's counters into job totals (sums over ranks; shapes: union). No-op single-process."""
-    if not ctx.enabled:
-        return
-    names = ("samples", "real_tokens", "padded_tokens", "steady_samples", "steady_real_tokens", "truncated_in_collate")
-    totals = all_reduce_sum(torch.tensor([getattr(stats, n) for n in names], dtype=torch.float64), ctx)
-    for name, value in zip(names, totals.tolist()):
-        setattr(stats, name, int(value))
-    shapes = [None] * ctx.world_size
-    torch.distributed.all_gather_object(shapes, (stats.seq_lens, stats.batch_shapes), group=ctx.control_group)
-    stats.seq_lens = set().union(*(a for a, _ in shapes))
-    stats.batch_shapes = set().union(*(b for _, b in shapes))
-
-
-def _prepare_data(cfg: RunConfig, run_dir: Path, buckets_force: bool, ctx: DistContext, say) -> DataBundle:
-    """``prepare_data`` on every rank, consistently.
-
-    Rank 0 goes first (it may train and cache the tokenizer and the prepared data); the other ranks then
-    load rank 0's tokenizer rather than train their own (training is deterministic, see
-    train/data/tokenizer.py, but a per-node cache may hold an older entry). Finally every rank checks that
-    it holds rank 0's data, tokenizer and bucket bounds.
-
-    Raises:
-        UserError: bad input on any rank, or ranks that disagree (e.g. a per-node data copy that differs).
-    """
-    if not ctx.enabled:
-        return prepare_data(cfg, run_dir, buckets_force, notice=say)
-    bundle = agreed(lambda: prepare_data(cfg, run_dir, buckets_force, notice=say) if ctx.is_main else None, ctx)
-    tok_json = None
-    if ctx.is_main:
-        tok_file = Path(bundle.tokenizer_info["path"])
-        tok_json = tok_file.read_text(encoding="utf-8") if tok_file.is_file() else None
-    tok_json = broadcast_from_main(tok_json, ctx)
-
-    def follow() -> DataBundle:
-        if ctx.is_main:
-            return bundle
-        local = copy.deepcopy(cfg)
-        with tempfile.TemporaryDirectory() as tmp:
-            if tok_json is not None:
-                local.data.tokenizer_path = os.path.join(tmp, "tokenizer.json")
-                Path(local.data.tokenizer_path).write_text(tok_json, encoding="utf-8")
-            return prepare_data(local, None, buckets_force, notice=lambda *a, **k: None)
-
-    bundle = agreed(follow, ctx)
-    facts = (bundle.data_fingerprint, bundle.tokenizer_info["fingerprint"], list(bundle.bounds))
-    main_facts = broadcast_from_main(facts, ctx)
-
-    def check() -> None:
-        if facts != main_facts:
-            raise UserError(f"rank {ctx.rank} prepared other data than rank 0 (data, tokenizer, buckets: {facts} vs "
-                            f"{main_facts}); give every node the same data.source and a shared data.cache_dir "
-                            "(or data.tokenizer_path and batching.boundaries_file)")
-
-    agreed(check, ctx)
-    return bundle
 
 
 @dataclass
@@ -230,7 +148,7 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
         for hook in hooks:
             hook.attach(r.trainer, r.run_dir)
         shutdown.defer()
-        checkpointer = Checkpointer(r.run_dir, cfg, r.trainer, r.model, r.bundle, ctx, shutdown)
+        checkpointer = Checkpointer(r.run_dir, r.cfg, r.trainer, r.model, r.bundle, ctx, shutdown)
         stats, energy = _fit(r, checkpointer)
         interrupted = None
         if r.trainer.stopped_at is not None:
@@ -242,23 +160,24 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
 
 
 def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
-    """Run directory (rank 0 draws the id), config.yaml, threads and seeds, the resume checkpoint, the precision
-    policy, and the data (split, tokenized, bucket plan)."""
+    """Run directory (rank 0 draws the id), threads and seeds, the resume checkpoint, the precision policy, and the
+    data (split, tokenized, bucket plan)."""
     cfg, ctx = r.cfg, r.ctx
-    run_dir = agreed(lambda: make_run_dir(cfg, resume=resume is not None) if ctx.is_main else None, ctx)  # rank 0 draws a unique run id
-    cfg.train.run_id = broadcast_from_main(cfg.train.run_id, ctx)
-    r.run_dir = run_dir or Path(cfg.train.output_dir) / cfg.train.run_id
-    if ctx.is_main:
-        atomic_write_text(r.run_dir / "config.yaml", dump_config(cfg))
+    # rank 0 draws a unique run id; the drawn id is a decision: a new config, not an edit of the loaded one
+    run_dir = agreed(lambda: make_run_dir(cfg, resume=resume is not None) if ctx.is_main else None, ctx)
+    run_id = broadcast_from_main(run_dir.name if run_dir is not None else None, ctx)
+    if run_id != cfg.train.run_id:
+        r.cfg = cfg = cfg.with_values({"train.run_id": run_id})
+    r.run_dir = Path(cfg.train.output_dir) / run_id
     apply_threads_and_seed(cfg)
     if resume is not None:
         _, r.ckpt_path = find_resume_checkpoint(resume)
         r.state = agreed(lambda: read_resume_state(r.ckpt_path), ctx)
-    r.policy = _precision_policy(cfg, r.device, ctx, r.state, r.ckpt_path)
+    r.policy = precision_policy(cfg, r.device, ctx, r.state, r.ckpt_path)
     r.say(f"run {r.run_dir}: device {r.device}" + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""),
           flush=True)
     t_data = time.perf_counter()
-    r.bundle = _prepare_data(cfg, r.run_dir, buckets_force, ctx, r.say)
+    r.bundle = prepare_data_on_ranks(cfg, r.run_dir, buckets_force, ctx, r.say)
     r.data_s = time.perf_counter() - t_data
     b = r.bundle
     r.say(f"data: {b.corpus.name}, {len(b.splits['train'])} train / {len(b.splits['validation'])} val / "
@@ -268,59 +187,64 @@ def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
 
 
 def _build(r: _Run) -> None:
-    """Model (checked against the resume checkpoint), loaders, compile session, tracking and the trainer."""
+    """Model (checked against the resume checkpoint), the ``auto`` decisions that need it, then the one set-up
+    (:func:`~train.setup.build_run`: loaders, compile session, trainer) and tracking."""
     cfg, ctx, device, bundle = r.cfg, r.ctx, r.device, r.bundle
     hf_config = (r.state or {}).get("spec", {}).get("hf_config")  # resume: the checkpoint's architecture
     r.model = agreed(lambda: build_model(cfg, bundle, hf_config), ctx).to(device)
-    if cfg.batching.method == "packed" and not getattr(r.model, "supports_packing", False):
-        raise UserError(f"batching.method=packed: the model model.source={cfg.model.source} "
-                        f"({type(getattr(r.model, 'inner', r.model)).__name__}) cannot take per-sample "
-                        "positions and a block-diagonal mask (forward(..., position_ids=, seq_index=, num_seqs=)); use "
-                        "batching.method=optimal")
+    check_packing(cfg, r.model)
+
+    def probe():
+        return probe_steps(cfg, r.model, r.policy, device)
+
     if cfg.batching.method == "auto":  # resolved once the model exists; config.yaml keeps the choice for --resume
-        decision = broadcast_from_main(choose_batching(r.model, r.policy, cfg, bundle, device) if ctx.is_main else None, ctx)
-        r.bundle = bundle = apply_batching(cfg, bundle, decision.method)
+        decision = broadcast_from_main(choose_batching(r.model, r.policy, cfg, bundle, device, probe)
+                                       if ctx.is_main else None, ctx)
+        r.cfg, r.bundle = cfg, bundle = apply_batching(cfg, bundle, decision.method)  # a new config and plan
         r.batching_auto = decision.as_report()
         r.say(f"batching: {decision.reason}", flush=True)
-        if ctx.is_main:
-            atomic_write_text(r.run_dir / "config.yaml", dump_config(cfg))
+    r.cfg = cfg = cfg.with_values({}).freeze()  # every decision made: the run's config is a value from here on
     if r.state is not None:
         r.state = agreed(lambda: check_resume_state(r.state, r.ckpt_path, ctx, bundle, r.model.spec), ctx)
         r.say(f"resuming from {r.ckpt_path} (step {r.state['step']})", flush=True)
+    if ctx.is_main:  # written once, resolved, after the resume checks (--resume replays it)
+        atomic_write_text(r.run_dir / "config.yaml", dump_config(cfg))
     if ctx.is_main:  # after the resume checks: a refused resume leaves the run's own tokenizer copy alone
         keep_tokenizer(bundle, r.run_dir)
     if ctx.rank:  # distinct dropout streams per rank; rank 0 keeps the single-process stream
         torch.manual_seed(cfg.train.seed + ctx.rank)
-    r.loaders = {split: make_loader(bundle, split, cfg, train=split == "train", device=device, world_size=ctx.world_size,
-                                    rank=ctx.rank) for split in ("train", "validation", "test")}
-    r.compiled = start_compile(cfg, device, r.model, bundle.pad_to, r.loaders["train"],
-                               [r.loaders["validation"], r.loaders["test"]])
-    if r.compiled.enabled and ctx.enabled:
-        raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
-                        "with NPROC > 1, or compile a single-process run")
+
+    def before_wrap(model: torch.nn.Module, compiled: Any) -> None:
+        r.compiled = compiled
+        if compiled.enabled and ctx.enabled:
+            raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
+                            "with NPROC > 1, or compile a single-process run")
+        if r.state is not None:
+            model.load_state_dict(r.state["model"])  # before DDP: its construction broadcasts rank 0's weights
+            if ctx.is_main:
+                truncate_metrics(r.run_dir / "metrics.jsonl", r.state["step"])
+        # rank 0: metrics.jsonl (+ W&B on its own thread, bounded, never blocking); other ranks log nothing
+        r.tracking = Tracking(cfg, r.run_dir) if ctx.is_main else None
+
+    def logger(model: torch.nn.Module):
+        return r.tracking.attach(model, device) if r.tracking is not None else NullLogger()
+
+    built = build_run(cfg, bundle, device, r.policy, splits=("train", "validation", "test"), model=r.model, ctx=ctx,
+                      compile=True, logger=logger, before_wrap=before_wrap)
+    r.loaders, r.trainer = built.loaders, built.trainer
     lines = decision_lines(device, r.policy, r.compiled, bundle, cfg)
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
-        choice = broadcast_from_main(choose_packed_attention(r.model, r.policy, cfg, bundle, device, r.compiled.enabled)
-                                     if ctx.is_main else None, ctx)
+        choice = broadcast_from_main(choose_packed_attention(r.model, r.policy, cfg, bundle, device, r.compiled.enabled,
+                                                             probe) if ctx.is_main else None, ctx)
         apply_attention(r.model, choice, device)
         r.packed_attention = choice.as_report()
         lines.append(f"  attention  {choice.path}: {choice.reason}")
     for line in lines:
         r.say(line, flush=True)
-    if r.state is not None:
-        r.model.load_state_dict(r.state["model"])  # before DDP: its construction broadcasts rank 0's weights
-        if ctx.is_main:
-            truncate_metrics(r.run_dir / "metrics.jsonl", r.state["step"])
-    # rank 0: metrics.jsonl (+ W&B on its own thread, bounded, never blocking); other ranks log nothing
-    r.tracking = Tracking(cfg, r.run_dir) if ctx.is_main else None
-    logger = r.tracking.attach(r.model, device) if r.tracking is not None else NullLogger()
-    has_val = len(bundle.splits["validation"]) > 0  # none: no periodic evaluation; the report says why
-    r.trainer = Trainer(cfg=cfg, model=r.model, policy=r.policy, device=device, train_loader=r.loaders["train"],
-                        eval_loader=r.loaders["validation"] if has_val else None, logger=logger, num_classes=bundle.num_classes, dist_ctx=ctx,
-                        train_model=r.compiled.forward if r.compiled.enabled else wrap_model(r.model, ctx, device))
     if r.tracking is not None and r.tracking.grad_stats is not None:
         r.trainer.add_callback(GradStatsCallback(r.tracking.grad_stats, r.trainer))
-    r.say(f"model: {cfg.model.preset if cfg.model.source == 'builtin' else cfg.model.source}, {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters; "
+    model_name = cfg.model.preset if cfg.model.source == "builtin" else cfg.model.source
+    r.say(f"model: {model_name}, {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters; "
           f"{r.trainer.total_steps} steps ({len(r.loaders['train'])} batches per epoch per rank)", flush=True)
 
 
@@ -355,7 +279,7 @@ def _fit(r: _Run, checkpointer: Checkpointer) -> tuple[Any, dict]:
     energy = energy_meter.stop()  # the training loop, periodic evaluations included
     if r.trainer.stopped_at is None:  # the final state, resumable and loadable (weights_only)
         write_state(r.run_dir / "checkpoint.pt", full_state(r.trainer, r.model, r.bundle, r.cfg, r.ctx), r.ctx)
-    _reduce_stats(stats, r.ctx)
+    reduce_stats(stats, r.ctx)
     return stats, energy
 
 
@@ -381,7 +305,10 @@ def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, int
     sections["compile"] = r.compiled.report()
     sections["resumed_from"] = None if r.state is None else {"checkpoint": str(r.ckpt_path), "step": r.state["step"]}
     sections["model"] = model_section(cfg, r.model)
-    sections["levers"] = levers_section(cfg, r.model, r.policy, r.compiled, r.ctx, profiled=bool(hooks))
+    from train.commands.bench.training import skip_reasons  # here: the bench package's imports cost start-up
+
+    sections["levers"] = levers_section(cfg, r.model, r.policy, r.compiled, r.ctx, profiled=bool(hooks),
+                                        bench_rows=skip_reasons(cfg))
     efficiency = efficiency_fields(r.model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, r.policy.mode)
     report = build_report(ReportInputs(
         cfg, r.run_dir, r.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),

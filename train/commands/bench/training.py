@@ -11,31 +11,29 @@ energy per sample (null + reason where unmeasurable) and MFU.
 
 from __future__ import annotations
 
-import dataclasses
-import random
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from train.config import RunConfig, build_config, parse_override
 from train.config.hf_aliases import expand_hf_alias
-from train.data import DataBundle, bucket_plan, make_loader, pack_layout
+from train.data import DataBundle, pack_layout
 from train.errors import UserError
 from train.model import EncoderSpec
 from train.models import model_supports_packing
+from train.perf.ab import Arm, interleave
 from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.flops import StepFlops
 from train.perf.memory import WindowPeakMemory
-from train.perf.timer import StepTimer, percentiles
+from train.perf.timer import percentiles
 from train.precision import PrecisionPolicy
-from train.setup import build_model
+from train.setup import BuiltRun, build_run, replan
 from train.tools.progress import beside, progress_bar
-from train.trainer import Trainer, move, packed_inputs
 
 
 @dataclass(frozen=True)
@@ -87,30 +85,36 @@ def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
 
 @dataclass
 class _Arm:
-    """One configuration's live state during the benchmark."""
+    """One configuration during the benchmark: its built run and what its timed windows measured."""
 
     name: str
     description: str
-    cfg: RunConfig
-    bundle: DataBundle
-    trainer: Trainer
-    batches: Iterator[dict]
-    flops: StepFlops
-    policy: PrecisionPolicy
+    run: BuiltRun
     first_step_s: Optional[float] = None
-    step_ms: list[float] = field(default_factory=list)
-    window_samples_per_s: list[float] = field(default_factory=list)
-    window_tokens_per_s: list[float] = field(default_factory=list)
-    samples: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    flops_total: float = 0.0
     seq_lens: set = field(default_factory=set)
-    peak_memory: dict = field(default_factory=dict)
-    energy_j: Optional[float] = 0.0
-    energy_reason: Optional[str] = None
-    energy_source: Optional[str] = None
+    flops: float = 0.0
+    count_flops: Callable[[int, int], float] = lambda _b, _s: 0  # FLOPs of a [b, s] step (MFU: encoder only)
+    result: Any = None  # its ArmResult once measured
 
+    def step(self) -> dict[str, float]:
+        """One step of ``make train``'s own :meth:`Trainer.step` on the row's next batch; its counts."""
+        rec = self.run.trainer.step()
+        self.seq_lens.add(rec.seq_len)
+        self.flops += self.count_flops(rec.rows, rec.seq_len)
+        return rec.counts()
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[dict]:
+        """Around a timed window: peak memory, energy, and the steps' own durations (one device wait per window)."""
+        device = self.run.device
+        memory, meter, out = WindowPeakMemory(device), EnergyMeter(device), {}
+        memory.start()
+        meter.start()
+        self.run.trainer.timer.flush()
+        yield out
+        out["step_ms"] = self.run.trainer.timer.flush()
+        out["energy"] = meter.stop()
+        out["memory"] = memory.stop()
 
 def arm_config(base: RunConfig, overrides: list[str]) -> RunConfig:
     """``base`` with ``section.key=value`` overrides applied, validated like the command line's."""
@@ -134,6 +138,11 @@ def skip_reason(base: RunConfig, name: str) -> Optional[str]:
             "per-sample positions or block-diagonal mask)")
 
 
+def skip_reasons(base: RunConfig) -> dict[str, Optional[str]]:
+    """Every row of :data:`CONFIGS` → why it cannot run on ``base``'s model (:func:`skip_reason`), or None."""
+    return {n: skip_reason(base, n) for n in CONFIGS}
+
+
 def runnable_rows(base: RunConfig, names: list[str], notice: Callable[[str], None] = print
                   ) -> tuple[list[str], dict[str, str]]:
     """``(rows of names that can run on base's model, {skipped row: reason})``, one ``notice`` line per skipped row.
@@ -154,59 +163,33 @@ def runnable_rows(base: RunConfig, names: list[str], notice: Callable[[str], Non
     return runnable, skipped
 
 
-def _endless(loader: Any) -> Iterator[dict]:
-    epoch = 0
-    while True:
-        loader.batch_sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
-
-
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch.device,
+def _build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch.device, policy: PrecisionPolicy,
                notice: Callable[[str], None]) -> _Arm:
     t0 = time.perf_counter()
-    tr = base_bundle.splits["train"]
-    bounds, pad_to, plan, source = bucket_plan(cfg, tr.lengths, base_bundle.data_fingerprint,
-                                               base_bundle.tokenizer_info["fingerprint"], None, False, lambda _m: None)
-    bundle = dataclasses.replace(base_bundle, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source)
-    _seed(cfg.train.seed)
-    model = build_model(cfg, bundle).to(device)
-    policy = PrecisionPolicy.for_config(cfg, device)
-    loader = make_loader(bundle, "train", cfg, train=True, device=device)
-    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loader, num_classes=bundle.num_classes)
-    description = describe(cfg, policy)
-    arm = _Arm(name=name, description=description, cfg=cfg, bundle=bundle, trainer=trainer, batches=_endless(loader),
-               flops=StepFlops(model.spec) if isinstance(model.spec, EncoderSpec) else lambda _b, _s: 0,  # MFU: encoder only
-               policy=policy)
-    arm.first_step_s = -t0  # completed after the first step
-    notice(f"bench: {name}: {description}; buckets {bounds}")
+    run = build_run(cfg, replan(cfg, base_bundle), device, policy)
+    arm = _Arm(name=name, description=describe(cfg, policy), run=run, first_step_s=-t0)  # completed at step 1
+    if isinstance(run.model.spec, EncoderSpec):
+        arm.count_flops = StepFlops(run.model.spec)
+    notice(f"bench: {name}: {arm.description}; buckets {run.bundle.bounds}")
     return arm
 
 
-def _step(arm: _Arm, timer: StepTimer, resolve: bool = False) -> tuple[int, int, int, int]:
-    """One timed training step: (rows, length, samples, real tokens); rows = samples except for packed batches.
-    Its duration is read by ``timer.flush()`` (``resolve``: now, waiting for the device)."""
-    timer.start()
-    batch = next(arm.batches)
-    ids, mask, labels = move(batch, arm.trainer.device)
-    arm.trainer.train_step(ids, mask, labels, **packed_inputs(batch, arm.trainer.device))
-    timer.stop(resolve=resolve)
-    b, s = ids.shape
-    return b, s, batch.get("samples", b), batch["real_tokens"]
+def auto_precision(base: RunConfig, device: torch.device, rows: list[RunConfig]) -> Optional[PrecisionPolicy]:
+    """The one ``train.precision=auto`` decision of a benchmark: decided once (measured or cached) when any row asks
+    for ``auto``, so every ``auto`` row trains in the same precision; None when no row does."""
+    if not any(c.train.precision == "auto" for c in rows):
+        return None
+    return PrecisionPolicy.for_config(arm_config(base, ["train.precision=auto"]), device)
 
 
 def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.device, names: list[str],
-                       notice: Callable[[str], None] = print, precision: Optional[str] = None) -> list[dict[str, Any]]:
+                       notice: Callable[[str], None] = print, precision: Optional[str] = None,
+                       auto: Optional[PrecisionPolicy] = None) -> list[dict[str, Any]]:
     """Benchmark ``names`` (keys of :data:`CONFIGS`) with the ``bench`` settings of ``base`` (``warmup_steps``,
-    ``rounds``, ``window``) and return one result row per configuration. ``precision`` (e.g. ``fp32``) replaces
-    every row's ``train.precision`` (the regression gate pins it so its ratios mean the same on every CPU). Rows
-    the model cannot run are skipped with a notice (:func:`runnable_rows`; ``run_bench`` records why in bench.json).
+    ``rounds``, ``window``) through the one A/B primitive (:func:`train.perf.ab.interleave`) and return one result row
+    per configuration. ``precision`` (e.g. ``fp32``) replaces every row's ``train.precision`` (the regression gate
+    pins it so its ratios mean the same on every CPU). ``auto``: the run's one ``precision=auto`` policy (decided
+    here once when None). Rows the model cannot run are skipped with a notice (:func:`runnable_rows`).
 
     Raises:
         UserError: an unknown configuration name, an invalid override combination, or only rows this model
@@ -219,100 +202,98 @@ def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.d
     b = base.bench
     warmup_steps, rounds, window = max(1, b.warmup_steps), b.rounds, b.window
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    cfgs = [arm_config(base, list(CONFIGS[n].overrides) + ([f"train.precision={precision}"] if precision else []))
+            for n in names]
+    auto = auto or auto_precision(base, device, cfgs)
     arms: list[_Arm] = []
     with progress_bar(len(names) * (warmup_steps + rounds * window), "bench training", base.train.progress) as bar:
         say = beside(bar, notice)
-        for name in names:
-            overrides = list(CONFIGS[name].overrides) + ([f"train.precision={precision}"] if precision else [])
-            arm = _build_arm(name, arm_config(base, overrides), base_bundle, device, say)
-            timer = StepTimer(device)
-            for i in range(warmup_steps):
-                _step(arm, timer, resolve=True)
+        for name, cfg in zip(names, cfgs):
+            policy = auto if cfg.train.precision == "auto" else PrecisionPolicy.for_config(cfg, device)
+            arm = _build_arm(name, cfg, base_bundle, device, policy, say)
+            for i in range(warmup_steps):  # built and warmed one after another: time to first step is its own
+                arm.run.trainer.step(resolve=True)
                 if i == 0:
-                    arm.first_step_s = arm.first_step_s + time.perf_counter()
+                    arm.first_step_s += time.perf_counter()
+            arm.seq_lens.clear()
+            arm.flops = 0.0
             bar.update(warmup_steps)
             arms.append(arm)
-        memory = WindowPeakMemory(device)
-        for r in range(rounds):
-            for arm in arms:
-                _window(arm, window, device, memory)
-                bar.update(window)
+
+        def done(r: int) -> None:
+            bar.update(window * len(arms))
             say(f"bench: round {r + 1}/{rounds} done")
-    return [_row(arm, device, device_name) for arm in arms]
+
+        result = interleave([Arm(a.name, a.step, a.measure) for a in arms], rounds=rounds, window=window, warmup=0,
+                            device=device, on_round=done)
+    for arm in arms:
+        arm.result = result.arms[arm.name]
+    rows = [_row(arm, device, device_name) for arm in arms]
+    for row in rows:
+        row["load_1min_start"], row["load_1min_end"] = result.load_start, result.load_end
+    add_intervals(rows, result)
+    return rows
 
 
-def _window(arm: _Arm, window: int, device: torch.device, memory: WindowPeakMemory) -> None:
-    """One timed window of ``window`` steps of ``arm``: step times, throughput, peak memory and energy."""
-    timer = StepTimer(device)
-    meter = EnergyMeter(device)
-    memory.start()
-    meter.start()
-    w_samples, w_tokens = 0, 0
-    for _ in range(window):
-        b, s, n, real = _step(arm, timer)
-        w_samples += n
-        w_tokens += real
-        arm.padded_tokens += b * s
-        arm.flops_total += arm.flops(b, s)
-        arm.seq_lens.add(s)
-    step_ms = timer.flush()  # one wait for the device per window, not per step
-    arm.step_ms.extend(step_ms)
-    w_ms = sum(step_ms)
-    energy = meter.stop()
-    peak = memory.stop()
-    if peak["peak_memory_bytes"] > arm.peak_memory.get("peak_memory_bytes", -1):
-        arm.peak_memory = peak
-    if energy["energy_j"] is None:
-        arm.energy_j, arm.energy_reason = None, energy.get("energy_unavailable_reason")
-    elif arm.energy_j is not None:
-        arm.energy_j += energy["energy_j"]
-        arm.energy_source = energy["energy_source"]
-    arm.samples += w_samples
-    arm.real_tokens += w_tokens
-    arm.window_samples_per_s.append(w_samples / (w_ms / 1e3))
-    arm.window_tokens_per_s.append(w_tokens / (w_ms / 1e3))
+def add_intervals(rows: list[dict[str, Any]], result: Any) -> None:
+    """``samples_per_s_vs_parent_interval``: each row's paired per-round ratio to its parent row, with its interval
+    and verdict (:class:`train.perf.ab.Ratio`), where both rows ran."""
+    names = {r["name"] for r in rows}
+    for r in rows:
+        parent = r.get("parent")
+        r["vs_parent"] = result.ratio(r["name"], parent).as_dict() if parent in names else None
 
 
 def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
-    total_s = sum(arm.step_ms) / 1e3
-    energy = {"energy_j": arm.energy_j, "energy_source": arm.energy_source,
-              "energy_unavailable_reason": arm.energy_reason}
-    steps = len(arm.step_ms)
+    res, run = arm.result, arm.run
+    step_ms = [ms for w in res.windows for ms in w.extra["step_ms"]]
+    total_s = res.total("seconds")
+    samples, real, padded, steps = (res.total(k) for k in ("samples", "real_tokens", "padded_tokens", "steps"))
+    energy_j, reason, source = 0.0, None, None
+    for w in res.windows:
+        e = w.extra["energy"]
+        if e["energy_j"] is None:
+            energy_j, reason = None, e.get("energy_unavailable_reason")
+        elif energy_j is not None:
+            energy_j, source = energy_j + e["energy_j"], e["energy_source"]
+    peak = max((w.extra["memory"] for w in res.windows), key=lambda m: m["peak_memory_bytes"])
+    energy = {"energy_j": energy_j, "energy_source": source, "energy_unavailable_reason": reason}
+    cfg = run.cfg
     row: dict[str, Any] = {
         "name": arm.name,
         "description": arm.description,
         "parent": CONFIGS[arm.name].parent if arm.name in CONFIGS else None,
         "lever": CONFIGS[arm.name].lever if arm.name in CONFIGS else None,
-        "precision": arm.policy.mode,
-        "precision_reason": arm.policy.reason,
-        "batching_method": arm.cfg.batching.method,
-        "rows_per_step": pack_layout(arm.cfg, arm.bundle.splits["train"].lengths).rows
-        if arm.cfg.batching.method == "packed" else None,
-        "bucket_bounds": arm.bundle.bounds,
+        "precision": run.policy.mode,
+        "precision_reason": run.policy.reason,
+        "batching_method": cfg.batching.method,
+        "rows_per_step": pack_layout(cfg, run.bundle.splits["train"].lengths).rows
+        if cfg.batching.method == "packed" else None,
+        "bucket_bounds": run.bundle.bounds,
         "timed_steps": steps,
-        "samples_per_s": float(np.median(arm.window_samples_per_s)),
-        "tokens_per_s": float(np.median(arm.window_tokens_per_s)),
+        "samples_per_s": res.median("samples"),
+        "tokens_per_s": res.median("real_tokens"),
         "time_to_first_step_s": arm.first_step_s,
-        "step_time_ms": percentiles(arm.step_ms),
-        "token_efficiency": arm.real_tokens / arm.padded_tokens if arm.padded_tokens else None,
+        "step_time_ms": percentiles(step_ms),
+        "token_efficiency": real / padded if padded else None,
         "distinct_shapes": len(arm.seq_lens),
-        "batch_size": arm.cfg.batching.batch_size,
-        "max_tokens": arm.cfg.batching.max_tokens if arm.cfg.batching.method in ("optimal", "quantile", "kmeans") else None,
+        "batch_size": cfg.batching.batch_size,
+        "max_tokens": cfg.batching.max_tokens if cfg.batching.method in ("optimal", "quantile", "kmeans") else None,
         "samples_per_epoch": _samples_per_epoch(arm),
-        "samples_per_step_mean": arm.samples / steps if steps else None,
-        **arm.peak_memory,
+        "samples_per_step_mean": samples / steps if steps else None,
+        **peak,
     }
-    e = per_unit(energy, steps, arm.samples, arm.real_tokens)
+    e = per_unit(energy, steps, samples, real)
     row.update({k: v for k, v in e.items() if k != "energy_j" or v is not None})
-    row.update(mfu_fields(arm.flops_total / total_s if total_s and arm.flops_total else None, device, device_name,
-                          arm.policy.mode))
+    row.update(mfu_fields(arm.flops / total_s if total_s and arm.flops else None, device, device_name,
+                          run.policy.mode))
     return row
 
 
 def _samples_per_epoch(arm: _Arm) -> int:
     """Samples one epoch of this row's sampler yields: the split, less ``drop_last`` drops, plus DDP repeats."""
-    sampler = arm.trainer.train_loader.batch_sampler
-    return len(arm.bundle.splits["train"]) - sampler.dropped_samples + sampler.repeated_samples
+    sampler = arm.run.loaders["train"].batch_sampler
+    return len(arm.run.bundle.splits["train"]) - sampler.dropped_samples + sampler.repeated_samples
 
 
 def add_ratios(rows: list[dict[str, Any]], baselines: tuple[str, ...] = ("naive", "hf-style")) -> None:
