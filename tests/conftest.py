@@ -226,9 +226,11 @@ class ListLogger:
 # -- multi-process runs: tiny-run overrides, a free port, interruption, a spawned DDP worker ------------------
 
 def tiny_overrides(wndb: Path, root: Path, *extra: str) -> list[str]:
-    """The conftest ``tiny_cfg`` settings as ``section.key=value`` strings (for subprocesses), dropout on."""
+    """The conftest ``tiny_cfg`` settings as ``section.key=value`` strings (for subprocesses), dropout on (torch's
+    ``nn.Dropout``: ``model.fast_dropout=false``, so two fresh runs never differ by a measured decision)."""
     return [f"data.wordnet_dir={wndb}", f"data.cache_dir={root / 'cache'}", "data.vocab_size=200", "data.max_len=32",
             "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.ffn_size=64", "model.dropout=0.1",
+            "model.fast_dropout=false",
             "batching.num_buckets=3", "batching.batch_size=8", "train.max_steps=30", "train.eval_every=10",
             "train.log_every=3", "train.progress=false", f"train.output_dir={root / 'runs'}", "optim.lr=5e-3",
             "train.num_threads=1", *extra]

@@ -154,3 +154,34 @@ def test_window_peak_memory_resets_between_phases() -> None:
     mem.start()
     second = mem.stop()["peak_memory_bytes"]
     assert first - second > 300 * 2**20
+
+
+def test_module_flops_equals_the_encoders_own_count_and_a_hand_count_for_hf_bert() -> None:
+    """FLOPs for any module (train/perf/flops.py ModuleFlops): the built-in encoder's analytic count, and a hand
+    count of a small Hugging Face BERT (2 FLOPs per multiply-add, backward = 2 x forward)."""
+    from train.model import EncoderClassifier, resolve_spec
+    from train.perf.flops import ModuleFlops, StepFlops
+
+    spec = resolve_spec("tiny", 60, 5, 32, 0.1, num_layers=2, hidden_size=32, num_heads=2, ffn_size=64)
+    enc = EncoderClassifier(spec)
+    counted, analytic = ModuleFlops(enc, spec.max_len), StepFlops(spec)
+    for b, s in ((1, 4), (3, 12), (7, 32)):
+        assert counted(b, s) == analytic(b, s), (b, s)
+    assert counted.attention_seen and all(p.grad is None for p in enc.parameters()), "no trace left"
+
+    transformers = pytest.importorskip("transformers")
+    from train.models.wrap import ExternalClassifier, ExternalSpec
+
+    h, f, layers, c = 32, 64, 2, 5
+    hf = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=100, hidden_size=h, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=f,
+        max_position_embeddings=64, num_labels=c))
+    model = ExternalClassifier(hf, ExternalSpec("hf:bert", c, 100, 64, h, layers), "hf")
+
+    def hand(b: int, s: int) -> int:  # QKV + output projection + FFN per token, QKᵀ and A·V, pooler + classifier
+        per_token = layers * (2 * h * 3 * h + 2 * h * h + 2 * 2 * h * f)
+        return 3 * b * (s * per_token + layers * 4 * s * s * h + 2 * h * h + 2 * h * c)
+
+    flops = ModuleFlops(model, 64)
+    for b, s in ((1, 4), (2, 10), (16, 48)):
+        assert flops(b, s) == hand(b, s), (b, s)

@@ -205,7 +205,7 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
               before_wrap: Optional[Callable[[torch.nn.Module, Any], None]] = None) -> BuiltRun:
     """The one set-up of a run from a resolved config and its prepared data — what ``make train``, warm-up and every
     benchmark row build, in this order: the model (seeded with ``train.seed``, unless ``model`` is given), a loader
-    per split in ``splits`` (``train`` shuffled, rank-sharded under ``ctx``), the compile session (``compile``: the
+    (``model.fast_dropout=true``: its dropout modules swapped), a loader per split in ``splits`` (``train`` shuffled, rank-sharded under ``ctx``), the compile session (``compile``: the
     run's ``compile`` settings, shapes planned), ``before_wrap(model, compiled)`` (e.g. loading a checkpoint before DDP
     broadcasts rank 0's weights), and the :class:`~train.trainer.Trainer` (validation as its periodic evaluation when
     that split is built and not empty; ``logger(model)`` its metrics logger; the step through the compiled forward or
@@ -225,6 +225,10 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
         seed_everything(cfg.train.seed)  # every row / side of a comparison starts from the same weights
         model = build_model(cfg, bundle, hf_config).to(device)
     check_packing(cfg, model)
+    if cfg.model.fast_dropout == "true":  # "auto" is resolved by the command (run_training) into true/false
+        from train.models.dropout import set_fast_dropout
+
+        set_fast_dropout(model, True)
     loaders = {s: make_loader(bundle, s, cfg, train=s == "train", device=device, world_size=ctx.world_size,
                               rank=ctx.rank) for s in splits}
     compiled = None

@@ -20,12 +20,13 @@ import torch
 from train.commands.ranks import precision_policy, prepare_data_on_ranks, reduce_stats
 from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig, dump_config
-from train.data import DataBundle
+from train.data import DataBundle, make_loader
 from train.data.attention import apply_attention, choose_packed_attention
 from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, broadcast_from_main, init_distributed, teardown
 from train.errors import Interrupted, UserError, atomic_write_text
 from train.evaluation import evaluate
+from train.models.dropout import decide_fast_dropout
 from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
@@ -124,6 +125,7 @@ class _Run:
     trainer: Trainer = None  # type: ignore[assignment]
     batching_auto: Optional[dict] = None
     packed_attention: Optional[dict] = None
+    fast_dropout: Optional[dict] = None
 
 
 def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
@@ -203,7 +205,9 @@ def _build(r: _Run) -> None:
         r.cfg, r.bundle = cfg, bundle = apply_batching(cfg, bundle, decision.method)  # a new config and plan
         r.batching_auto = decision.as_report()
         r.say(f"batching: {decision.reason}", flush=True)
-    r.cfg = cfg = cfg.with_values({}).freeze()  # every decision made: the run's config is a value from here on
+    r.cfg = cfg
+    r.fast_dropout = _fast_dropout(r, probe)
+    r.cfg = cfg = r.cfg.with_values({}).freeze()  # every decision made: the run's config is a value from here on
     if r.state is not None:
         r.state = agreed(lambda: check_resume_state(r.state, r.ckpt_path, ctx, bundle, r.model.spec), ctx)
         r.say(f"resuming from {r.ckpt_path} (step {r.state['step']})", flush=True)
@@ -233,6 +237,8 @@ def _build(r: _Run) -> None:
                       compile=True, logger=logger, before_wrap=before_wrap)
     r.loaders, r.trainer = built.loaders, built.trainer
     lines = decision_lines(device, r.policy, r.compiled, bundle, cfg)
+    lines.append(f"  dropout    {'float32 mask' if r.fast_dropout['applied'] else 'nn.Dropout'}: "
+                 f"{r.fast_dropout['reason']}")
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
         choice = broadcast_from_main(choose_packed_attention(r.model, r.policy, cfg, bundle, device, r.compiled.enabled,
                                                              probe) if ctx.is_main else None, ctx)
@@ -246,6 +252,22 @@ def _build(r: _Run) -> None:
     model_name = cfg.model.preset if cfg.model.source == "builtin" else cfg.model.source
     r.say(f"model: {model_name}, {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters; "
           f"{r.trainer.total_steps} steps ({len(r.loaders['train'])} batches per epoch per rank)", flush=True)
+
+
+def _fast_dropout(r: _Run, probe) -> dict:
+    """``model.fast_dropout`` (train/models/dropout.py), decided by rank 0 on one real training batch (a loader of
+    its own: the run's loader is not built yet) and followed by every rank; ``auto`` becomes ``true``/``false`` in
+    the run's config (config.yaml), so a resume replays the choice instead of measuring again."""
+    def batch() -> dict:
+        return next(iter(make_loader(r.bundle, "train", r.cfg, train=True, device=r.device)))
+
+    def decide() -> dict:
+        return decide_fast_dropout(r.model, r.cfg.model.fast_dropout, r.policy.mode, r.cfg.data.cache_dir, batch,
+                                   r.device, probe)
+
+    report = broadcast_from_main(decide() if r.ctx.is_main else None, r.ctx)
+    r.cfg = r.cfg.with_values({"model.fast_dropout": "true" if report["applied"] else "false"})
+    return report
 
 
 def _resume(r: _Run, resume: Optional[str]) -> None:
@@ -309,6 +331,7 @@ def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, int
 
     sections["levers"] = levers_section(cfg, r.model, r.policy, r.compiled, r.ctx, profiled=bool(hooks),
                                         bench_rows=skip_reasons(cfg))
+    sections["levers"]["fast_dropout"] = r.fast_dropout
     efficiency = efficiency_fields(r.model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, r.policy.mode)
     report = build_report(ReportInputs(
         cfg, r.run_dir, r.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),

@@ -5,7 +5,7 @@ Each field has its docstring; its accepted values are declared on the field (``a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from train.errors import Frozen, UserError, allowed, check_fields
 
@@ -112,6 +112,11 @@ class ModelConfig(Frozen):
     backward on the device, i.e. not CPU in torch 2.13; no attention-probability dropout), or ``auto``: ``flex``
     only where it runs, ``model.dropout`` is 0 and it measures ≥ 1.0× as fast on the run's packed shape (measured
     once, cached; train/data/attention.py), else ``sdpa-mask`` with the reason."""
+    fast_dropout: Union[bool, str] = allowed("auto", choices=("auto", "true", "false"))
+    """Swap the model's ``nn.Dropout`` modules for :class:`train.models.dropout.FastDropout` (the same keep probability
+    and scaling, the mask drawn as float32 uniforms compared with p — vectorised on CPUs, unlike ``bernoulli_`` on
+    bf16 tensors — so a different random stream): ``true``, ``false``, or ``auto``: swapped only where one training
+    step measures faster with it (interval above 1.0; measured once, cached; train/models/dropout.py)."""
     source: str = "builtin"
     """``builtin`` (the encoder above), ``hf:<dir>`` (a local Hugging Face model directory, never downloaded),
     ``hf:<model_type>`` (e.g. ``hf:bert``: random init sized by ``preset``) or ``python:package.module:function``
@@ -123,6 +128,8 @@ class ModelConfig(Frozen):
     (re-initialise the classification head, with a notice)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.fast_dropout, bool):  # YAML true/false
+            self.fast_dropout = "true" if self.fast_dropout else "false"
         check_fields(self, "model")
         from train.models import source_kind
 

@@ -77,3 +77,71 @@ class StepFlops:
         spec = self.spec
         return (batch * (self.per_token * seq + self.per_sample)
                 + attention_training_flops(batch, seq, spec.hidden_size, spec.num_layers))
+
+
+class ModuleFlops:
+    """``ModuleFlops(model, max_len)(batch, seq)`` → training FLOPs of one step of that shape for any classifier
+    module called as ``model(input_ids, attention_mask)`` → logits (a Hugging Face or ``python:`` model in
+    :class:`~train.models.wrap.ExternalClassifier`, or the built-in encoder).
+
+    Method: ``FlopCounterMode`` around one real forward + backward at batch 1 and three sequence lengths on the
+    model's own device (a Hugging Face forward reads mask values, so the meta device cannot run it), fitted exactly
+    as ``a·S² + b·S + c`` (attention score/value matmuls grow with S², per-token layers with S, the pooler and head
+    are per sample) and multiplied by the batch size: a classifier's step is linear in the batch. Matmuls count
+    2 FLOPs per multiply-add; elementwise ops, norms and the optimizer are not counted (the MFU convention). The
+    counting leaves no trace: gradients, RNG state and training mode are restored.
+
+    ``attention_seen``: the counter saw attention matmuls (``bmm``/SDPA). Where it did not (an attention kernel it
+    has no formula for), the S² term is missing and :attr:`method` says so.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_len: int) -> None:
+        lengths = [s for s in (4, 8, 16) if s <= max_len] or [1]
+        while len(lengths) < 3:
+            lengths = sorted({*lengths, max(1, min(lengths) - 1), max(lengths) + 1})[:3]
+        self.lengths = lengths
+        counts = [self._count(model, s) for s in lengths]
+        self.counts = [c for c, _ in counts]
+        self.attention_seen = all(seen for _, seen in counts)
+        self.method = ("FlopCounterMode on one real forward+backward at batch 1, lengths "
+                       f"{', '.join(map(str, lengths))}, fitted as a·S²+b·S+c and scaled by the batch"
+                       + ("" if self.attention_seen else "; attention matmuls were not seen by the counter (not counted)"))
+
+    @staticmethod
+    def _count(model: torch.nn.Module, seq: int) -> tuple[int, bool]:
+        device = next(model.parameters()).device
+        ids = torch.ones(1, seq, dtype=torch.long, device=device)
+        mask = torch.ones(1, seq, dtype=torch.bool, device=device)
+        saved = {p: p.grad for p in model.parameters()}
+        for p in saved:
+            p.grad = None
+        counter = FlopCounterMode(display=False)
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), counter:
+                model(ids, mask).float().sum().backward()
+        finally:
+            for p, g in saved.items():
+                p.grad = g
+        ops = counter.get_flop_counts().get("Global", {})
+        seen = any("bmm" in str(op) or "scaled_dot_product" in str(op) or "attention" in str(op) for op in ops)
+        return int(counter.get_total_flops()), seen
+
+    def __call__(self, batch: int, seq: int) -> int:
+        (s1, s2, s3), (f1, f2, f3) = self.lengths, self.counts
+        per_sample = (f1 * (seq - s2) * (seq - s3) / ((s1 - s2) * (s1 - s3))
+                      + f2 * (seq - s1) * (seq - s3) / ((s2 - s1) * (s2 - s3))
+                      + f3 * (seq - s1) * (seq - s2) / ((s3 - s1) * (s3 - s2)))  # Lagrange: exact on a quadratic
+        return int(round(batch * per_sample))
+
+
+STEP_FLOPS_METHOD = ("FlopCounterMode on the meta device at two lengths (per-token and per-sample layers), attention "
+                     "analytic: 12·B·S²·H per layer")
+
+
+def step_flops_for(model: torch.nn.Module) -> tuple:
+    """``(flops(batch, seq), method)`` for this run's model: :class:`StepFlops` for the built-in encoder (its spec,
+    no compute), :class:`ModuleFlops` for any other module."""
+    if isinstance(getattr(model, "spec", None), EncoderSpec):
+        return StepFlops(model.spec), STEP_FLOPS_METHOD
+    flops = ModuleFlops(model, int(getattr(getattr(model, "spec", None), "max_len", 0) or 16))
+    return flops, flops.method

@@ -16,11 +16,11 @@ import torch
 from train.config import RunConfig
 from train.data import DataBundle, pack_layout
 from train.errors import atomic_write_text
-from train.model import EncoderClassifier, EncoderSpec
+from train.model import EncoderClassifier
 from train.numerics import NumericsAbort
 from train.perf.devices import mfu_fields
 from train.perf.energy import per_unit
-from train.perf.flops import StepFlops
+from train.perf.flops import step_flops_for
 from train.perf.memory import peak_memory
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
@@ -184,16 +184,12 @@ def _packing_fields(cfg: RunConfig, bundle: DataBundle, stats: TrainStats,
 def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: float, energy: dict,
                       device: torch.device, precision: str) -> dict[str, Any]:
     """perf.mfu (+ both peaks) from FLOPs counted per steady-state step shape, and energy per step/sample/token."""
-    if not isinstance(model.spec, EncoderSpec):  # a model from model.source: FLOPs are counted for the encoder only
-        return {"flops_per_step_mean": None, "achieved_flops_per_s": None, "mfu": None,
-                "mfu_unavailable_reason": f"FLOPs are counted for the built-in encoder only, not {model.spec.source}",
-                **per_unit(energy, stats.steps, stats.samples, stats.real_tokens)}
-    step_flops = StepFlops(model.spec)
+    step_flops, method = step_flops_for(model)  # any model: the built-in encoder by spec, others counted
     steady_flops = sum(step_flops(b, s) * n for (b, s), n in stats.steady_shape_counts.items())
     achieved = steady_flops / steady_s if steady_s > 0 and steady_flops else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = {"flops_per_step_mean": steady_flops / max(1, sum(stats.steady_shape_counts.values())),
-           **mfu_fields(achieved, device, name, precision)}
+           "flops_method": method, **mfu_fields(achieved, device, name, precision)}
     out.update(per_unit(energy, stats.steps, stats.samples, stats.real_tokens))
     return out
 

@@ -23,12 +23,11 @@ from train.config import RunConfig, build_config, parse_override
 from train.config.hf_aliases import expand_hf_alias
 from train.data import DataBundle, pack_layout
 from train.errors import UserError
-from train.model import EncoderSpec
 from train.models import model_supports_packing
 from train.perf.ab import Arm, interleave
 from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
-from train.perf.flops import StepFlops
+from train.perf.flops import step_flops_for
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import percentiles
 from train.precision import PrecisionPolicy
@@ -63,7 +62,11 @@ CONFIGS: dict[str, BenchRow] = {
                           "token budget instead of a fixed batch size"),
     "optimized-packed": BenchRow(("batching.method=packed", "train.precision=auto"), "optimized",
                                  "sequence packing (rows of data.max_len, block-diagonal attention) instead of buckets"),
+    "optimized+fast-dropout": BenchRow(("batching.method=optimal", "train.precision=auto", "model.fast_dropout=true"),
+                                       "optimized", "dropout masks drawn as float32 uniforms (model.fast_dropout)"),
 }
+"""Rows without ``model.fast_dropout`` run ``nn.Dropout`` (:func:`arm_config` pins it), so only the
+``optimized+fast-dropout`` row's ratio to its parent carries that lever."""
 
 
 def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
@@ -93,7 +96,8 @@ class _Arm:
     first_step_s: Optional[float] = None
     seq_lens: set = field(default_factory=set)
     flops: float = 0.0
-    count_flops: Callable[[int, int], float] = lambda _b, _s: 0  # FLOPs of a [b, s] step (MFU: encoder only)
+    count_flops: Callable[[int, int], float] = lambda _b, _s: 0  # FLOPs of a [b, s] step
+    flops_method: Optional[str] = None
     result: Any = None  # its ArmResult once measured
 
     def step(self) -> dict[str, float]:
@@ -119,6 +123,7 @@ class _Arm:
 def arm_config(base: RunConfig, overrides: list[str]) -> RunConfig:
     """``base`` with ``section.key=value`` overrides applied, validated like the command line's."""
     raw, flags = base.to_dict(), {}
+    raw["model"]["fast_dropout"] = "false"  # a row's lever is in its overrides, never the base's auto
     for text in overrides:
         (section, key), value = parse_override(text)
         pairs = expand_hf_alias(key, value, raw, flags)[0] if not section else [((section, key), value)]  # an HF flag
@@ -168,8 +173,7 @@ def _build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch
     t0 = time.perf_counter()
     run = build_run(cfg, replan(cfg, base_bundle), device, policy)
     arm = _Arm(name=name, description=describe(cfg, policy), run=run, first_step_s=-t0)  # completed at step 1
-    if isinstance(run.model.spec, EncoderSpec):
-        arm.count_flops = StepFlops(run.model.spec)
+    arm.count_flops, arm.flops_method = step_flops_for(run.model)  # any model (MFU for hf: and python: too)
     notice(f"bench: {name}: {arm.description}; buckets {run.bundle.bounds}")
     return arm
 
@@ -287,6 +291,7 @@ def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
     row.update({k: v for k, v in e.items() if k != "energy_j" or v is not None})
     row.update(mfu_fields(arm.flops / total_s if total_s and arm.flops else None, device, device_name,
                           run.policy.mode))
+    row["flops_method"] = arm.flops_method
     return row
 
 
