@@ -249,9 +249,10 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
 def check_packing(cfg: RunConfig, model: torch.nn.Module) -> None:
     """Raises UserError when ``batching.method=packed`` and the model cannot run packed rows."""
     if cfg.batching.method == "packed" and not getattr(model, "supports_packing", False):
+        why = getattr(model, "packing_reason", None) or ("it cannot take per-sample positions and a block-diagonal "
+                                                         "mask (forward(..., position_ids=, seq_index=, num_seqs=))")
         raise UserError(f"batching.method=packed: the model model.source={cfg.model.source} "
-                        f"({type(getattr(model, 'inner', model)).__name__}) cannot take per-sample "
-                        "positions and a block-diagonal mask (forward(..., position_ids=, seq_index=, num_seqs=)); use "
+                        f"({type(getattr(model, 'inner', model)).__name__}) cannot run packed rows: {why}; use "
                         "batching.method=optimal")
 
 

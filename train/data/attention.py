@@ -143,6 +143,12 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
         UserError: ``flex`` requested where FlexAttention cannot train (one line: the key, torch, the fix).
     """
     requested = cfg.model.packed_attention
+    if not hasattr(model, "set_packed_attention"):  # a Hugging Face / python: model: its own attention, 4-D mask
+        if requested == "flex":
+            raise UserError(f"model.packed_attention=flex: model.source={cfg.model.source} runs its own attention "
+                            "(a block-diagonal mask); use model.packed_attention=auto or sdpa-mask")
+        return AttentionChoice("sdpa-mask", requested, "the model's own attention with a block-diagonal mask "
+                               "(train/models/packed.py)", "rule")
     if requested == "sdpa-mask":
         return AttentionChoice("sdpa-mask", requested, "requested (model.packed_attention=sdpa-mask)", "requested")
     flex, why = flex_functions(device, compiled)

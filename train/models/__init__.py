@@ -123,13 +123,32 @@ def _convert_tokenizer(source: str, d: Path, cache_dir: Optional[str]) -> str:
 
 
 def model_supports_packing(source: str) -> bool:
-    """Whether the model ``model.source`` names runs packed rows (per-sample positions, block-diagonal mask):
-    the built-in encoder does; every external model (:class:`ExternalClassifier`) does not. Builds nothing."""
-    if source_kind(source) == "builtin":
+    """Whether the model ``model.source`` names can run packed rows (per-sample positions, block-diagonal mask),
+    as far as is known without building it: the built-in encoder; a Hugging Face architecture with a known head
+    whose base model takes ``position_ids`` (train/models/packed.py; exactness is checked when it is built);
+    a ``python:`` model only once built (it declares ``supports_packing`` itself): False here."""
+    kind = source_kind(source)
+    if kind == "builtin":
         from train.model import EncoderClassifier
 
         return bool(EncoderClassifier.supports_packing)
-    return bool(ExternalClassifier.supports_packing)
+    if kind == "python":
+        return False
+    from train.models.packed import HEADS, takes_position_ids
+
+    model_type = _hf_model_type(source, kind)
+    return model_type in HEADS and takes_position_ids(model_type) is None
+
+
+def _hf_model_type(source: str, kind: str) -> Optional[str]:
+    if kind == "hf-type":
+        return source[3:]
+    import json
+
+    try:
+        return json.loads((Path(source[3:]).expanduser() / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def build_external(cfg, bundle, hf_config: Optional[str] = None) -> ExternalClassifier:
@@ -141,13 +160,19 @@ def build_external(cfg, bundle, hf_config: Optional[str] = None) -> ExternalClas
     Raises:
         UserError: missing directory, no sequence-classification head, ``num_labels`` ≠ the data's classes
             (unless ``model.num_labels_mismatch=resize``), weights that do not fit the config, a vocabulary
-            smaller than the tokenizer's, a ``python:`` factory that does not import or whose forward does not fit.
+            smaller than the tokenizer's, a ``python:`` factory that does not import or whose forward does not fit,
+            or a ``python:`` model that declares packed rows but returns the wrong number of them.
     """
+    from train.models.packed import check_packing
+
     kind = source_kind(cfg.model.source)
     if kind == "python":
         from train.models.custom import build_custom
 
-        return build_custom(cfg, bundle)
-    from train.models.hf import build_hf
+        model = build_custom(cfg, bundle)
+    else:
+        from train.models.hf import build_hf
 
-    return build_hf(cfg, bundle, kind, hf_config)
+        model = build_hf(cfg, bundle, kind, hf_config)
+    check_packing(model)  # packed rows only where they are exact (supports_packing + packing_reason)
+    return model

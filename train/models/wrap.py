@@ -44,25 +44,45 @@ class ExternalClassifier(nn.Module):
     autocast runs the matmuls in bf16/fp16, and the loss (computed by the trainer) stays outside, in fp32.
 
     ``kind``: ``hf`` (``inner(input_ids=, attention_mask=)`` returns an object with ``.logits``) or ``python``
-    (``inner(input_ids, attention_mask)`` returns the logits tensor). Packed rows are not supported
-    (``supports_packing = False``): such models take no per-sample positions or block mask.
+    (``inner(input_ids, attention_mask)`` returns the logits tensor). Packed rows (``position_ids``, ``seq_index``,
+    ``num_seqs`` given) run where :func:`train.models.packed.check_packing` found them exact
+    (``supports_packing``; ``packing_reason`` says why or why not): logits [num_seqs, num_classes].
     """
 
-    supports_packing = False
+    supports_packing = False  # the class default; check_packing sets it per instance
 
     def __init__(self, inner: nn.Module, spec: ExternalSpec, kind: str) -> None:
         super().__init__()
         self.inner = inner
         self.spec = spec
         self.kind = kind
+        self.packing_reason = "not checked"
+        self.mask_dim = 4
+
+    def set_packing(self, supported: bool, reason: str) -> tuple[bool, str]:
+        self.supports_packing, self.packing_reason = supported, reason
+        return supported, reason
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 blocks_context: Callable[[], ContextManager] = contextlib.nullcontext,
                 position_ids: Optional[torch.Tensor] = None, seq_index: Optional[torch.Tensor] = None,
                 num_seqs: Optional[int] = None) -> torch.Tensor:
-        """Logits FloatTensor[B, num_classes]. Raises ValueError for packed rows (``position_ids`` given)."""
+        """Logits FloatTensor[B, num_classes] ([num_seqs, num_classes] for packed rows). Raises ValueError for packed
+        rows on a model without them (``supports_packing`` false)."""
         if position_ids is not None:
-            raise ValueError(f"{self.spec.source}: packed rows are not supported by this model")
+            if not self.supports_packing:
+                raise ValueError(f"{self.spec.source}: packed rows are not supported by this model "
+                                 f"({self.packing_reason})")
+            with blocks_context():
+                if self.kind == "hf":
+                    from train.models.packed import hf_packed_logits
+
+                    out = hf_packed_logits(self.inner, self.inner.config.model_type, self.mask_dim, input_ids,
+                                           position_ids, seq_index, num_seqs)
+                else:
+                    out = self.inner(input_ids, attention_mask, position_ids=position_ids, seq_index=seq_index,
+                                     num_seqs=num_seqs)
+            return out.float()
         with blocks_context():
             if self.kind == "hf":
                 out = self.inner(input_ids=input_ids, attention_mask=attention_mask.to(torch.long)).logits

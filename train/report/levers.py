@@ -56,8 +56,10 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool,
     where = "autocast around the whole forward of the wrapped model (parameters fp32; loss fp32, outside)" if external \
         else "autocast around the encoder blocks (embeddings, pooling, head and loss fp32)"
     packing_reason = (f"batching.method={b.method}" if b.method != "packed" else "packed rows, block-diagonal mask")
-    if external and b.method != "packed":
-        packing_reason += "; this model cannot run packed rows (supports_packing is false): refused if asked"
+    if external:  # whether this model's packed rows are exact, and how (train/models/packed.py)
+        can = "can run packed rows" if getattr(model, "supports_packing", False) else \
+            "cannot run packed rows (supports_packing is false): refused if asked"
+        packing_reason += f"; this model {can}: {getattr(model, 'packing_reason', 'not checked')}"
     comp = compiled.report() if compiled is not None else {}
     return {
         "precision": _lever(policy.mode != "fp32", f"{policy.mode} [{policy.source}] {policy.reason}; {where}"),
