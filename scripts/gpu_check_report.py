@@ -19,7 +19,8 @@ from typing import Any, Optional
 NO_GPU = 77  # verify_gpu's exit code on a host without a GPU: expected in a dry run
 TIMEOUT_RCS = (124, 137)
 TARGETS = "MFU >= 40% of the measured matmul peak; optimized >= 2x hf-style samples/s; compile: 0 recompiles after " \
-          "warm-up, steady step >= 1.3x faster than eager; bf16/fp16 eval accuracy within 1.0 point of fp32; 0 host syncs"
+          "warm-up, steady step >= 1.3x faster than eager; bf16/fp16 eval accuracy within 1.0 point of fp32; " \
+          "0 host syncs"
 
 
 def _load(path: Optional[Path]) -> Optional[dict]:
@@ -67,8 +68,10 @@ def _bench(work: Path) -> tuple[Optional[dict], str]:
     if r is None:
         return None, "no bench.json"
     rows = r.get("training", {}).get("configs", [])
-    parts = [f"{row.get('name')}: {_f(row.get('samples_per_s'), '.0f')} samples/s, MFU {_f(row.get('mfu_vs_table_peak'), '.1%')} "
-             f"table / {_f(row.get('mfu_vs_measured_peak'), '.1%')} measured, {_f(row.get('energy_j_per_sample'), '.3f')} J/sample"
+    parts = [f"{row.get('name')}: {_f(row.get('samples_per_s'), '.0f')} samples/s, "
+             f"MFU {_f(row.get('mfu_vs_table_peak'), '.1%')} "
+             f"table / {_f(row.get('mfu_vs_measured_peak'), '.1%')} measured, "
+             f"{_f(row.get('energy_j_per_sample'), '.3f')} J/sample"
              for row in rows]
     inf = r.get("inference") or {}
     lat = [f"{k} p50 {_f((v.get('latency_ms') or {}).get('p50'), '.2f')} ms" for k, v in inf.items()
@@ -81,7 +84,8 @@ def _compile(pattern: str) -> Callable[[Path], tuple[Optional[dict], str]]:
         r = _load(_find(work, pattern))
         if r is None:
             return None, "no bench-compile.json"
-        return r, (f"step p50 eager {_f(r.get('eager_step_ms_p50'), '.2f')} ms, compiled {_f(r.get('compiled_step_ms_p50'), '.2f')} ms "
+        return r, (f"step p50 eager {_f(r.get('eager_step_ms_p50'), '.2f')} ms, "
+                   f"compiled {_f(r.get('compiled_step_ms_p50'), '.2f')} ms "
                    f"(eager/compiled {_f(r.get('speedup_eager_over_compiled_p50'), '.2f')}x); recompiles after warm-up "
                    f"{r.get('recompiles_after_warmup')}; first step cold {_f(r.get('cold_first_step_s'))} s, warm "
                    f"{_f(r.get('warm_first_step_s'))} s, eager {_f(r.get('eager_first_step_s'))} s")
@@ -96,10 +100,14 @@ def _run(work: Path) -> tuple[Optional[dict], str]:
     w = _load(run / "warmup.json") or {}
     c, p = r.get("compile", {}), r.get("perf", {})
     t = w.get("totals", {})
-    out = {"report": {k: r.get(k) for k in ("status", "compile", "perf", "quality", "batching", "precision")}, "warmup": w}
-    return out, (f"compile {c.get('status')} ({c.get('mode')}), {t.get('shapes')} shapes warmed ({t.get('train_shapes')} train, "
-                 f"{t.get('eval_shapes')} eval) in {_f(t.get('warmup_s'))} s; recompiles after warm-up {c.get('recompiles_after_warmup')}; "
-                 f"step p50 {_f((p.get('step_time_ms') or {}).get('p50'), '.2f')} ms; first step {_f(p.get('first_step_ms'), '.0f')} ms")
+    out = {"report": {k: r.get(k) for k in ("status", "compile", "perf", "quality", "batching", "precision")},
+           "warmup": w}
+    return out, (f"compile {c.get('status')} ({c.get('mode')}), {t.get('shapes')} shapes warmed "
+                 f"({t.get('train_shapes')} train, "
+                 f"{t.get('eval_shapes')} eval) in {_f(t.get('warmup_s'))} s; "
+                 f"recompiles after warm-up {c.get('recompiles_after_warmup')}; "
+                 f"step p50 {_f((p.get('step_time_ms') or {}).get('p50'), '.2f')} ms; "
+                 f"first step {_f(p.get('first_step_ms'), '.0f')} ms")
 
 
 def _profile(work: Path) -> tuple[Optional[dict], str]:
@@ -164,17 +172,23 @@ def targets(steps: dict[str, dict]) -> dict[str, Any]:
     def ok(v: Any, cond: Callable[[Any], bool]) -> Optional[bool]:
         return None if v is None else bool(cond(v))
 
-    speed = (opt.get("samples_per_s") / hf["samples_per_s"]) if opt.get("samples_per_s") and hf.get("samples_per_s") else None
+    speed = ((opt.get("samples_per_s") / hf["samples_per_s"])
+             if opt.get("samples_per_s") and hf.get("samples_per_s") else None)
     gaps = [r.get("accuracy_gap_points") for r in prec] if prec else None
     return {
-        "mfu_vs_measured_peak_ge_40pct": {"value": opt.get("mfu_vs_measured_peak"), "reached": ok(opt.get("mfu_vs_measured_peak"), lambda v: v >= 0.40)},
+        "mfu_vs_measured_peak_ge_40pct": {"value": opt.get("mfu_vs_measured_peak"),
+                                          "reached": ok(opt.get("mfu_vs_measured_peak"), lambda v: v >= 0.40)},
         "optimized_over_hf_style_samples_ge_2x": {"value": speed, "reached": ok(speed, lambda v: v >= 2.0)},
         "compile_recompiles_after_warmup_eq_0": {"value": run.get("recompiles_after_warmup"),
                                                  "reached": ok(run.get("recompiles_after_warmup"), lambda v: v == 0)},
         "cuda_graphs_steady_speedup_ge_1_3x": {"value": ro.get("speedup_eager_over_compiled_p50"),
-                                               "reached": ok(ro.get("speedup_eager_over_compiled_p50"), lambda v: v >= 1.3)},
-        "bf16_fp16_accuracy_within_1pt_of_fp32": {"value": gaps, "reached": ok(gaps, lambda v: all(g is not None and abs(g) <= 1.0 for g in v))},
-        "host_syncs_in_steady_steps_eq_0": {"value": sync.get("host_syncs"), "reached": ok(sync.get("host_syncs"), lambda v: v == 0)},
+                                               "reached": ok(ro.get("speedup_eager_over_compiled_p50"),
+                                                             lambda v: v >= 1.3)},
+        "bf16_fp16_accuracy_within_1pt_of_fp32": {"value": gaps,
+                                                  "reached": ok(gaps, lambda v: all(g is not None and abs(g) <= 1.0
+                                                                                    for g in v))},
+        "host_syncs_in_steady_steps_eq_0": {"value": sync.get("host_syncs"),
+                                            "reached": ok(sync.get("host_syncs"), lambda v: v == 0)},
     }
 
 
@@ -202,7 +216,8 @@ def write(work: Path, out: Path, mode: str, names: list[str]) -> int:
 
 def _copy_artifacts(work: Path, out: Path, limit_bytes: int = 50 << 20) -> list[str]:
     """At most 6 files beside gpu_check.json/.md: the bench and GPU-sampling plots and the profiler trace."""
-    wanted = [("gc-bench*/bench/throughput.png", "bench_throughput.png"), ("gc-bench*/bench/memory.png", "bench_memory.png"),
+    wanted = [("gc-bench*/bench/throughput.png", "bench_throughput.png"),
+              ("gc-bench*/bench/memory.png", "bench_memory.png"),
               ("gc-bench*/bench/latency_cdf.png", "bench_latency_cdf.png"),
               ("gc-profile*/profile/gpu_samples.png", "profile_gpu_samples.png"),
               ("gc-profile*/profile/trace.json.gz", "profile_trace.json.gz")]
@@ -224,7 +239,8 @@ def main(argv: list[str]) -> int:
     if cmd == "ok":
         return 0 if rec["passed"] else 1
     extra = f": {rec.get('note')}" if rec.get("note") else ""
-    print(f"{name}: {rec['status'].upper()} (exit {rec.get('rc')}, {rec.get('seconds')} s){extra} — {rec.get('headline', '')}",
+    print(f"{name}: {rec['status'].upper()} (exit {rec.get('rc')}, {rec.get('seconds')} s){extra} — "
+          f"{rec.get('headline', '')}",
           flush=True)
     return 0
 

@@ -86,7 +86,8 @@ def _cpu_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(params=["cpu-without-native-bf16", "cpu-with-native-bf16"])
 def precision_branch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict:
     """Both branches of ``precision=auto`` on a CPU, on any machine: the decision's inputs (native bf16 or not,
-    the probe's fp32/bf16 timing: bf16 3x faster, and a quiet machine) are forced. Returns what ``auto`` must then decide."""
+    the probe's fp32/bf16 timing: bf16 3x faster, and a quiet machine) are forced. Returns what ``auto`` must then
+    decide."""
     native = request.param == "cpu-with-native-bf16"
     calls: list = []
 
@@ -153,7 +154,8 @@ def small_trainer(*overrides: str, policy: PrecisionPolicy | None = None) -> Tra
 
     cfg = load_config(None, ["train.max_steps=100", "model.dropout=0.0", *overrides])
     torch.manual_seed(0)
-    model = EncoderClassifier(resolve_spec("tiny", 50, 5, 16, 0.0, num_layers=1, hidden_size=16, num_heads=2, ffn_size=32))
+    model = EncoderClassifier(resolve_spec("tiny", 50, 5, 16, 0.0, num_layers=1, hidden_size=16, num_heads=2,
+                                           ffn_size=32))
     policy = policy or PrecisionPolicy(mode="fp32", reason="test", device=CPU)
     return Trainer(cfg=cfg, model=model, policy=policy, device=CPU, train_loader=[None], num_classes=5)
 
@@ -161,7 +163,8 @@ def small_trainer(*overrides: str, policy: PrecisionPolicy | None = None) -> Tra
 def batch(seed: int = 0) -> dict:
     """A collated batch as the loaders give it: 4 samples × 16 tokens, no padding."""
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(0, 50, (4, 16), generator=g), "attention_mask": torch.ones(4, 16, dtype=torch.bool),
+    return {"input_ids": torch.randint(0, 50, (4, 16), generator=g),
+            "attention_mask": torch.ones(4, 16, dtype=torch.bool),
             "labels": torch.randint(0, 5, (4,), generator=g), "real_tokens": 64, "truncated": 0}
 
 

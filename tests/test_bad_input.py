@@ -187,7 +187,8 @@ def bucket_json_with_float_bounds(wndb, tmp):  # issue 21 #8: once silently acce
     data = json.loads(plan.read_text())
     data["bounds"] = [b + 0.5 for b in data["bounds"]]
     plan.write_text(json.dumps(data))
-    return [f"batching.boundaries_file={plan}"], ["'bounds' must be a non-empty strictly increasing list of positive ints"]
+    return [f"batching.boundaries_file={plan}"], [
+        "'bounds' must be a non-empty strictly increasing list of positive ints"]
 
 
 def run_id_that_exists(wndb, tmp):  # issue 21 #1: once two runs shared one directory
@@ -256,7 +257,8 @@ def python_model_whose_forward_does_not_fit(wndb, tmp):
                                        "    return nn.Linear(4, num_classes)\n")
     import sys
     sys.path.insert(0, str(tmp))
-    return ["model.source=python:bad_models:make"], ["forward(input_ids LongTensor[2, 4], attention_mask BoolTensor[2, 4]) failed"]
+    return ["model.source=python:bad_models:make"], [
+        "forward(input_ids LongTensor[2, 4], attention_mask BoolTensor[2, 4]) failed"]
 
 
 def data_source_is_a_directory(wndb, tmp):
@@ -275,9 +277,9 @@ def run_id_outside_the_output_dir(wndb, tmp):
 
 def packed_model_that_cannot_pack(wndb, tmp):
     pytest.importorskip("transformers")
-    return ["model.source=hf:bert", "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, "
-            "intermediate_size: 64}", "batching.method=packed"], ["model.source=hf:bert (BertForSequenceClassification) "
-                                                                  "cannot take per-sample positions"]
+    return ["model.source=hf:bert", "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, "
+            "num_attention_heads: 2, intermediate_size: 64}", "batching.method=packed"], [
+        "model.source=hf:bert (BertForSequenceClassification) cannot take per-sample positions"]
 
 
 CONFIG_VALUE_CASES = [  # issue 21 #8: each once a traceback from numpy or torch

@@ -43,8 +43,8 @@ def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
 
     report = run_training(tiny_cfg("train.max_steps=40", "train.run_id=ck"), time.perf_counter())
     cfg = tiny_cfg("train.run_id=benchck", "bench.configs=naive", "bench.warmup_steps=1", "bench.rounds=1",
-                   "bench.window=1", f"bench.checkpoint={Path(report['run_dir']) / 'checkpoint.pt'}", "bench.requests=20",
-                   "bench.inference_batch_size=5")
+                   "bench.window=1", f"bench.checkpoint={Path(report['run_dir']) / 'checkpoint.pt'}",
+                   "bench.requests=20", "bench.inference_batch_size=5")
     result = run_bench(cfg, notice=lambda _m: None)
     assert result["inference"]["model"].endswith("checkpoint.pt")
     assert result["inference"]["accuracy_on_requests"] > 0.3  # a trained model, not chance (1/45)
@@ -67,7 +67,8 @@ def test_open_loop_load_counts_queueing_and_batches_dynamically() -> None:
     fast = open_loop(answer, ["t"] * 200, rate=4000.0, max_batch=8, max_delay_s=0.001, seed=0)
     assert slow["mean_batch_size"] < 2 and fast["mean_batch_size"] > 4 and max(calls) <= 8  # batches grow with load
     assert slow["latency_ms"]["p50"] >= 2.0 and fast["latency_ms"]["p99"] > fast["latency_ms"]["p50"]
-    assert 0 < slow["achieved_requests_per_s"] <= 200 and fast["achieved_requests_per_s"] > slow["achieved_requests_per_s"]
+    assert (0 < slow["achieved_requests_per_s"] <= 200
+            and fast["achieved_requests_per_s"] > slow["achieved_requests_per_s"])
 
 
 def _inference_setup(tiny_cfg):
@@ -90,7 +91,8 @@ def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
     from train.commands.bench.inference import Classifier
 
     cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
-    clf = Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len, "bucket")
+    clf = Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len,
+                     "bucket")
     texts = bundle.corpus.validation.texts[:12]
     shapes = []
     hook = model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
@@ -137,6 +139,7 @@ def test_packed_inference_is_refused_for_a_model_that_cannot_pack(tiny_cfg) -> N
     cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
     model.supports_packing = False  # as an external model (train/models/wrap.py)
     with pytest.raises(UserError, match="inference_batching=packed.*cannot run packed rows"):
-        Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len, "packed")
+        Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len,
+                   "packed")
     assert Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len,
                       "auto").batching == "bucket"

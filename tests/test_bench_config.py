@@ -23,18 +23,21 @@ def test_defaults_are_the_commands_defaults() -> None:
     assert (cfg.bench.inference_batch_size, cfg.bench.skip_inference, cfg.bench.configs) == (32, False, None)
     assert (cfg.bench_precision.steps, cfg.bench_precision.bf16_cpu_steps, cfg.bench_precision.warmup) == (150, 4, 3)
     assert (cfg.bench_compile.steps, cfg.bench_compile.rounds) == (8, 5)
-    assert (cfg.bench_tracking.rounds, cfg.bench_tracking.block_steps, cfg.bench_tracking.online_check) == (5, 100, False)
+    assert (cfg.bench_tracking.rounds, cfg.bench_tracking.block_steps,
+            cfg.bench_tracking.online_check) == (5, 100, False)
     assert cfg.bench_batching.num_buckets == 16 and cfg.bench_batching.windows == 3
 
 
 def test_flags_only_set_their_keys() -> None:
     assert cfg_from("bench").bench == BenchConfig()  # no flag given: the config's values, untouched
-    cfg = cfg_from("bench", "--rounds", "8", "--skip-inference", "--configs", "naive, optimized", "--checkpoint", "a b.pt")
+    cfg = cfg_from("bench", "--rounds", "8", "--skip-inference", "--configs", "naive, optimized",
+                   "--checkpoint", "a b.pt")
     assert cfg.bench.rounds == 8 and cfg.bench.skip_inference is True and cfg.bench.checkpoint == "a b.pt"
     assert cfg.bench.config_names() == ["naive", "optimized"]
     assert cfg_from("bench", "bench.rounds=7").bench.rounds == 7
     assert cfg_from("bench", "bench.rounds=7", "--rounds", "9").bench.rounds == 9  # the flag wins
-    assert cfg_from("bench-tracking", "--rounds", "2", "--out", "x.json").bench_tracking == BenchTrackingConfig(2, out="x.json")
+    assert cfg_from("bench-tracking", "--rounds", "2", "--out", "x.json").bench_tracking == BenchTrackingConfig(
+        2, out="x.json")
     assert cfg_from("bench-compile", "--steps", "3").bench_compile == BenchCompileConfig(steps=3)
     assert cfg_from("bench-precision", "--steps", "9", "--warmup", "2").bench_precision == BenchPrecisionConfig(9, 4, 2)
     assert cfg_from("bench-batching", "--windows", "2").bench_batching.windows == 2

@@ -1,5 +1,6 @@
-"""The performance regression gate (train/commands/bench/gate.py): the comparison rules, and end to end on fixture data a
-deliberate regression (``optimized`` forced to pad every batch to ``data.max_len``) fails the gate with exit code 1."""
+"""The performance regression gate (train/commands/bench/gate.py): the comparison rules, and end to end on fixture
+data a deliberate regression (``optimized`` forced to pad every batch to ``data.max_len``) fails the gate with exit
+code 1."""
 
 from __future__ import annotations
 

@@ -19,9 +19,11 @@ from train.data.tokenizer import TokenizedSplit
 
 def make_split(lengths, seed: int = 0) -> TokenizedSplit:
     rng = np.random.default_rng(seed)
-    ids = [np.concatenate([[2], rng.integers(5, 50, n - 2), [3]]).astype(np.int32) if n >= 2 else np.array([2], np.int32)
+    ids = [np.concatenate([[2], rng.integers(5, 50, n - 2), [3]]).astype(np.int32) if n >= 2
+           else np.array([2], np.int32)
            for n in lengths]
-    return TokenizedSplit(ids=ids, labels=np.arange(len(lengths)) % 3, lengths=np.asarray(lengths, np.int32), truncated=0)
+    return TokenizedSplit(ids=ids, labels=np.arange(len(lengths)) % 3, lengths=np.asarray(lengths, np.int32),
+                          truncated=0)
 
 
 def test_sample_longer_than_largest_bound_is_truncated_and_counted_not_dropped() -> None:
@@ -93,7 +95,8 @@ def test_dataloader_with_workers_and_pin_memory_matches_in_process() -> None:
             assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
             if torch.cuda.is_available():
                 assert b["input_ids"].is_pinned()
-    assert [b["labels"].tolist() for b in par[0]] != [b["labels"].tolist() for b in par[1]]  # set_epoch reached the sampler
+    # set_epoch reached the sampler
+    assert [b["labels"].tolist() for b in par[0]] != [b["labels"].tolist() for b in par[1]]
     assert sum(len(b["labels"]) for b in par[1]) == 300
 
 

@@ -75,7 +75,8 @@ def test_unwritable_cache_dir_falls_back_with_one_warning(clean_env: Path, tmp_p
     assert "afile/inductor" in info.fallback_reason
 
 
-def test_no_writable_cache_dir_is_a_user_error(clean_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_writable_cache_dir_is_a_user_error(clean_env: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "afile"
     blocker.write_text("")
     monkeypatch.setattr(tempfile, "tempdir", str(blocker))  # the fallback is unwritable too

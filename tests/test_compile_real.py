@@ -55,8 +55,8 @@ def test_new_shape_after_warmup_is_a_recompile_and_warmup_restores_bit_exactly(t
     session = start_compile(cfg, device, model, bundle.pad_to, loaders[0], loaders[1:])
     assert session.enabled and session.cache.dir == str(compile_env.resolve())
     policy = PrecisionPolicy.create("fp32", device)
-    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders[0], eval_loader=loaders[1],
-                      num_classes=bundle.num_classes, train_model=session.forward)
+    trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders[0],
+                      eval_loader=loaders[1], num_classes=bundle.num_classes, train_model=session.forward)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
 
@@ -154,8 +154,8 @@ def test_compile_off_by_default_on_cpu(tiny_cfg) -> None:
 
 def _warmup_cli(tmp_path: Path, wndb: Path, cache: Path, run_id: str) -> subprocess.Popen:
     root = Path(__file__).resolve().parent.parent
-    args = [f"data.wordnet_dir={wndb}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=200", "data.max_len=32",
-            "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.ffn_size=64",
+    args = [f"data.wordnet_dir={wndb}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=200",
+            "data.max_len=32", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.ffn_size=64",
             f"train.output_dir={tmp_path / 'runs'}", f"compile.cache_dir={cache}", *FEW_SHAPES]
     env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.Popen([sys.executable, "-m", "train", "warmup", *args, "--run-id", run_id], cwd=root, env=env,

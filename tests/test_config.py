@@ -7,7 +7,8 @@ from train.errors import UserError
 
 
 def test_defaults_and_overrides_are_typed() -> None:
-    cfg = load_config(None, ["train.max_steps=200", "optim.lr=0.01", "data.max_samples=null", "batching.method=quantile"])
+    cfg = load_config(None, ["train.max_steps=200", "optim.lr=0.01", "data.max_samples=null",
+                             "batching.method=quantile"])
     assert cfg.train.max_steps == 200 and cfg.optim.lr == 0.01 and cfg.data.max_samples is None
     assert cfg.batching.method == "quantile"
     assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0  # int → float is lossless

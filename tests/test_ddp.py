@@ -98,7 +98,8 @@ def test_per_rank_compile_cache_dirs() -> None:
 @pytest.mark.skipif(__import__("shutil").which("make") is None, reason="needs GNU make (not in the image)")
 def test_make_train_nproc_launches_torchrun() -> None:
     def dry(*args: str) -> str:
-        out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
         return out.strip().splitlines()[-1]
 
     assert dry("train").startswith(".venv/bin/python -m train train")

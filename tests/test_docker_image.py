@@ -96,7 +96,8 @@ def test_bad_input_is_one_line_and_exit_2(tree: Path, tmp_path: Path) -> None:
     one_error_line(run(tree, fake_docker(tmp_path), "pre-run", GPUS="all", STACK="torch21"),
                    "GPUS=all", "no NVIDIA runtime", "STACK=cpu")
     one_error_line(run(tree, fake_docker(tmp_path), "pre-build", STACK="podman"), "STACK=podman is not one of")
-    out = run(tree, fake_docker(tmp_path), "pre-build", BASE_IMAGE="nvidia/cuda:12.1.1-runtime-ubuntu22.04@sha256:" + "0" * 64)
+    out = run(tree, fake_docker(tmp_path), "pre-build",
+              BASE_IMAGE="nvidia/cuda:12.1.1-runtime-ubuntu22.04@sha256:" + "0" * 64)
     one_error_line(out, "cannot pull the base image nvidia/cuda:12.1.1", "STACK=cpu")
     assert "registry-1.docker.io" not in out.stderr + out.stdout.split("\n", 1)[-1], "Docker's own output stays hidden"
 

@@ -88,7 +88,8 @@ def test_measure_times_both_masks_and_restores_the_model(tiny_cfg) -> None:
     from train.setup import build_run, probe_steps
 
     cfg = tiny_cfg("model.dropout=0.1")
-    run = build_run(cfg, prepare_data(cfg, None, notice=lambda *a, **k: None), CPU, PrecisionPolicy.for_config(cfg, CPU))
+    run = build_run(cfg, prepare_data(cfg, None, notice=lambda *a, **k: None), CPU,
+                    PrecisionPolicy.for_config(cfg, CPU))
     before = {k: v.clone() for k, v in run.model.state_dict().items()}
     rng = torch.get_rng_state()
     with probe_steps(cfg, run.model, run.policy, CPU) as step:

@@ -64,7 +64,8 @@ def test_same_seed_same_result(tiny_cfg) -> None:
 
 
 def test_baseline_batching_methods_run(tiny_cfg) -> None:
-    pad = run_training(tiny_cfg("train.max_steps=4", "batching.method=pad-to-max", "train.run_id=p"), time.perf_counter())
+    pad = run_training(tiny_cfg("train.max_steps=4", "batching.method=pad-to-max", "train.run_id=p"),
+                       time.perf_counter())
     assert pad["batching"]["distinct_shapes"] == 1 and pad["batching"]["num_buckets"] is None
     rnd = run_training(tiny_cfg("train.max_steps=4", "batching.method=random", "train.run_id=r"), time.perf_counter())
     assert rnd["batching"]["token_efficiency"] > pad["batching"]["token_efficiency"]

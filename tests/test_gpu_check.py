@@ -18,8 +18,8 @@ STEPS = ["verify-gpu", "bench-precision", "bench", "compile-default", "compile-r
 
 
 def run_check(tmp_path: Path, wndb: Path, python: str = sys.executable, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "DRY_RUN": "1", "PYTHON": python, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
-            "WORDNET_DIR": str(wndb), **env}
+    full = {**os.environ, "DRY_RUN": "1", "PYTHON": python, "OUT": str(tmp_path / "out"),
+            "WORK": str(tmp_path / "work"), "WORDNET_DIR": str(wndb), **env}
     full.pop("WNHOME", None)
     return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=full, capture_output=True, text=True, timeout=900)
 
@@ -87,6 +87,7 @@ exit 1
     (out / "gpu_check.json").write_text("{}")  # an earlier result is left alone
     proc = run_check(tmp_path, wndb, python=str(fake))
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:]
-    assert proc.stderr == (f"gpu-check: error: {fake} cannot import torch (ModuleNotFoundError: No module named 'torch'); "
+    assert proc.stderr == (f"gpu-check: error: {fake} cannot import torch "
+                           "(ModuleNotFoundError: No module named 'torch'); "
                            "install torch into it or point PYTHON at a python that has it\n")
     assert (out / "gpu_check.json").read_text() == "{}" and not (tmp_path / "work").exists()

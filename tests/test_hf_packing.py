@@ -26,7 +26,8 @@ def _model(kind: str) -> ExternalClassifier:
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model(kind, vocab_size=120, max_position_embeddings=80, num_labels=4,
                                             pad_token_id=0, **SIZES.get(kind, DEFAULT))
-    inner = transformers.AutoModelForSequenceClassification.from_config(cfg, attn_implementation=hf_attn_implementation())
+    inner = transformers.AutoModelForSequenceClassification.from_config(
+        cfg, attn_implementation=hf_attn_implementation())
     return ExternalClassifier(inner, ExternalSpec(f"hf:{kind}", 4, 120, 64), "hf")
 
 
@@ -117,4 +118,5 @@ def test_a_forward_that_rejects_position_ids_is_refused_with_the_reason() -> Non
 
     model.inner.bert.forward = no_positions
     ok, reason = check_packing(model)
-    assert not ok and "not exact here" in reason and "position_ids" in reason and "BertForSequenceClassification" in reason
+    assert (not ok and "not exact here" in reason and "position_ids" in reason
+            and "BertForSequenceClassification" in reason)

@@ -13,7 +13,8 @@ LOCKS = {"torch21": DOCKER / "requirements.lock", "torch2x": DOCKER / "requireme
          "cpu": DOCKER / "requirements-cpu.lock"}
 # torch's own `triton==` pin for each torch in a lock (torch's wheel metadata, Requires-Dist).
 TORCH_TRITON_PIN = {"2.1.0": "2.1.0", "2.6.0": "3.2.0"}
-pytestmark = pytest.mark.skipif(not (DOCKER / "Dockerfile").exists(), reason="docker/ is not in this tree (inside the image)")
+pytestmark = pytest.mark.skipif(not (DOCKER / "Dockerfile").exists(),
+                                reason="docker/ is not in this tree (inside the image)")
 
 
 def parse_lock(path: Path) -> dict[str, tuple[str, list[str]]]:
@@ -60,7 +61,8 @@ def test_lock_is_fully_hash_pinned(stack):
 def test_lock_pins_torch_with_its_own_triton_and_official_nvml(stack):
     entries = parse_lock(LOCKS[stack])
     torch_v, triton_v = entries["torch"][0], entries["triton"][0]
-    assert TORCH_TRITON_PIN[torch_v] == triton_v, f"torch {torch_v} pins triton {TORCH_TRITON_PIN[torch_v]}, lock has {triton_v}"
+    assert TORCH_TRITON_PIN[torch_v] == triton_v, (f"torch {torch_v} pins triton {TORCH_TRITON_PIN[torch_v]}, "
+                                                   f"lock has {triton_v}")
     assert "nvidia-ml-py" in entries
     assert "nvidia-ml-py3" not in entries
 
@@ -83,7 +85,8 @@ def test_lock_setuptools_builds_the_project_without_isolation(stack):
     assert int(parse_lock(LOCKS[stack])["setuptools"][0].split(".")[0]) >= int(need), stack
 
 
-@pytest.mark.parametrize("stack,infile", [("torch21", "requirements-torch21.in"), ("torch2x", "requirements-torch2x.in"),
+@pytest.mark.parametrize("stack,infile", [("torch21", "requirements-torch21.in"),
+                                          ("torch2x", "requirements-torch2x.in"),
                                           ("cpu", "requirements-torch21.in")])
 def test_lock_covers_its_input_and_the_project_dependencies(stack, infile):
     entries = parse_lock(LOCKS[stack])
@@ -110,20 +113,24 @@ def test_dockerfile_installs_each_lock_with_hashes_and_checks():
     text = (DOCKER / "Dockerfile").read_text()
     assert "--require-hashes" in text and "pip check" in text
     assert text.count("\nFROM ") == 1, "one recipe: the stacks differ by build arguments, not by stages"
-    assert re.search(r"^ARG BASE_IMAGE=.*\n(#.*\n)*FROM \$\{BASE_IMAGE\}\n", text, re.M) and 'COPY docker/${LOCK}' in text
+    assert (re.search(r"^ARG BASE_IMAGE=.*\n(#.*\n)*FROM \$\{BASE_IMAGE\}\n", text, re.M)
+            and 'COPY docker/${LOCK}' in text)
     for stack, lock in LOCKS.items():
         assert f"--build-arg LOCK={lock.name}" in makefile_var(f"STACK_BUILD_{stack}"), stack
         assert (ROOT / ".dockerignore").read_text().count(f"!docker/{lock.name}") == 1
     for stack, cuda in (("torch21", "12.1.1"), ("torch2x", "12.4.1")):
-        assert re.fullmatch(rf"nvidia/cuda:{cuda}-runtime-ubuntu22\.04@sha256:[0-9a-f]{{64}}", makefile_var(f"STACK_BASE_{stack}"))
+        assert re.fullmatch(rf"nvidia/cuda:{cuda}-runtime-ubuntu22\.04@sha256:[0-9a-f]{{64}}",
+                            makefile_var(f"STACK_BASE_{stack}"))
         assert "PYTHON=python3.10" in makefile_var(f"STACK_BUILD_{stack}")
     assert makefile_var("STACK_BASE_cpu") == "debian:bookworm-slim"
-    assert "PYTHON=python3.11" in makefile_var("STACK_BUILD_cpu") and "NSYS_VERSION= " in makefile_var("STACK_BUILD_cpu") + " "
+    assert ("PYTHON=python3.11" in makefile_var("STACK_BUILD_cpu")
+            and "NSYS_VERSION= " in makefile_var("STACK_BUILD_cpu") + " ")
     for var in ("TORCHINDUCTOR_CACHE_DIR=/cache/", "TRITON_CACHE_DIR=/cache/", "ln -s /cache /app/.cache"):
         assert var in text
     # Nsight Systems: the devtools repository's own key, the versioned package name.
     assert "devtools/repos/" in text and "/nvidia.pub" in text and "cuda-archive-keyring" not in text
-    assert re.search(r'nsight-systems-cli-\$\{NSYS_VERSION\}', text) and re.search(r"ARG NSYS_VERSION=\d{4}\.\d+\.\d+\n", text)
+    assert (re.search(r'nsight-systems-cli-\$\{NSYS_VERSION\}', text)
+            and re.search(r"ARG NSYS_VERSION=\d{4}\.\d+\.\d+\n", text))
     assert "USER ${UID}:${GID}" in text and "ARG UID=" in text and "ARG GID=" in text
     assert "org.opencontainers.image.version" in text and "wordnet-base" in text
     assert "WANDB_API_KEY" not in text, "credentials are passed at run time, never baked into a layer"

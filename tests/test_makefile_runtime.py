@@ -97,17 +97,21 @@ def test_variables_override_image_tag_gpus_and_args():
 
 def test_docker_targets_check_the_image_and_build_it_when_missing():
     out = make_n("RUNTIME=docker", "train")
-    assert "IMG='deep-model-perf:cu121-torch2.1.0' STACK='torch21' GPUS='all'" in out and "scripts/docker_image.sh pre-run" in out
+    assert ("IMG='deep-model-perf:cu121-torch2.1.0' STACK='torch21' GPUS='all'" in out
+            and "scripts/docker_image.sh pre-run" in out)
     assert "docker build -f docker/Dockerfile --build-arg STACK=torch21" in out
 
 
-@pytest.mark.parametrize("target", ["train", "smoke", "profile", "warmup", "bench", "bench-compile", "verify-gpu", "test"])
+@pytest.mark.parametrize("target", ["train", "smoke", "profile", "warmup", "bench", "bench-compile", "verify-gpu",
+                                    "test"])
 def test_cpu_stack_runs_without_gpus_on_its_own_image(target):
     words = docker_run(make_n("RUNTIME=docker", "STACK=cpu", target))
-    assert "--gpus" not in words and not [w for w in words if w.startswith("--gpus")], "--gpus fails without the NVIDIA runtime"
+    assert "--gpus" not in words and not [w for w in words if w.startswith("--gpus")], \
+        "--gpus fails without the NVIDIA runtime"
     assert "deep-model-perf:cpu-torch2.1.0" in words and "--init" in words
     words = docker_run(make_n("RUNTIME=docker", "STACK=cpu", "GPUS=all", target))
-    assert flag_values(words, "--gpus") == ["all"], "asked for explicitly: passed (and refused by pre-run without the runtime)"
+    assert flag_values(words, "--gpus") == ["all"], \
+        "asked for explicitly: passed (and refused by pre-run without the runtime)"
 
 
 def test_cpu_stack_builds_on_debian_with_python311_and_its_lock():
@@ -115,7 +119,8 @@ def test_cpu_stack_builds_on_debian_with_python311_and_its_lock():
     args = flag_values(words, "--build-arg")
     assert {"STACK=cpu", "BASE_IMAGE=debian:bookworm-slim", "PYTHON=python3.11", "LOCK=requirements-cpu.lock",
             "NSYS_VERSION=", "TORCH_VERSION=2.1.0"} <= set(args)
-    assert any(a.startswith("SOURCE_HASH=") for a in args) and words[-3:] == ["-t", "deep-model-perf:cpu-torch2.1.0", "."]
+    assert (any(a.startswith("SOURCE_HASH=") for a in args)
+            and words[-3:] == ["-t", "deep-model-perf:cpu-torch2.1.0", "."])
     uid = os.getuid()
     assert f"UID={uid if uid else 1000}" in args, "the image's default user is never root"
 
@@ -152,7 +157,8 @@ def test_local_runtime_runs_the_venv(target, expected):
 
 
 def test_auto_runtime_says_which_and_matches_the_detector():
-    detected = subprocess.run([str(DETECT)], capture_output=True, text=True, env={**os.environ, "RUNTIME": "auto"}).stdout.split()
+    detected = subprocess.run([str(DETECT)], capture_output=True, text=True,
+                              env={**os.environ, "RUNTIME": "auto"}).stdout.split()
     out = make_n("train")
     assert f"runtime: {detected[0]} (" in out
 
@@ -178,12 +184,14 @@ def test_detect_runtime_auto(tmp_path, info, smi, want):
 
 
 def test_bad_runtime_is_an_error():
-    out = subprocess.run(["make", "-s", "train", "RUNTIME=podman"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["make", "-s", "train", "RUNTIME=podman"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode != 0 and "RUNTIME=podman is not one of auto, docker, local" in out.stderr
 
 
-@pytest.mark.parametrize("target", ["build", "verify-gpu", "warmup", "train", "profile", "profile-pyspy", "profile-nsys",
-                                    "bench", "shell", "test", "lint", "clean", "lock", "test-torch21", "clean-cache"])
+@pytest.mark.parametrize("target", ["build", "verify-gpu", "warmup", "train", "profile", "profile-pyspy",
+                                    "profile-nsys", "bench", "shell", "test", "lint", "clean", "lock", "test-torch21",
+                                    "clean-cache"])
 def test_every_target_exists(target):
     make_n(target)
 
@@ -197,7 +205,8 @@ def test_train_config_defaults_to_the_gpu_config_only_when_nvidia_smi_lists_a_gp
     for absent in ("false", str(tmp_path / "missing")):  # no GPU listed, or no nvidia-smi at all
         cpu = make_n("RUNTIME=local", "train", f"NVIDIA_SMI={absent}")
         assert "train --config configs/cpu-tiny.yaml" in cpu
-    assert "train --config configs/smoke.yaml" in make_n("RUNTIME=local", "train", f"NVIDIA_SMI={smi}", "CONFIG=configs/smoke.yaml")
+    assert "train --config configs/smoke.yaml" in make_n("RUNTIME=local", "train", f"NVIDIA_SMI={smi}",
+                                                         "CONFIG=configs/smoke.yaml")
 
 
 @pytest.mark.parametrize("bad", ["NPROC=0", "NPROC=two", "NNODES=0", "NPROC=-1"])

@@ -76,7 +76,8 @@ def test_tiny_hf_models_train_offline_and_report_their_levers(tiny_cfg) -> None:
         report = run_training(cfg, time.perf_counter())
         assert report["status"] == "completed"
         m = report["model"]
-        assert m["source"] == f"hf:{kind}" and m["hf_model_type"] == kind and m["class"].endswith("ForSequenceClassification")
+        assert (m["source"] == f"hf:{kind}" and m["hf_model_type"] == kind
+                and m["class"].endswith("ForSequenceClassification"))
         inner = transformers.AutoConfig.for_model(kind, **{"num_labels": report["data"]["num_classes"]})
         assert inner.num_labels == report["data"]["num_classes"]
         assert 1000 < m["parameters"] < 200_000  # the tiny override, not the preset's 4 x 256
@@ -146,7 +147,8 @@ def _save_tiny_bert(tmp_path: Path, tiny_cfg, num_labels: int, tokenizer: bool =
                                      num_attention_heads=2, intermediate_size=64, num_labels=num_labels,
                                      pad_token_id=bundle.pad_id, max_position_embeddings=64)
     torch.manual_seed(1)
-    model = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation=hf_attn_implementation())
+    model = transformers.AutoModelForSequenceClassification.from_config(
+        config, attn_implementation=hf_attn_implementation())
     model.save_pretrained(d)
     if tokenizer:
         (d / "tokenizer.json").write_text(Path(bundle.tokenizer_info["path"]).read_text())
@@ -234,7 +236,8 @@ def test_hf_flag_names_map_to_project_keys_with_one_notice_each(capsys) -> None:
 
 
 def test_importing_train_does_not_import_transformers() -> None:
-    code = "import sys, train.cli, train.commands.train, train.config, train.models; print('transformers' in sys.modules)"
+    code = ("import sys, train.cli, train.commands.train, train.config, train.models; "
+            "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -245,8 +248,8 @@ def test_bench_vs_hf_runs_both_sides_on_equal_samples(wndb, tmp_path) -> None:
     from train.commands.bench.vs_hf import run_bench_vs_hf
 
     cfg = load_config(str(ROOT / "configs" / "bench-vs-hf.yaml"), tiny_overrides(
-        wndb, tmp_path, *hf_overrides("bert"), "data.max_samples=null", "batching.max_tokens=128", "train.max_steps=null",
-        "bench.rounds=1", "train.run_id=vs", "train.precision=fp32"))
+        wndb, tmp_path, *hf_overrides("bert"), "data.max_samples=null", "batching.max_tokens=128",
+        "train.max_steps=null", "bench.rounds=1", "train.run_id=vs", "train.precision=fp32"))
     result = run_bench_vs_hf(cfg, notice=lambda *_: None)
     hf, ours = (result["sides"][s]["median"] for s in ("hf-trainer", "this-project"))
     n = result["train_samples"]

@@ -81,7 +81,8 @@ def test_fp16_scaler_skip_is_counted() -> None:
         scaler = make_grad_scaler("cpu")
     except RuntimeError:
         pytest.skip("no CPU GradScaler in this torch")
-    policy = PrecisionPolicy(mode="fp32", reason="test: fp32 compute, fp16-style loss scaling", device=CPU, scaler=scaler)
+    policy = PrecisionPolicy(mode="fp32", reason="test: fp32 compute, fp16-style loss scaling", device=CPU,
+                             scaler=scaler)
     tr = small_trainer(policy=policy)
     tr.step(batch())
     scale = scaler.get_scale()

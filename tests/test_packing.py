@@ -46,7 +46,8 @@ def test_packed_logits_equal_unpacked(pooling: str) -> None:
     with torch.no_grad():
         packed = packed_forward(model, batch["input_ids"], batch["position_ids"], batch["seq_index"], len(order))
         for j, i in enumerate(order):
-            ids = samples[i][0] if len(samples[i][0]) <= 16 else np.concatenate([samples[i][0][:15], samples[i][0][-1:]])
+            ids = (samples[i][0] if len(samples[i][0]) <= 16
+                   else np.concatenate([samples[i][0][:15], samples[i][0][-1:]]))
             x = torch.zeros(1, 16, dtype=torch.long)
             x[0, : len(ids)] = torch.from_numpy(ids.astype(np.int64))
             mask = torch.zeros(1, 16, dtype=torch.bool)
@@ -110,7 +111,8 @@ def test_a_packed_training_run_is_dense_with_one_shape_and_learns(tiny_cfg) -> N
     from train.commands.train import run_training
 
     bucketed = run_training(tiny_cfg("train.run_id=b", "train.max_steps=40"), time.perf_counter())
-    packed = run_training(tiny_cfg("train.run_id=p", "batching.method=packed", "train.max_steps=40"), time.perf_counter())
+    packed = run_training(tiny_cfg("train.run_id=p", "batching.method=packed", "train.max_steps=40"),
+                          time.perf_counter())
     b = packed["batching"]
     assert b["distinct_shapes"] == 1 and b["token_efficiency"] > max(0.9, bucketed["batching"]["token_efficiency"])
     assert b["rows_per_step"] >= 1 and b["samples_per_row"] > 1 and b["pack_len"] == 32
@@ -166,7 +168,8 @@ def _packed_case(path: str, backward: bool):
         model.set_packed_attention("flex", _flex_or_skip(backward))
     rng = np.random.default_rng(2)
     lengths = [5, 9, 3, 12, 7, 4, 16, 2]
-    samples = [(np.concatenate([[2], rng.integers(5, 50, n - 2), [3]]).astype(np.int32), k % 4) for k, n in enumerate(lengths)]
+    samples = [(np.concatenate([[2], rng.integers(5, 50, n - 2), [3]]).astype(np.int32), k % 4)
+               for k, n in enumerate(lengths)]
     rows = pack_rows(lengths, 16)
     batch = PackCollate(0, 16, rows_per_batch=len(rows) + 1)([[samples[i] for i in r] for r in rows])  # + a padding row
     return model, samples, [i for r in rows for i in r], batch
@@ -179,7 +182,8 @@ def test_packed_logits_equal_unpacked_on_both_attention_paths(path: str) -> None
         packed = packed_forward(model, batch["input_ids"], batch["position_ids"], batch["seq_index"], len(order))
         assert torch.isfinite(packed).all()
         for j, i in enumerate(order):
-            alone = model(torch.from_numpy(samples[i][0].astype(np.int64))[None], torch.ones(1, len(samples[i][0]), dtype=torch.bool))
+            alone = model(torch.from_numpy(samples[i][0].astype(np.int64))[None],
+                          torch.ones(1, len(samples[i][0]), dtype=torch.bool))
             torch.testing.assert_close(packed[j], alone[0], rtol=0, atol=1e-5)
 
 
@@ -219,7 +223,8 @@ def test_flex_requested_where_unavailable_is_one_line_error(monkeypatch, tiny_cf
 
 
 @pytest.mark.parametrize("speedup, expected", [(1.3, "flex"), (1.0, "flex"), (0.8, "sdpa-mask")])
-def test_auto_picks_flex_only_when_it_measures_at_least_as_fast(monkeypatch, tiny_cfg, tmp_path, speedup, expected) -> None:
+def test_auto_picks_flex_only_when_it_measures_at_least_as_fast(monkeypatch, tiny_cfg, tmp_path, speedup,
+                                                                 expected) -> None:
     from types import SimpleNamespace
 
     from train.data import prepare_data
@@ -235,12 +240,15 @@ def test_auto_picks_flex_only_when_it_measures_at_least_as_fast(monkeypatch, tin
 
     def forced(model, step, batch, device, flex):
         calls.append(batch["input_ids"].shape)
-        return {"sdpa-mask": 10.0 * speedup, "flex": 10.0, "speedup": speedup, "repeats": 3, "shape": "x".join(map(str, batch["input_ids"].shape))}
+        return {"sdpa-mask": 10.0 * speedup, "flex": 10.0, "speedup": speedup, "repeats": 3,
+                "shape": "x".join(map(str, batch["input_ids"].shape))}
 
-    choice = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False, probe=contextlib.nullcontext, measure=forced)
+    choice = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False,
+                                          probe=contextlib.nullcontext, measure=forced)
     assert (choice.path, choice.source) == (expected, "measured") and f"{speedup:.2f}x" in choice.reason
     assert choice.reason.endswith(f": {expected}") and choice.cache_path and len(calls) == 1
-    again = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False, probe=contextlib.nullcontext, measure=forced)
+    again = attn.choose_packed_attention(model, policy, cfg, bundle, torch.device("cpu"), False,
+                                         probe=contextlib.nullcontext, measure=forced)
     assert (again.path, again.source, len(calls)) == (expected, "cached", 1)
     # dropout > 0: flex would drop attention dropout, so auto keeps sdpa-mask by rule, unmeasured
     ruled = attn.choose_packed_attention(model, policy, tiny_cfg("batching.method=packed", "model.dropout=0.1"), bundle,

@@ -39,7 +39,8 @@ def cpu_fp16_autocast_works() -> bool:
 
 def overflowing_model() -> tuple[EncoderClassifier, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    model = EncoderClassifier(resolve_spec("tiny", 20, 3, 8, 0.0, num_layers=1, hidden_size=16, num_heads=2, ffn_size=32))
+    model = EncoderClassifier(resolve_spec("tiny", 20, 3, 8, 0.0, num_layers=1, hidden_size=16, num_heads=2,
+                                           ffn_size=32))
     with torch.no_grad():  # each table fits fp16, their sum (the embedding output) does not
         model.tok_emb.weight.fill_(40000.0)
         model.pos_emb.weight.fill_(40000.0)
@@ -92,7 +93,8 @@ def test_bf16_backward_is_unscaled() -> None:
     grads = {}
     for mode in ("fp32", "bf16"):
         tr = small_trainer(policy=PrecisionPolicy(mode=mode, reason="test", device=CPU))
-        loss = torch.nn.functional.cross_entropy(tr.model(batch()["input_ids"], batch()["attention_mask"], tr.policy.blocks_autocast), batch()["labels"])
+        loss = torch.nn.functional.cross_entropy(tr.model(batch()["input_ids"], batch()["attention_mask"],
+                                                          tr.policy.blocks_autocast), batch()["labels"])
         tr.policy.backward(loss)
         grads[mode] = torch.cat([p.grad.flatten() for p in tr.model.parameters()])
     rel = (grads["bf16"] - grads["fp32"]).norm() / grads["fp32"].norm()
@@ -181,7 +183,8 @@ def test_corrupt_cache_entry_is_measured_again(monkeypatch, tmp_path) -> None:
 def test_probe_is_the_runs_ffn_matmul_at_its_token_budget() -> None:
     from train.config import load_config
 
-    assert probe_for(load_config(None, ["model.preset=tiny", "batching.max_tokens=1024"])) == ProbeShape(1024, 256, 1024)
+    assert probe_for(load_config(None, ["model.preset=tiny", "batching.max_tokens=1024"])) == \
+        ProbeShape(1024, 256, 1024)
     assert probe_for(load_config(None, ["model.preset=small", "batching.max_tokens=null", "batching.batch_size=4",
                                         "data.max_len=64"])) == ProbeShape(256, 512, 2048)
     big = probe_for(load_config(None, ["model.hidden_size=96", "model.ffn_size=200", "batching.max_tokens=100000"]))

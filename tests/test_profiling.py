@@ -109,7 +109,8 @@ def synthetic_summary(data_us: float, step_us: float = 1000.0, **ctx) -> dict:
                   profiler_flops=2 * 64**3)
     roof = {"ridge_flop_per_byte": 4.0, "peak_flops_per_s": 1e11, "peak_bytes_per_s": 2.5e10, "source": "measured"}
     return A.build_summary([mm], device_type="cpu", step_total_us=step_us, active_steps=1,
-                           stage_us={"data_wait": data_us, "forward": 300.0}, roofline=roof, th=ProfileConfig(), ctx=ctx)
+                           stage_us={"data_wait": data_us, "forward": 300.0}, roofline=roof, th=ProfileConfig(),
+                           ctx=ctx)
 
 
 def test_data_bound_and_padding_boundaries() -> None:
@@ -126,9 +127,11 @@ def test_data_bound_and_padding_boundaries() -> None:
 
 def test_float_mask_recommendation() -> None:
     shapes = [[8, 2, 32, 16], [8, 2, 32, 16], [8, 2, 32, 16], [8, 1, 1, 32], [], []]
-    sdpa = OpRecord("aten::scaled_dot_product_attention", shapes, ["float", "float", "float", "float", "Scalar", "Scalar"],
+    sdpa = OpRecord("aten::scaled_dot_product_attention", shapes,
+                    ["float", "float", "float", "float", "Scalar", "Scalar"],
                     calls=4, self_cpu_us=50.0, cpu_total_us=400.0)
-    as_bool = OpRecord(sdpa.name, shapes, ["float", "float", "float", "bool", "Scalar", "Scalar"], calls=4, self_cpu_us=50.0)
+    as_bool = OpRecord(sdpa.name, shapes, ["float", "float", "float", "bool", "Scalar", "Scalar"], calls=4,
+                       self_cpu_us=50.0)
     assert A.float_mask_rows([sdpa]) == [sdpa] and A.float_mask_rows([as_bool]) == []
 
 
@@ -166,7 +169,8 @@ def _attach_denied(_exe: str) -> tuple[bool, str]:
 def test_pyspy_preflight_denied_and_allowed(tmp_path: Path) -> None:
     spy = "/usr/bin/py-spy"
     denied = ptrace_preflight(spy, fake_proc(tmp_path / "a", scope="2"), attach=_attach_works)
-    assert not denied.ok and "--cap-add SYS_PTRACE" in denied.message() and "kernel.yama.ptrace_scope=2" in denied.message()
+    assert (not denied.ok and "--cap-add SYS_PTRACE" in denied.message()
+            and "kernel.yama.ptrace_scope=2" in denied.message())
     off = ptrace_preflight(spy, fake_proc(tmp_path / "b", cap_eff="00000000000800000", scope="3"), attach=_attach_works)
     assert not off.ok and "ptrace_scope=3" in off.message()
     traced = ptrace_preflight(spy, fake_proc(tmp_path / "c", cap_eff="0000000000080000", scope="1", tracer="77"),
@@ -176,7 +180,8 @@ def test_pyspy_preflight_denied_and_allowed(tmp_path: Path) -> None:
     assert ok.ok, ok.message()
     scoped = ptrace_preflight(spy, fake_proc(tmp_path / "e", scope="1"), attach=_attach_works)
     assert scoped.ok and "PR_SET_PTRACER" in scoped.message()
-    missing = ptrace_preflight("", fake_proc(tmp_path / "f", cap_eff="0000000000080000", scope=None), attach=_attach_works)
+    missing = ptrace_preflight("", fake_proc(tmp_path / "f", cap_eff="0000000000080000", scope=None),
+                               attach=_attach_works)
     assert not missing.ok and "requirements-dev.txt" in missing.message()
 
 
@@ -290,7 +295,8 @@ def test_pyspy_records_the_running_job(tiny_cfg) -> None:
 
 @pytest.mark.parametrize("native,nonblocking,want", [(False, True, ["--nonblocking"]), (True, True, ["--native"]),
                                                      (False, False, [])])
-def test_pyspy_command_defaults_never_pause_and_native_implies_blocking(tmp_path: Path, native, nonblocking, want) -> None:
+def test_pyspy_command_defaults_never_pause_and_native_implies_blocking(tmp_path: Path, native, nonblocking,
+                                                                        want) -> None:
     from train.config import ProfileConfig
     from train.profiling.pyspy import PtraceCheck
 

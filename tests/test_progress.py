@@ -1,4 +1,5 @@
-"""train/tools/progress.py: one rule for every progress bar — drawn on a terminal when train.progress is true, else silent."""
+"""train/tools/progress.py: one rule for every progress bar — drawn on a terminal when train.progress is true, else
+silent."""
 
 import sys
 

@@ -24,7 +24,8 @@ from train.resume import list_checkpoints
 ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, Path, list[str]]:
-    """(wndb, root, overrides) and an uninterrupted 40-step run ``root/runs/ref`` (dropout on, 1 thread, log every step)."""
+    """(wndb, root, overrides) and an uninterrupted 40-step run ``root/runs/ref`` (dropout on, 1 thread, log every
+    step)."""
     from tests.conftest import synthetic_rows, write_wndb
 
     root = tmp_path_factory.mktemp("resume")
@@ -98,7 +99,8 @@ def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: fl
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-            last = max([json.loads(x).get("step", 0) for x in lines if x.endswith("}")] or [0])  # system records: no step
+            # system records: no step
+            last = max([json.loads(x).get("step", 0) for x in lines if x.endswith("}")] or [0])
         except (OSError, json.JSONDecodeError):
             pass
         if last >= step:

@@ -50,20 +50,23 @@ def test_csv_and_parquet_with_custom_columns(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"sentence": [r["sentence"] for r in rows], "y": [r["y"] for r in rows]}), tmp_path / "d.parquet")
+    pq.write_table(pa.table({"sentence": [r["sentence"] for r in rows], "y": [r["y"] for r in rows]}),
+                   tmp_path / "d.parquet")
     p = load_corpus(DataConfig(source=str(tmp_path / "d.parquet"), text_field="sentence", label_field="y"))
     assert p.train.texts == c.train.texts and (p.train.labels == c.train.labels).all()
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a", "label": 0}, '{"text": "b", "label": ', {"text": "c", "label": 1}])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a", "label": 0}, '{"text": "b", "label": ',
+                                              {"text": "c", "label": 1}])
     with pytest.raises(UserError, match=r"d\.jsonl:2: malformed JSON"):
         load_corpus(DataConfig(source=str(path)))
 
 
 def test_unknown_column_names_the_available_ones(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"sentence": "a", "label": 0}])
-    with pytest.raises(UserError, match=r"d\.jsonl:1: no text field 'text' \(fields: sentence, label\); set data.text_field"):
+    with pytest.raises(UserError,
+                       match=r"d\.jsonl:1: no text field 'text' \(fields: sentence, label\); set data.text_field"):
         load_corpus(DataConfig(source=str(path)))
     with open(tmp_path / "d.csv", "w") as f:
         f.write("sentence,label\nhello,0\n")
@@ -78,7 +81,8 @@ def test_empty_text_is_an_error(tmp_path: Path) -> None:
 
 
 def test_label_out_of_range(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a", "label": 0}, {"text": "b", "label": 1}, {"text": "c", "label": 7}])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a", "label": 0}, {"text": "b", "label": 1},
+                                              {"text": "c", "label": 7}])
     with pytest.raises(UserError, match=r"d\.jsonl:3: label 7 is out of range \[0, 2\)"):
         load_corpus(DataConfig(source=str(path), num_classes=2))
     neg = write_jsonl(tmp_path / "n.jsonl", [{"text": "a", "label": 0}, {"text": "b", "label": -1}])

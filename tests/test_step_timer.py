@@ -97,8 +97,10 @@ class _Loader:
 
     def __init__(self, n: int) -> None:
         g = torch.Generator().manual_seed(0)
-        self.batches = [{"input_ids": torch.randint(0, 50, (4, 16), generator=g), "attention_mask": torch.ones(4, 16, dtype=torch.bool),
-                         "labels": torch.randint(0, 5, (4,), generator=g), "real_tokens": 64, "truncated": 0} for _ in range(n)]
+        self.batches = [{"input_ids": torch.randint(0, 50, (4, 16), generator=g),
+                         "attention_mask": torch.ones(4, 16, dtype=torch.bool),
+                         "labels": torch.randint(0, 5, (4,), generator=g), "real_tokens": 64, "truncated": 0}
+                        for _ in range(n)]
         self.batch_sampler = self._Sampler()
 
     def __len__(self) -> int:
@@ -164,7 +166,8 @@ def test_a_callback_that_needs_step_times_gets_them() -> None:
     assert clock.syncs == 12 and [r["step_time_ms"] for r in records] == pytest.approx([10.0] * 3)
 
 
-@pytest.mark.skipif(not fused_adamw_supported(CPU), reason="torch < 2.4: the non-fused optimizer reads `ok` on the host")
+@pytest.mark.skipif(not fused_adamw_supported(CPU),
+                    reason="torch < 2.4: the non-fused optimizer reads `ok` on the host")
 def test_sync_audit_passes_the_loop_and_catches_a_host_read(tiny_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
@@ -187,4 +190,5 @@ def test_sync_audit_passes_the_loop_and_catches_a_host_read(tiny_cfg, monkeypatc
     audit = SyncAudit()
     r = run_training(tiny_cfg(*cfg, "train.run_id=t2"), t_start=time.perf_counter(), hooks=(audit,))["sync_audit"]
     assert r["host_syncs"] == 5 and not r["passed"]
-    assert r["first_syncs"][0]["step"] == 2 and r["first_syncs"][0]["what"] == "__float__" and any(f.startswith("trainer.py:") and f.endswith(" step") for f in r["first_syncs"][0]["stack"]), r
+    assert r["first_syncs"][0]["step"] == 2 and r["first_syncs"][0]["what"] == "__float__" and any(
+        f.startswith("trainer.py:") and f.endswith(" step") for f in r["first_syncs"][0]["stack"]), r

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "train"
-pytestmark = pytest.mark.skipif(not PKG.is_dir(), reason="no source tree beside tests/ (inside the image train/ is installed)")
+pytestmark = pytest.mark.skipif(not PKG.is_dir(),
+                                reason="no source tree beside tests/ (inside the image train/ is installed)")
 MAX_LINES = 400
 DUPLICATE_LINES = 10
 
@@ -125,7 +126,8 @@ def test_device_timing_goes_through_perf_timer(tmp_path: Path) -> None:
                for f in hand_timed_functions(p)]
     assert not outside, f"use train.perf.timer.Timed instead: {outside}"
     sample = tmp_path / "hand_timed.py"  # the check sees a hand-timed function
-    sample.write_text("import time\nimport torch\n\ndef f():\n    torch.cuda.synchronize()\n    return time.perf_counter()\n")
+    sample.write_text("import time\nimport torch\n\n"
+                      "def f():\n    torch.cuda.synchronize()\n    return time.perf_counter()\n")
     assert hand_timed_functions(sample) == ["hand_timed.py:4 f"]
 
 
@@ -201,7 +203,8 @@ def test_one_step_drives_training() -> None:
     allowed = {"trainer.py", "precision.py", "numerics.py", "perf/flops.py", "compat.py"}
     found = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
                    if re.search(r"optimizer\.step\(|\.backward\(", "\n".join(
-                       line for line in p.read_text(encoding="utf-8").splitlines() if not line.strip().startswith("#"))))
+                       line for line in p.read_text(encoding="utf-8").splitlines()
+                       if not line.strip().startswith("#"))))
     assert set(found) <= allowed, f"a training step outside Trainer.step: {set(found) - allowed}"
 
 
@@ -251,5 +254,6 @@ def test_the_test_import_check_sees_every_form(tmp_path: Path) -> None:
         (tmp_path / f"test_sample{i}.py").write_text(form + "\n")
     assert [imported_test_modules(tmp_path / f"test_sample{i}.py") for i in range(len(forms))] == [
         {"test_numerics"}, {"test_resume"}, {"test_cli"}, {"test_ddp"}, {"test_models"}, {"test_packing"}]
-    (tmp_path / "test_fine.py").write_text("from tests.conftest import small_trainer\nimport test_fine\nimport train.tests\n")
+    (tmp_path / "test_fine.py").write_text("from tests.conftest import small_trainer\n"
+                                           "import test_fine\nimport train.tests\n")
     assert imported_test_modules(tmp_path / "test_fine.py") == set()

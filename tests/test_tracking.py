@@ -30,7 +30,8 @@ def test_resolve_mode(tmp_path: Path) -> None:
     assert resolve_mode(TrackingConfig(), {**no_netrc, "WANDB_MODE": "disabled"})[0] is None
     mode, note = resolve_mode(TrackingConfig(mode="online"), no_netrc)
     assert mode == "offline" and "no API key" in note
-    assert resolve_mode(TrackingConfig(), {**no_netrc, "WANDB_MODE": "online", "WANDB_API_KEY": "k"}) == ("online", None)
+    assert resolve_mode(TrackingConfig(), {**no_netrc, "WANDB_MODE": "online", "WANDB_API_KEY": "k"}) == \
+        ("online", None)
     netrc = tmp_path / "netrc"
     netrc.write_text("machine api.wandb.ai login user password secret\n")
     netrc.chmod(0o600)
@@ -40,7 +41,8 @@ def test_resolve_mode(tmp_path: Path) -> None:
 def test_to_wandb_flattens_records() -> None:
     assert to_wandb({"step": 5, "loss": 1.5, "lr": 0.1, "steps_in_window": 5}) == \
         {"train/loss": 1.5, "train/lr": 0.1, "train/steps_in_window": 5, "step": 5}
-    assert to_wandb({"step": 5, "event": "eval", "eval_accuracy": 0.5, "eval_loss": None}) == {"eval/accuracy": 0.5, "step": 5}
+    assert to_wandb({"step": 5, "event": "eval", "eval_accuracy": 0.5, "eval_loss": None}) == \
+        {"eval/accuracy": 0.5, "step": 5}
     sys_rec = to_wandb({"event": "system", "cpu_percent": 50.0, "gpu_metrics_unavailable_reason": "not a CUDA run"})
     assert sys_rec == {"system/cpu_percent": 50.0}
     g = to_wandb({"step": 10, "event": "grad_stats", "layers": {"head.weight": {"norm": 2.0, "std": 0.1, "numel": 4}}})
@@ -170,7 +172,8 @@ def test_a_full_disk_under_wandb_logging_prints_no_logging_error_blocks(tmp_path
 
     monkeypatch.setattr(logging, "raiseExceptions", True)  # Python's default; restored after the test
     run = FakeRun()
-    lg = WandbLogger(TrackingConfig(wandb="on"), "offline", tmp_path, "r", {}, import_module=lambda name: fake_wandb(run))
+    lg = WandbLogger(TrackingConfig(wandb="on"), "offline", tmp_path, "r", {},
+                     import_module=lambda name: fake_wandb(run))
     lg.log({"step": 1, "loss": 1.0})
     lg.close()
 

@@ -58,7 +58,8 @@ def test_offline_wandb_run_writes_history(tiny_cfg, monkeypatch: pytest.MonkeyPa
     rows = wandb_history(store)
     keys = set().union(*rows)
     assert {"step", "train/loss", "train/lr", "train/step_time_ms", "train/token_efficiency", "train/grad_norm",
-            "eval/accuracy", "grad_norm/head.weight", "grad_std/head.weight", "system/process_rss_bytes"} <= keys, sorted(keys)
+            "eval/accuracy", "grad_norm/head.weight", "grad_std/head.weight",
+            "system/process_rss_bytes"} <= keys, sorted(keys)
     assert [r["step"] for r in rows if "train/loss" in r] == [5, 10, 15, 20]
     jsonl = [json.loads(x) for x in (Path(report["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in jsonl if "loss" in r)

@@ -18,7 +18,8 @@ def test_verify_gpu_runs_natively_and_reports_the_device_it_has(tmp_path):
                          capture_output=True, text=True, timeout=120)
     report = json.loads((tmp_path / "v.json").read_text())
     names = [c["name"] for c in report["checks"]]
-    assert {"driver / nvidia-smi", "torch.cuda.is_available()", "/dev/shm", "cache dir writable", "py-spy ptrace", "nsys"} <= set(names)
+    assert {"driver / nvidia-smi", "torch.cuda.is_available()", "/dev/shm", "cache dir writable", "py-spy ptrace",
+            "nsys"} <= set(names)
     assert out.returncode == report["exit_code"]
     import torch
 
@@ -87,8 +88,9 @@ def _entrypoint(tmp_path, cache: str) -> subprocess.CompletedProcess:
                           cwd=__import__("pathlib").Path(__file__).resolve().parent.parent)
 
 
-NO_ENTRYPOINT = pytest.mark.skipif(not (__import__("pathlib").Path(__file__).resolve().parent.parent / "docker").is_dir(),
-                                   reason="docker/ is not in this tree (inside the image)")
+NO_ENTRYPOINT = pytest.mark.skipif(
+    not (__import__("pathlib").Path(__file__).resolve().parent.parent / "docker").is_dir(),
+    reason="docker/ is not in this tree (inside the image)")
 
 
 @NO_ENTRYPOINT
@@ -98,7 +100,8 @@ def test_entrypoint_refuses_an_unwritable_cache_volume_in_one_line(tmp_path):
     out = _entrypoint(tmp_path, str(blocker))
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: the cache volume is not writable") and "make clean-cache" in lines[0]
+    assert (len(lines) == 1 and lines[0].startswith("error: the cache volume is not writable")
+            and "make clean-cache" in lines[0])
 
 
 @NO_ENTRYPOINT

@@ -19,8 +19,9 @@ from train.evaluation import evaluate
 from train.precision import PrecisionPolicy
 from train.setup import build_model, seed_everything
 
-EAGER_COMPILE = ["compile.enabled=true", "compile.backend=eager", "compile.warmup_window=2", "compile.warmup_max_steps=3",
-                 "compile.warmup_cv=0.9", "train.max_steps=10", "train.log_every=5", "train.eval_every=100"]
+EAGER_COMPILE = ["compile.enabled=true", "compile.backend=eager", "compile.warmup_window=2",
+                 "compile.warmup_max_steps=3", "compile.warmup_cv=0.9", "train.max_steps=10", "train.log_every=5",
+                 "train.eval_every=100"]
 
 
 @pytest.fixture
@@ -39,7 +40,8 @@ def _records(report: dict) -> list[dict]:
 def test_first_record_is_the_same_with_and_without_warmup(tiny_cfg, compile_env) -> None:
     with_warmup = run_training(tiny_cfg(*EAGER_COMPILE, "train.run_id=warm"), t_start=time.perf_counter())
     torch._dynamo.reset()
-    without = run_training(tiny_cfg(*EAGER_COMPILE, "compile.warmup=false", "train.run_id=cold"), t_start=time.perf_counter())
+    without = run_training(tiny_cfg(*EAGER_COMPILE, "compile.warmup=false", "train.run_id=cold"),
+                           t_start=time.perf_counter())
     warm = json.loads((Path(with_warmup["run_dir"]) / "warmup.json").read_text())
     assert warm["restored_bit_exact"] and warm["totals"]["train_shapes"] >= 2  # warm-up really ran training steps
     a, b = _records(with_warmup), _records(without)
@@ -98,7 +100,8 @@ def test_collate_fills_a_partial_batch_to_the_smallest_training_size() -> None:
     batch = collate(items)  # 3 samples, bound 4: sizes 2 and 6 → 6
     assert tuple(batch["input_ids"].shape) == (6, 4) and batch["samples"] == 3 and batch["real_tokens"] == 6
     assert batch["labels"].tolist() == [1, 2, 0] + [IGNORE_LABEL] * 3
-    assert torch.equal(batch["input_ids"][5], batch["input_ids"][0]) and torch.equal(batch["attention_mask"][5], batch["attention_mask"][0])
+    assert (torch.equal(batch["input_ids"][5], batch["input_ids"][0])
+            and torch.equal(batch["attention_mask"][5], batch["attention_mask"][0]))
     assert tuple(collate(items[:2])["input_ids"].shape) == (2, 4)  # already a training size
     assert tuple(collate([(np.arange(1, 8), 0)])["input_ids"].shape) == (3, 8)
     with pytest.raises(ValueError):

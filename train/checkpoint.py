@@ -89,7 +89,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise UserError(f"checkpoint {p} holds objects other than tensors and plain values; refusing to unpickle "
                         f"them (weights_only=True): {str(exc).splitlines()[0]}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as exc:
-        raise UserError(f"checkpoint {p} is corrupt or truncated ({exc.__class__.__name__}); use an earlier checkpoint") from None
+        raise UserError(f"checkpoint {p} is corrupt or truncated ({exc.__class__.__name__}); "
+                        "use an earlier checkpoint") from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -108,7 +109,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

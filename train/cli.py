@@ -57,7 +57,8 @@ def _key_flag(p: argparse.ArgumentParser, flag: str, key: str, what: str, type: 
 # -- the table ------------------------------------------------------------------------------------------------
 
 def _args_train(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--buckets-force", action="store_true", help="use batching.boundaries_file even if its fingerprints differ")
+    p.add_argument("--buckets-force", action="store_true",
+                   help="use batching.boundaries_file even if its fingerprints differ")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue runs/<id> from its newest checkpoint (or a given checkpoint file) with the run's own "
                         "config.yaml (--config is ignored; overrides still apply)")
@@ -104,13 +105,14 @@ def _args_profile(p: argparse.ArgumentParser) -> None:
 
 def _args_bench_precision(p: argparse.ArgumentParser) -> None:
     _key_flag(p, "--steps", "bench_precision.steps", "training steps per row")
-    _key_flag(p, "--bf16-cpu-steps", "bench_precision.bf16_cpu_steps", "steps of the timing-only bf16 row on CPU (0: none)")
+    _key_flag(p, "--bf16-cpu-steps", "bench_precision.bf16_cpu_steps",
+              "steps of the timing-only bf16 row on CPU (0: none)")
     _key_flag(p, "--warmup", "bench_precision.warmup", "first steps left out of the step-time median")
 
 
 def _args_compare(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or run ids under --runs-dir); or bench.json "
-                   "files (make bench results, e.g. from two machines) to compare benchmarks")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or run ids under --runs-dir); "
+                   "or bench.json files (make bench results, e.g. from two machines) to compare benchmarks")
     p.add_argument("--out", default=None, help="output directory (default: <runs-dir>/compare)")
     p.add_argument("--runs-dir", default="runs", help="where bare run ids are looked up (default: runs)")
 
@@ -130,7 +132,8 @@ def _args_bench_tracking(p: argparse.ArgumentParser) -> None:
 
 
 def _args_warmup(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--buckets-force", action="store_true", help="use batching.boundaries_file even if its fingerprints differ")
+    p.add_argument("--buckets-force", action="store_true",
+                   help="use batching.boundaries_file even if its fingerprints differ")
 
 
 def _args_bench_compile(p: argparse.ArgumentParser) -> None:
@@ -161,17 +164,20 @@ COMMANDS: dict[str, Command] = {
     "buckets": Command("fit bucket boundaries on the training split and save them as JSON", cmd_buckets, _args_buckets),
     "bench": Command("training + inference benchmark, naive vs optimized, in one run", cmd_bench, _args_bench,
                      run_id="bench-<UTC time>-<random>"),
-    "bench-gate": Command("performance regression gate: a short bench vs the committed baseline; exit 1 on a regression",
+    "bench-gate": Command("performance regression gate: a short bench vs the committed baseline; "
+                          "exit 1 on a regression",
                           cmd_bench_gate, _args_bench_gate, run_id="bench-gate-<UTC time>-<random>"),
     "bench-baseline": Command("measure the gate's figures bench_gate.repeats times and rewrite the baseline (says what "
-                              "changed)", cmd_bench_baseline, _args_bench_gate, run_id="bench-baseline-<UTC time>-<random>"),
+                              "changed)", cmd_bench_baseline, _args_bench_gate,
+                              run_id="bench-baseline-<UTC time>-<random>"),
     "bench-vs-hf": Command("an HF model: the HF Trainer vs this project, interleaved → runs/<id>/bench-vs-hf.{json,md}",
                            lambda a, t: __import__("train.commands.bench.vs_hf", fromlist=["command"]).command(a, t),
                            run_id="bench-vs-hf-<UTC time>-<random>"),
-    "bench-batching": Command("batching methods side by side → runs/<id>/bench-batching.{json,md,png}", cmd_bench_batching,
-                              _args_bench_batching, run_id="bench-batching-<UTC time>-<random>"),
+    "bench-batching": Command("batching methods side by side → runs/<id>/bench-batching.{json,md,png}",
+                              cmd_bench_batching, _args_bench_batching, run_id="bench-batching-<UTC time>-<random>"),
     "bench-precision": Command("fp32 vs the auto precision (and bf16/fp16 on CUDA) on the same batches",
-                               cmd_bench_precision, _args_bench_precision, run_id="bench-precision-<UTC time>-<random>"),
+                               cmd_bench_precision, _args_bench_precision,
+                               run_id="bench-precision-<UTC time>-<random>"),
     "bench-compile": Command("cold vs warm compile cache (separate processes), compiled vs eager step time",
                              cmd_bench_compile, _args_bench_compile, run_id="bench-compile-<UTC time>-<random>"),
     "bench-tracking": Command("step-time overhead of tracking (none / jsonl / W&B offline), one process",
@@ -182,13 +188,15 @@ COMMANDS: dict[str, Command] = {
                       cmd_warmup, _args_warmup, run_id="<UTC time>-<random>"),
     "compare": Command("compare runs side by side: markdown table + PNG (no network)", cmd_compare, _args_compare,
                        config=False),
-    "wandb-sync": Command("upload offline W&B runs under --runs-dir with `wandb sync`", cmd_wandb_sync, _args_wandb_sync,
-                          config=False),
+    "wandb-sync": Command("upload offline W&B runs under --runs-dir with `wandb sync`", cmd_wandb_sync,
+                          _args_wandb_sync, config=False),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m train", description="deep-model-perf: train, profile and benchmark; every command below has its own --help.")
+    parser = argparse.ArgumentParser(prog="python -m train",
+                                     description="deep-model-perf: train, profile and benchmark; "
+                                                 "every command below has its own --help.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, c in COMMANDS.items():
         p = sub.add_parser(name, help=c.help, description=c.help)
@@ -198,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="config overrides, e.g. train.max_steps=200 batching.method=pad-to-max")
         if c.run_id:
             p.add_argument("--run-id", default=None, help=f"run directory name (default: {c.run_id})")
-            _key_flag(p, "--overwrite", "train.overwrite", "replace the earlier run in the directory --run-id names", None)
+            _key_flag(p, "--overwrite", "train.overwrite", "replace the earlier run in the directory --run-id names",
+                      None)
         if c.add_args:
             c.add_args(p)
     return parser

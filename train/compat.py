@@ -26,7 +26,8 @@ def hf_attn_implementation() -> str:
 
 
 def make_grad_scaler(device_type: str, enabled: bool = True) -> Any:
-    """A GradScaler for ``device_type``: ``torch.amp.GradScaler`` (torch ≥ 2.3) or ``torch.cuda.amp.GradScaler`` (2.1)."""
+    """A GradScaler for ``device_type``: ``torch.amp.GradScaler`` (torch ≥ 2.3) or ``torch.cuda.amp.GradScaler``
+    (2.1)."""
     amp_scaler = getattr(torch.amp, "GradScaler", None)
     if amp_scaler is not None:
         return amp_scaler(device_type, enabled=enabled)
@@ -41,7 +42,8 @@ def load_state(path: str, map_location: Any = "cpu") -> Any:
 
 
 def event_self_device_us(event: Any) -> float:
-    """A profiler FunctionEvent's self device time in µs: ``self_device_time_total`` (torch ≥ 2.4) or ``self_cuda_time_total`` (2.1)."""
+    """A profiler FunctionEvent's self device time in µs: ``self_device_time_total`` (torch ≥ 2.4) or
+    ``self_cuda_time_total`` (2.1)."""
     value = getattr(event, "self_device_time_total", None)
     if value is None:
         value = getattr(event, "self_cuda_time_total", 0)
@@ -49,7 +51,8 @@ def event_self_device_us(event: Any) -> float:
 
 
 def event_device_total_us(event: Any) -> float:
-    """A profiler FunctionEvent's device time including children, µs (``device_time_total`` or 2.1's ``cuda_time_total``)."""
+    """A profiler FunctionEvent's device time including children, µs (``device_time_total`` or 2.1's
+    ``cuda_time_total``)."""
     value = getattr(event, "device_time_total", None)
     if value is None:
         value = getattr(event, "cuda_time_total", 0)
@@ -158,7 +161,8 @@ def enable_persistent_graph_cache() -> None:
 
 
 def refresh_inductor_cache_dir() -> None:
-    """Make inductor re-read ``TORCHINDUCTOR_CACHE_DIR`` (torch 2.1 memoises ``cache_dir()``; 2.13 reads it each call)."""
+    """Make inductor re-read ``TORCHINDUCTOR_CACHE_DIR`` (torch 2.1 memoises ``cache_dir()``; 2.13 reads it each
+    call)."""
     try:
         from torch._inductor import codecache
     except Exception:  # pragma: no cover
@@ -242,7 +246,8 @@ FLEX_MIN_VERSION = (2, 5)
 
 
 @functools.cache
-def flex_attention_functions(device_type: str = "cpu", backward: bool = True) -> tuple[Optional[tuple[Callable, Callable]], str]:
+def flex_attention_functions(device_type: str = "cpu",
+                             backward: bool = True) -> tuple[Optional[tuple[Callable, Callable]], str]:
     """``((flex_attention, create_block_mask), "")`` where FlexAttention runs on ``device_type`` (its backward too when
     ``backward``), else ``(None, why)`` in one clause, e.g. "torch 2.1.0 has no FlexAttention (needs ≥ 2.5)". Probed
     once per (device type, backward) with a tiny call."""
@@ -264,5 +269,6 @@ def flex_attention_functions(device_type: str = "cpu", backward: bool = True) ->
         what = "backward" if backward and "backward" in str(exc) else "support"
         return None, f"torch {version} has no FlexAttention {what} on {device_type}"
     except Exception as exc:
-        return None, f"torch {version}: FlexAttention failed on {device_type} ({exc.__class__.__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
+        return None, (f"torch {version}: FlexAttention failed on {device_type} "
+                      f"({exc.__class__.__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
     return (flex_attention, create_block_mask), ""

@@ -117,7 +117,8 @@ def teardown(ctx: DistContext) -> None:
 
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> torch.nn.Module:
-    """``DistributedDataParallel`` around ``model`` (rank 0's weights are broadcast); the model itself when single-process."""
+    """``DistributedDataParallel`` around ``model`` (rank 0's weights are broadcast); the model itself when
+    single-process."""
     if not ctx.enabled:
         return model
     from torch.nn.parallel import DistributedDataParallel

@@ -61,8 +61,10 @@ class Allowed:
         """``one of a, b``; ``in [0, 1)``; ``≥ 1``; ``> 0``."""
         if self.choices is not None:
             return "one of " + ", ".join(map(str, self.choices))
-        low = (f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}") if (self.ge, self.gt) != (None, None) else None
-        high = (f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})") if (self.le, self.lt) != (None, None) else None
+        low = ((f"[{_num(self.ge)}" if self.ge is not None else f"({_num(self.gt)}")
+               if (self.ge, self.gt) != (None, None) else None)
+        high = ((f"{_num(self.le)}]" if self.le is not None else f"{_num(self.lt)})")
+                if (self.le, self.lt) != (None, None) else None)
         if low and high:
             return f"in {low}, {high}"
         if low:

@@ -23,7 +23,8 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, policy: PrecisionPolicy
     torchmetrics all-gathers its states in ``compute()``; the loss sum and count are all-reduced. Filler rows
     (label ``IGNORE_LABEL``, which fill a bucket's last batch to the training shape) count nowhere.
     """
-    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score  # here: its import costs ~1 s of start-up
+    # here: its import costs ~1 s of start-up
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
     ctx = dist_ctx or DistContext()
     was_training = model.training

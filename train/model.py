@@ -69,7 +69,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attn_mask: Union[torch.Tensor, Callable[..., torch.Tensor]]) -> torch.Tensor:
         """x: [B, S, H]; attn_mask: bool [B, 1, 1, S] or [B, 1, S, S], True = attend, or (packed rows with
-        ``packed_attention=flex``) a FlexAttention call ``attend(q, k, v)`` holding its block mask. Returns [B, S, H]."""
+        ``packed_attention=flex``) a FlexAttention call ``attend(q, k, v)`` holding its block mask. Returns
+        [B, S, H]."""
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)  # 3×[B, nh, S, hs]
         if isinstance(attn_mask, torch.Tensor):
@@ -153,12 +154,14 @@ class EncoderClassifier(nn.Module):
     """Packed rows (``position_ids`` + ``seq_index``) run exactly: see :meth:`forward`."""
     packed_attention = "sdpa-mask"
     """Packed rows' attention path: ``sdpa-mask`` (``scaled_dot_product_attention`` with a block-diagonal bool mask,
-    every torch) or ``flex`` (FlexAttention with a document block mask, torch ≥ 2.5); see :meth:`set_packed_attention`."""
+    every torch) or ``flex`` (FlexAttention with a document block mask, torch ≥ 2.5); see
+    :meth:`set_packed_attention`."""
     _flex: Optional[tuple[Callable, Callable]] = None
 
     def set_packed_attention(self, path: str, flex: Optional[tuple[Callable, Callable]] = None) -> None:
         """Run packed rows through ``path`` (``sdpa-mask`` | ``flex``); ``flex`` takes ``(flex_attention,
-        create_block_mask)`` from :func:`train.compat.flex_attention_functions` (``flex_attention`` possibly compiled)."""
+        create_block_mask)`` from :func:`train.compat.flex_attention_functions` (``flex_attention`` possibly
+        compiled)."""
         if path not in ("sdpa-mask", "flex"):
             raise ValueError(f"unknown packed attention path {path!r}")
         if path == "flex" and flex is None:
@@ -189,8 +192,8 @@ class EncoderClassifier(nn.Module):
         ``num_seqs`` int), logits FloatTensor[num_seqs, num_classes], one row per packed sample, equal to its
         unpacked logits: positions restart at each sample, attention is block-diagonal (:meth:`packed_mask`: a bool
         mask [R, 1, C, C] where ``seq_index`` is equal, or FlexAttention's block mask; padding attends to padding, so no
-        query row is fully masked: ``scaled_dot_product_attention`` works on torch 2.1), pooling runs per sample (Krell et al. 2021,
-        arXiv:2107.02027)."""
+        query row is fully masked: ``scaled_dot_product_attention`` works on torch 2.1), pooling runs per sample
+        (Krell et al. 2021, arXiv:2107.02027)."""
         if position_ids is None:
             x = self.embed(input_ids)
             with blocks_context():

@@ -141,7 +141,8 @@ def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> Decision:
     load = machine_load()
     m = measure_bf16_speedup(probe)
     mode = "bf16" if m["ratio"] >= BF16_MARGIN else "fp32"
-    verdict = (f"ran {m['ratio']:.2f}x faster in bf16" if m["ratio"] >= 1 else f"ran {1 / m['ratio']:.2f}x slower in bf16")
+    verdict = (f"ran {m['ratio']:.2f}x faster in bf16" if m["ratio"] >= 1
+               else f"ran {1 / m['ratio']:.2f}x slower in bf16")
     reason = (f"auto: CPU has native bf16 and the FFN matmul {probe} {verdict} "
               f"(median of {m['repeats']}: fp32 {m['fp32_ms']:.2f} ms, bf16 {m['bf16_ms']:.2f} ms; "
               f"bf16 needs >= {BF16_MARGIN}x)")
@@ -169,10 +170,12 @@ def decide(mode: str, device: torch.device, probe: Optional[ProbeShape] = None,
                 return Decision("bf16", "auto: CUDA device supports bf16 (no loss scaling needed)", "rule")
             return Decision("fp16", "auto: CUDA device without bf16 support: fp16 with GradScaler", "rule")
         if mode == "bf16" and not bf16_ok:
-            raise UserError(f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16 support; use fp16 or auto")
+            raise UserError(f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16 support; "
+                            "use fp16 or auto")
         return Decision(mode, "requested", "requested")
     if mode == "fp16":
-        raise UserError("train.precision=fp16 needs a CUDA device (fp16 autocast on CPU is slow or unsupported); use fp32 or auto")
+        raise UserError("train.precision=fp16 needs a CUDA device (fp16 autocast on CPU is slow or unsupported); "
+                        "use fp32 or auto")
     if mode != "auto":
         return Decision(mode, "requested", "requested")
     if not cpu_native_bf16():
@@ -195,7 +198,8 @@ class PrecisionPolicy:
     @classmethod
     def from_decision(cls, d: Decision, device: torch.device) -> "PrecisionPolicy":
         scaler = make_grad_scaler(device.type) if d.mode == "fp16" else None
-        return cls(mode=d.mode, reason=d.reason, device=device, scaler=scaler, source=d.source, measurement=d.measurement)
+        return cls(mode=d.mode, reason=d.reason, device=device, scaler=scaler, source=d.source,
+                   measurement=d.measurement)
 
     @classmethod
     def create(cls, mode: str, device: torch.device, probe: Optional[ProbeShape] = None,
@@ -205,7 +209,8 @@ class PrecisionPolicy:
 
     @classmethod
     def for_config(cls, cfg, device: torch.device) -> "PrecisionPolicy":
-        """``train.precision`` of a run config, probed on its model and token budget, cached under ``data.cache_dir``."""
+        """``train.precision`` of a run config, probed on its model and token budget, cached under
+        ``data.cache_dir``."""
         return cls.create(cfg.train.precision, device, probe_for(cfg), cfg.data.cache_dir)
 
     @classmethod
@@ -221,8 +226,8 @@ class PrecisionPolicy:
             return cls.for_config(cfg, device)
         mode, asked = saved["mode"], cfg.train.precision
         if asked not in ("auto", mode):
-            raise UserError(f"{where} was trained in {mode} but train.precision={asked}; resume with train.precision=auto "
-                            f"(or {mode}), or start a new run to change precision")
+            raise UserError(f"{where} was trained in {mode} but train.precision={asked}; "
+                            f"resume with train.precision=auto (or {mode}), or start a new run to change precision")
         try:
             decide(mode, device)
         except UserError as exc:
@@ -236,7 +241,8 @@ class PrecisionPolicy:
         return {"mode": self.mode, "reason": self.reason, "source": self.source}
 
     def report(self) -> dict[str, Any]:
-        """report.json ``env`` fields: ``precision``, ``precision_reason``, ``precision_source``, ``precision_measurement``."""
+        """report.json ``env`` fields: ``precision``, ``precision_reason``, ``precision_source``,
+        ``precision_measurement``."""
         return {"precision": self.mode, "precision_reason": self.reason, "precision_source": self.source,
                 "precision_measurement": self.measurement}
 

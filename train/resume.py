@@ -83,8 +83,10 @@ class Checkpointer(Callback):
     stop after the same step even when the signal reaches them at different moments.
     """
 
-    def __init__(self, run_dir: Path, cfg, trainer, model: torch.nn.Module, bundle, ctx: DistContext, shutdown=None) -> None:
-        self.run_dir, self.cfg, self.trainer, self.model, self.bundle, self.ctx = run_dir, cfg, trainer, model, bundle, ctx
+    def __init__(self, run_dir: Path, cfg, trainer, model: torch.nn.Module, bundle, ctx: DistContext,
+                 shutdown=None) -> None:
+        self.run_dir, self.cfg, self.trainer, self.model, self.bundle, self.ctx = (
+            run_dir, cfg, trainer, model, bundle, ctx)
         self.shutdown = shutdown
         self.last_path: Optional[Path] = None
 
@@ -116,7 +118,8 @@ def find_resume_checkpoint(target: str) -> tuple[Path, Path]:
         run_dir = p.parent.parent if p.parent.name == CHECKPOINT_DIR else p.parent
         return run_dir, p
     if not p.is_dir():
-        raise UserError(f"--resume {target}: no such run directory or checkpoint file (runs are under train.output_dir, e.g. runs/<id>)")
+        raise UserError(f"--resume {target}: no such run directory or checkpoint file "
+                        "(runs are under train.output_dir, e.g. runs/<id>)")
     found = list_checkpoints(p)
     if not found:
         raise UserError(f"--resume {target}: no checkpoint in {p / CHECKPOINT_DIR} (periodic checkpoints need "
@@ -134,7 +137,8 @@ def read_resume_state(path: Path) -> dict[str, Any]:
     """
     state = load_checkpoint(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT or "ranks" not in state:
-        raise UserError(f"checkpoint {path} is not a resumable checkpoint of this version (format {FORMAT}); start a new run")
+        raise UserError(f"checkpoint {path} is not a resumable checkpoint of this version (format {FORMAT}); "
+                        "start a new run")
     return state
 
 
@@ -170,7 +174,8 @@ def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bund
             if key == "max_len":
                 raise UserError(f"{where}: its position table holds {have} positions but data.max_len={want[key]}; "
                                 f"set data.max_len={have}")
-            raise UserError(f"{where}: model {key}={have} but this config gives {want.get(key)}; resume with the run's own config")
+            raise UserError(f"{where}: model {key}={have} but this config gives {want.get(key)}; "
+                            "resume with the run's own config")
     return state
 
 

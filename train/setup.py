@@ -73,7 +73,8 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
     rid = cfg.train.run_id
     if rid and (rid in (".", "..") or rid.startswith(".") or "/" in rid or "\\" in rid or "\0" in rid):
         raise UserError(f"train.run_id={rid!r} is not a plain directory name (no '/', no '..', no leading '.'): a run "
-                        f"lives in {out}/<run_id>; pick a name such as 'exp-1', or set train.output_dir for another place")
+                        f"lives in {out}/<run_id>; pick a name such as 'exp-1', or set train.output_dir for another "
+                        "place")
     try:
         if cfg.train.run_id:
             run_dir = out / cfg.train.run_id
@@ -204,12 +205,12 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
               logger: Optional[Callable[[torch.nn.Module], Any]] = None,
               before_wrap: Optional[Callable[[torch.nn.Module, Any], None]] = None) -> BuiltRun:
     """The one set-up of a run from a resolved config and its prepared data — what ``make train``, warm-up and every
-    benchmark row build, in this order: the model (seeded with ``train.seed``, unless ``model`` is given), a loader
-    (``model.fast_dropout=true``: its dropout modules swapped), a loader per split in ``splits`` (``train`` shuffled, rank-sharded under ``ctx``), the compile session (``compile``: the
-    run's ``compile`` settings, shapes planned), ``before_wrap(model, compiled)`` (e.g. loading a checkpoint before DDP
-    broadcasts rank 0's weights), and the :class:`~train.trainer.Trainer` (validation as its periodic evaluation when
-    that split is built and not empty; ``logger(model)`` its metrics logger; the step through the compiled forward or
-    the DDP wrapper).
+    benchmark row build, in this order: the model (seeded with ``train.seed``, unless ``model`` is given;
+    ``model.fast_dropout=true``: its dropout modules swapped), a loader per split in ``splits`` (``train``
+    shuffled, rank-sharded under ``ctx``), the compile session (``compile``: the run's ``compile`` settings, shapes
+    planned), ``before_wrap(model, compiled)`` (e.g. loading a checkpoint before DDP broadcasts rank 0's weights),
+    and the :class:`~train.trainer.Trainer` (validation as its periodic evaluation when that split is built and not
+    empty; ``logger(model)`` its metrics logger; the step through the compiled forward or the DDP wrapper).
 
     Raises:
         UserError: a model that cannot be built for this data, or ``batching.method=packed`` on a model without

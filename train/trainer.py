@@ -159,12 +159,14 @@ class Trainer:
         o = cfg.optim
         fused = fused_adamw_supported(device) if o.fused is None else o.fused
         if fused and not fused_adamw_supported(device):
-            raise UserError(f"optim.fused=true: torch {torch.__version__} has no fused AdamW on {device.type}; use null")
+            raise UserError(f"optim.fused=true: torch {torch.__version__} has no fused AdamW on {device.type}; "
+                            "use null")
         self.optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
                                            fused=fused)
         self.guard = NumericsGuard(model, device, cfg.numerics.max_bad_steps, cfg.numerics.diagnose)
         warmup = int(o.warmup_fraction * self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_warmup_decay(self.total_steps, warmup))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           linear_warmup_decay(self.total_steps, warmup))
         self.timer = StepTimer(device)
         self.stats = TrainStats()
         self.epoch = 0
@@ -307,7 +309,8 @@ class Trainer:
             cb.on_log(record)
         self.stats.final_train_loss = record["loss"]
         bar.set_postfix(loss="n/a" if record["loss"] is None else f"{record['loss']:.3f}",
-                        samples_s=f"{record['samples_per_s']:.0f}", pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
+                        samples_s=f"{record['samples_per_s']:.0f}",
+                        pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
         self.reset_window()
 
     def _evaluate(self, step: int, bar: Any) -> None:
@@ -363,8 +366,9 @@ class Trainer:
         """This rank's own state: its open logging window and its counters."""
         s = self.stats
         self.settle_times()
-        return {"guard": self.guard.state_dict(), "window": dict(self.window), "samples": s.samples, "real_tokens": s.real_tokens,
-                "padded_tokens": s.padded_tokens, "truncated_in_collate": s.truncated_in_collate,
+        return {"guard": self.guard.state_dict(), "window": dict(self.window), "samples": s.samples,
+                "real_tokens": s.real_tokens, "padded_tokens": s.padded_tokens,
+                "truncated_in_collate": s.truncated_in_collate,
                 "seq_lens": sorted(s.seq_lens), "batch_shapes": [list(x) for x in sorted(s.batch_shapes)]}
 
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:

@@ -168,7 +168,8 @@ def cmd_bench_tracking(args: argparse.Namespace, t_start: float) -> int:
     cfg = load_cfg(args, default_config="configs/smoke.yaml")
     res = run_bench(cfg)
     med = res["ms_per_step_median"]
-    print(f"ms/step (median of {cfg.bench_tracking.rounds} blocks): none {med['none']:.2f}, jsonl {med['jsonl']:.2f}, full {med['full']:.2f}")
+    print(f"ms/step (median of {cfg.bench_tracking.rounds} blocks): none {med['none']:.2f}, "
+          f"jsonl {med['jsonl']:.2f}, full {med['full']:.2f}")
     print(f"overhead of full tracking vs none: {100 * res['overhead_full_vs_none']:+.2f}% (target ≤ 2%: "
           f"{'met' if res['target_met'] else 'NOT met'}); vs jsonl only: {100 * res['overhead_full_vs_jsonl']:+.2f}%")
     print(f"CPU time per step (process + wandb-core), less sensitive to a shared machine: full vs none "
@@ -176,7 +177,8 @@ def cmd_bench_tracking(args: argparse.Namespace, t_start: float) -> int:
     if "online_unreachable" in res:
         o = res["online_unreachable"]
         print(f"W&B forced online, server unreachable: extra wall time {o['extra_wall_s']:.1f} s "
-              f"(init timeout {o['init_timeout_s']:g} s); W&B active: {o['wandb_active']}; reason: {o['wandb_fallback_reason']}")
+              f"(init timeout {o['init_timeout_s']:g} s); W&B active: {o['wandb_active']}; "
+              f"reason: {o['wandb_fallback_reason']}")
     print(f"wrote {res['path']}")
     return 0
 

@@ -48,8 +48,8 @@ def run_nsys(cfg: RunConfig, nsys: str, run_id: str, child_args: list[str]) -> d
     out.mkdir(parents=True, exist_ok=True)
     prefix = out / "trace"
     started = time.time()
-    child = [sys.executable, "-m", "train", "profile", "--tools", "nsys-capture", "--run-id", f"{run_id}-nsys", *child_args,
-             "train.overwrite=true"]
+    child = [sys.executable, "-m", "train", "profile", "--tools", "nsys-capture", "--run-id", f"{run_id}-nsys",
+             *child_args, "train.overwrite=true"]
     cmd = profile_command(nsys, prefix, child)
     print("nsys: " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd)

@@ -31,7 +31,14 @@ from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
 from train.precision import PrecisionPolicy
-from train.report import ReportInputs, build_report, clip_report, efficiency_fields, sampler_counts, write_aborted_report
+from train.report import (
+    ReportInputs,
+    build_report,
+    clip_report,
+    efficiency_fields,
+    sampler_counts,
+    write_aborted_report,
+)
 from train.report.levers import levers_section, model_section
 from train.resume import (
     Checkpointer,
@@ -86,13 +93,14 @@ def decision_lines(device: torch.device, policy: PrecisionPolicy, compiled, bund
                    cfg: RunConfig) -> list[str]:
     """The block every run prints before training: what was decided automatically, and why (or from which cache)."""
     b = bundle.cache
-    data = {"hit": f"cache hit ({b.get('cache_dir')})", "miss": f"cache miss, prepared and stored in {b.get('cache_dir')}",
+    data = {"hit": f"cache hit ({b.get('cache_dir')})",
+            "miss": f"cache miss, prepared and stored in {b.get('cache_dir')}",
             "off": f"not cached ({b.get('cache_unavailable_reason')})"}.get(b.get("cache", "off"), "not cached")
     if b.get("cache") == "miss" and b.get("cache_unavailable_reason"):
         data = f"cache miss ({b['cache_unavailable_reason']})"
     if bundle.plan is not None:
-        buckets = (f"{cfg.batching.method}, {len(bundle.bounds)} buckets {bundle.bounds} ({bundle.plan_source}; predicted "
-                   f"token efficiency {bundle.plan.predicted_token_efficiency:.3f})")
+        buckets = (f"{cfg.batching.method}, {len(bundle.bounds)} buckets {bundle.bounds} ({bundle.plan_source}; "
+                   f"predicted token efficiency {bundle.plan.predicted_token_efficiency:.3f})")
     else:
         buckets = f"{cfg.batching.method}: {bundle.plan_source}"
     return ["decisions:",
@@ -176,7 +184,8 @@ def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
         _, r.ckpt_path = find_resume_checkpoint(resume)
         r.state = agreed(lambda: read_resume_state(r.ckpt_path), ctx)
     r.policy = precision_policy(cfg, r.device, ctx, r.state, r.ckpt_path)
-    r.say(f"run {r.run_dir}: device {r.device}" + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""),
+    r.say(f"run {r.run_dir}: device {r.device}"
+          + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""),
           flush=True)
     t_data = time.perf_counter()
     r.bundle = prepare_data_on_ranks(cfg, r.run_dir, buckets_force, ctx, r.say)
@@ -276,8 +285,8 @@ def _resume(r: _Run, resume: Optional[str]) -> None:
         return
     r.trainer.load_state_dict(r.state, r.state["ranks"][r.ctx.rank])
     if r.trainer.start_step >= r.trainer.total_steps:
-        raise UserError(f"--resume {resume}: the checkpoint is at step {r.trainer.start_step} of {r.trainer.total_steps}; "
-                        "nothing left to train (raise train.max_steps to train longer)")
+        raise UserError(f"--resume {resume}: the checkpoint is at step {r.trainer.start_step} of "
+                        f"{r.trainer.total_steps}; nothing left to train (raise train.max_steps to train longer)")
     restore_rng(r.state, r.ctx)  # last: nothing may draw from the RNGs between here and the next step
 
 

@@ -11,7 +11,8 @@ from train.setup import build_run, start_run
 
 
 def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
-    """``python -m train warmup``: build the run's model and bucket plan, warm every shape, write ``runs/<id>/warmup.json``.
+    """``python -m train warmup``: build the run's model and bucket plan, warm every shape, write
+    ``runs/<id>/warmup.json``.
 
     Compiles when ``compile.enabled`` resolves on (``make warmup`` passes ``compile.enabled=true``);
     otherwise warms the eager shapes and says why. Raises UserError for bad input.

@@ -31,7 +31,8 @@ class CompileConfig(Frozen):
     warmup_eval: bool = True
     """Warm the evaluation shapes too (their graphs are separate: no autograd, dropout off)."""
     warmup_cv: float = allowed(0.05, gt=0, lt=1)
-    """A shape is stable when the coefficient of variation (std/mean) of its last ``warmup_window`` step times is ≤ this."""
+    """A shape is stable when the coefficient of variation (std/mean) of its last ``warmup_window`` step times is
+    ≤ this."""
     warmup_window: int = allowed(5, ge=2)
     """n, the number of most recent steps whose CV decides stability."""
     warmup_max_steps: int = allowed(30, ge=2)
@@ -49,4 +50,5 @@ class CompileConfig(Frozen):
         if self.backend != "inductor" and self.mode != "default":
             raise UserError(f"compile.mode={self.mode!r} needs compile.backend=inductor (got {self.backend!r})")
         if self.warmup_max_steps < self.warmup_window:
-            raise UserError(f"compile.warmup_max_steps={self.warmup_max_steps} must be ≥ compile.warmup_window={self.warmup_window}")
+            raise UserError(f"compile.warmup_max_steps={self.warmup_max_steps} must be ≥ "
+                            f"compile.warmup_window={self.warmup_window}")

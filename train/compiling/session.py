@@ -49,7 +49,8 @@ class CacheDirWarning(UserWarning):
 
 
 def resolve_compile(cfg: CompileConfig, device: torch.device, pad_to: str) -> tuple[bool, str]:
-    """(enabled, reason) for ``compile.enabled`` on ``device``; ``pad_to`` is the batches' padding ("bound"|"batch-max").
+    """(enabled, reason) for ``compile.enabled`` on ``device``; ``pad_to`` is the batches' padding
+    ("bound"|"batch-max").
 
     Raises:
         UserError: ``compile.enabled=true`` where torch.compile cannot run.
@@ -63,8 +64,8 @@ def resolve_compile(cfg: CompileConfig, device: torch.device, pad_to: str) -> tu
         if not ok:
             raise UserError(f"compile.enabled=true but {why}; set compile.enabled=false or auto")
         if pad_to == "batch-max" and not cfg.dynamic:
-            return True, ("requested; note: batching.method=random pads to the batch maximum, so almost every batch is a "
-                          "new shape and compile.dynamic=false recompiles for each (counted in report.json)")
+            return True, ("requested; note: batching.method=random pads to the batch maximum, so almost every batch "
+                          "is a new shape and compile.dynamic=false recompiles for each (counted in report.json)")
         return True, "requested"
     if not ok:
         return False, f"auto: {why}"
@@ -160,7 +161,8 @@ class _LimitHandler(logging.Handler):
         except Exception:  # pragma: no cover
             return
         if msg.startswith(compat.RECOMPILE_LIMIT_MESSAGE):
-            self.monitor.limit_hits.append(msg.splitlines()[0] + " | " + " ".join(line.strip() for line in msg.splitlines()[1:3]))
+            self.monitor.limit_hits.append(msg.splitlines()[0] + " | "
+                                           + " ".join(line.strip() for line in msg.splitlines()[1:3]))
 
 
 @dataclass
@@ -291,8 +293,9 @@ class CompileSession:
             return []
         m, out = self.monitor, []
         if m.limit_hit or m.eager_fallback_shapes:
-            out.append(f"WARNING: torch.compile hit its recompile limit ({self.recompile_limit}): some shapes ran EAGER; "
-                       "step times in this report are NOT compiled speed. " + (m.limit_hits[0] if m.limit_hits else ""))
+            out.append(f"WARNING: torch.compile hit its recompile limit ({self.recompile_limit}): "
+                       "some shapes ran EAGER; step times in this report are NOT compiled speed. "
+                       + (m.limit_hits[0] if m.limit_hits else ""))
         if m.graphs_after_warmup:
             ev = m.events[0]
             out.append(f"WARNING: {m.graphs_after_warmup} recompile(s) after warm-up; first: {ev['reason']}"

@@ -135,7 +135,8 @@ def snapshot(model: torch.nn.Module, trainer: Any) -> TrainingState:
 
 
 def restore(model: torch.nn.Module, trainer: Any, state: TrainingState) -> bool:
-    """Put everything back in place (tensors copied in place, so compiled graphs stay valid). Returns True if bit-exact."""
+    """Put everything back in place (tensors copied in place, so compiled graphs stay valid). Returns True if
+    bit-exact."""
     model.load_state_dict(state.model)
     trainer.optimizer.load_state_dict(copy.deepcopy(state.optimizer))
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -175,7 +176,8 @@ def time_shape(step: Callable[[dict], Any], shape: ShapeBatches, detector: Stabi
         cache = "miss" if misses else "hit" if hits else ("none" if not graphs_first else "unknown")
     return {"phase": shape.phase, "batch_size": shape.batch_size, "seq_len": shape.seq_len,
             "first_step_ms": first_ms, "compile_s": max(0.0, first_ms - (steady or 0.0)) / 1e3,
-            "graphs_compiled": graphs_first, "graphs_compiled_after_first_step": compat.compiled_graph_count() - graphs0 - graphs_first,
+            "graphs_compiled": graphs_first,
+            "graphs_compiled_after_first_step": compat.compiled_graph_count() - graphs0 - graphs_first,
             "steps": len(detector.times), "steps_to_stability": len(detector.times) if detector.stable else None,
             "stable": detector.stable, "steady_step_ms": steady, "cv": detector.cv, "cache": cache}
 
@@ -194,7 +196,8 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
             notice: Callable[[str], None] = print, progress: bool = False) -> dict[str, Any]:
     """Warm every shape in ``shapes``; restore the training state; return warmup.json's shapes, totals and criteria.
 
-    ``trainer`` (a :class:`~train.trainer.Trainer`) supplies ``step``, ``optimizer``, ``scheduler``, ``policy`` and ``device``;
+    ``trainer`` (a :class:`~train.trainer.Trainer`) supplies ``step``, ``optimizer``, ``scheduler``, ``policy`` and
+    ``device``;
     ``forward`` is what the trainer calls (the compiled wrapper, or the model itself); ``model`` the
     plain module whose state is restored. ``clock`` returns seconds (injectable for tests). ``progress``: ask
     for a progress bar over the shapes (drawn on a terminal only).
@@ -223,7 +226,8 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
             r = time_shape(train_step if shape.phase == "train" else eval_step, shape, det, device, clock)
             results.append(r)
             bar.update(1)
-            say(f"warm-up {shape.phase} [{shape.batch_size}, {shape.seq_len}]: first step {r['first_step_ms'] / 1e3:.1f}s "
+            say(f"warm-up {shape.phase} [{shape.batch_size}, {shape.seq_len}]: "
+                f"first step {r['first_step_ms'] / 1e3:.1f}s "
                 f"(cache {r['cache']}), {'stable' if r['stable'] else 'NOT stable'} after {r['steps']} steps, "
                 f"steady {r['steady_step_ms']:.1f} ms, CV {100 * (r['cv'] or 0):.1f}%")
     finally:
@@ -236,7 +240,8 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
         "totals": {"shapes": len(results), "train_shapes": sum(r["phase"] == "train" for r in results),
                    "eval_shapes": sum(r["phase"] == "eval" for r in results),
                    "warmup_s": time.perf_counter() - t0, "compile_s": sum(r["compile_s"] for r in results),
-                   "graphs_compiled": sum(r["graphs_compiled"] + r["graphs_compiled_after_first_step"] for r in results),
+                   "graphs_compiled": sum(r["graphs_compiled"] + r["graphs_compiled_after_first_step"]
+                                          for r in results),
                    "stable_shapes": sum(r["stable"] for r in results), "all_stable": all(r["stable"] for r in results),
                    "max_cv": max(cvs) if cvs else None},
         "criteria": {"cv_threshold": cv, "window": window, "max_steps_per_shape": max_steps},
@@ -246,7 +251,8 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
 
 def start_compile(cfg: Any, device: torch.device, model: torch.nn.Module, pad_to: str, train_loader: DataLoader,
                   eval_loaders: Iterable[DataLoader]) -> CompileSession:
-    """The run's :class:`CompileSession`; when compile is on, its bucket shapes are planned (and size the recompile limit)."""
+    """The run's :class:`CompileSession`; when compile is on, its bucket shapes are planned (and size the recompile
+    limit)."""
     enabled, _ = resolve_compile(cfg.compile, device, pad_to)
     shapes = None
     if enabled and pad_to == "bound":
@@ -268,8 +274,8 @@ def warm_up_for_run(session: CompileSession, trainer: Any, model: torch.nn.Modul
     if not (c.warmup or force):
         session.warmup_skipped_reason = "compile.warmup=false"
     elif session.shapes is None and session.enabled:
-        session.warmup_skipped_reason = (f"batching.method={trainer.cfg.batching.method}: batches padded to their longest "
-                                         "sample (evaluation at least): no fixed set of shapes to warm")
+        session.warmup_skipped_reason = (f"batching.method={trainer.cfg.batching.method}: batches padded to their "
+                                         "longest sample (evaluation at least): no fixed set of shapes to warm")
     else:
         shapes = session.shapes if session.shapes is not None else plan_all_shapes(
             trainer.train_loader, [trainer.eval_loader] if trainer.eval_loader is not None else [])
@@ -278,8 +284,8 @@ def warm_up_for_run(session: CompileSession, trainer: Any, model: torch.nn.Modul
         progress = trainer.cfg.train.progress and trainer.dist.is_main
         result = warm_up(trainer, model, session.forward, shapes, c.warmup_cv, c.warmup_window, c.warmup_max_steps,
                          notice=notice, progress=progress)
-        result["compile"] = {"enabled": session.enabled, "reason": session.reason, "mode": c.mode, "backend": c.backend, "dynamic": c.dynamic,
-                             "fullgraph": c.fullgraph, "recompile_limit": session.recompile_limit}
+        result["compile"] = {"enabled": session.enabled, "reason": session.reason, "mode": c.mode, "backend": c.backend,
+                             "dynamic": c.dynamic, "fullgraph": c.fullgraph, "recompile_limit": session.recompile_limit}
         result["cache"] = ({"dir": session.cache.dir, "source": session.cache.source, "state": session.cache.state,
                             "fallback_reason": session.cache.fallback_reason,
                             "hit_or_miss": _overall_cache(result["shapes"]),
@@ -291,7 +297,8 @@ def warm_up_for_run(session: CompileSession, trainer: Any, model: torch.nn.Modul
             atomic_write_text(out_dir / "warmup.json", json.dumps(result, indent=2) + "\n")
         t = result["totals"]
         notice(f"warm-up done in {t['warmup_s']:.1f}s: {t['stable_shapes']}/{t['shapes']} shapes stable "
-               f"(max CV {100 * (t['max_cv'] or 0):.1f}%), {t['graphs_compiled']} graphs, cache {result['cache']['hit_or_miss'] if result['cache'] else 'n/a'}, "
+               f"(max CV {100 * (t['max_cv'] or 0):.1f}%), {t['graphs_compiled']} graphs, "
+               f"cache {result['cache']['hit_or_miss'] if result['cache'] else 'n/a'}, "
                f"state restored bit-exactly: {result['restored_bit_exact']}")
         if not result["restored_bit_exact"]:
             raise RuntimeError("warm-up could not restore the training state bit-exactly")

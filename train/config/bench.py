@@ -1,5 +1,6 @@
 """The benchmark sections of ``RunConfig``: ``bench``, ``bench_batching``, ``bench_precision``, ``bench_compile``,
-``bench_tracking``, ``bench_gate``. Their defaults live here only: each command's flags (``--rounds`` …) just set these keys,
+``bench_tracking``, ``bench_gate``. Their defaults live here only: each command's flags (``--rounds`` …) just set
+these keys,
 as ``section.key=value`` overrides and a YAML block do. Each field has its docstring; its accepted values
 are declared on the field (``allowed(…)``, train/errors.py) and checked in ``__post_init__``.
 
@@ -130,7 +131,8 @@ class BenchTrackingConfig(Frozen):
 
 @dataclass
 class BenchGateConfig(Frozen):
-    """``python -m train bench-gate`` / ``bench-baseline``: the performance regression gate (train/commands/bench/gate.py).
+    """``python -m train bench-gate`` / ``bench-baseline``: the performance regression gate
+    (train/commands/bench/gate.py).
     The run's length comes from the ``bench`` section (configs/bench-gate.yaml keeps it short)."""
 
     baseline: Optional[str] = None

@@ -25,7 +25,8 @@ class DataConfig(Frozen):
     label_field: str = "label"
     """Column/key holding the label: a string, or an int in ``[0, num_classes)``."""
     num_classes: Optional[int] = allowed(None, ge=2)
-    """For int labels: the number of classes (labels outside ``[0, num_classes)`` are an error). Default: max label + 1."""
+    """For int labels: the number of classes (labels outside ``[0, num_classes)`` are an error).
+    Default: max label + 1."""
     val_fraction: float = allowed(0.05, ge=0, lt=1)
     """Fraction of examples in the validation split (by stable hash)."""
     test_fraction: float = allowed(0.05, ge=0, lt=1)
@@ -39,7 +40,8 @@ class DataConfig(Frozen):
     tokenizer_path: Optional[str] = None
     """A user-supplied ``tokenizer.json`` (Hugging Face tokenizers format); None = train WordPiece and cache it."""
     cache_dir: str = ".cache/deep-model-perf"
-    """Where trained tokenizers, prepared (tokenized) data and per-machine decisions are cached, keyed by fingerprint."""
+    """Where trained tokenizers, prepared (tokenized) data and per-machine decisions are cached, keyed by
+    fingerprint."""
     cache_prepared: bool = True
     """Reuse the split, tokenized data from ``<cache_dir>/data/`` when the source's content and the settings match
     (train/data/cache.py); false = read and tokenize the source on every run."""
@@ -122,7 +124,8 @@ class ModelConfig(Frozen):
     ``hf:<model_type>`` (e.g. ``hf:bert``: random init sized by ``preset``) or ``python:package.module:function``
     (any nn.Module factory); see docs/models.md."""
     hf_overrides: Optional[dict] = None
-    """``hf:`` sources: config keys set on the transformers config (e.g. ``{num_hidden_layers: 2}``), over the preset."""
+    """``hf:`` sources: config keys set on the transformers config (e.g. ``{num_hidden_layers: 2}``), over the
+    preset."""
     num_labels_mismatch: str = allowed("refuse", choices=("refuse", "resize"))
     """An ``hf:`` model whose ``num_labels`` differs from the data's classes: ``refuse`` (exit 2) or ``resize``
     (re-initialise the classification head, with a notice)."""
@@ -133,7 +136,8 @@ class ModelConfig(Frozen):
         check_fields(self, "model")
         from train.models import source_kind
 
-        source_kind(self.source)  # UserError for a malformed source  # preset's choices are train.model.PRESETS' keys (a test keeps them equal)
+        # preset's choices are train.model.PRESETS' keys (a test keeps them equal)
+        source_kind(self.source)  # UserError for a malformed source
 
 
 @dataclass
@@ -227,11 +231,13 @@ class TrainConfig(Frozen):
     """Show tqdm progress bars on a terminal (stderr): training (loss, samples/s, padding %), warm-up and the
     ``bench*`` commands (train/tools/progress.py). Never drawn when stderr is not a TTY."""
     checkpoint_every: Optional[int] = allowed(500, ge=1)
-    """Write a resumable checkpoint to ``runs/<id>/checkpoints/`` every N steps; null = only the final ``checkpoint.pt``."""
+    """Write a resumable checkpoint to ``runs/<id>/checkpoints/`` every N steps; null = only the final
+    ``checkpoint.pt``."""
     keep_checkpoints: int = allowed(3, ge=1)
     """How many periodic checkpoints to keep (the newest; older ones are deleted after each write)."""
     shutdown_timeout_s: float = allowed(60.0, gt=0)
-    """After SIGTERM/SIGINT the run finishes its step, checkpoints and reports; it exits anyway after this many seconds."""
+    """After SIGTERM/SIGINT the run finishes its step, checkpoints and reports; it exits anyway after this many
+    seconds."""
 
     def __post_init__(self) -> None:
         check_fields(self, "train")

@@ -12,8 +12,8 @@ Two paths, both exact (a packed sample's logits equal its unpacked logits; tests
 Availability comes from :func:`train.compat.flex_attention_functions` (training needs its backward: torch 2.13 has
 none on CPU). ``flex`` requested where it cannot run is a one-line :class:`~train.errors.UserError`. ``auto`` is
 ``sdpa-mask`` by rule where flex cannot run or ``model.dropout`` > 0 (flex would drop attention dropout and so change
-the model's training); otherwise it times the run's training step (a probe trainer's) on one packed batch of the run's own
-shape with each path (one untimed call each, then ``repeats`` interleaved, median) and picks ``flex`` when it is
+the model's training); otherwise it times the run's training step (a probe trainer's) on one packed batch of the run's
+own shape with each path (one untimed call each, then ``repeats`` interleaved, median) and picks ``flex`` when it is
 ≥ :data:`FLEX_MARGIN` × as fast. The model and every RNG are restored afterwards. Measured decisions are cached under
 ``data.cache_dir/decisions/`` like ``batching.method=auto`` (train/data/batching_auto.py); a busy machine measures
 but does not cache.
@@ -157,10 +157,12 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
             raise UserError(f"model.packed_attention=flex: {why} (torch {torch.__version__}, device {device.type}); "
                             "use model.packed_attention=sdpa-mask or auto, or a torch ≥ 2.5 build whose FlexAttention "
                             "has a backward on this device (CUDA)")
-        return AttentionChoice("sdpa-mask", requested, f"auto: FlexAttention cannot train here ({why}): sdpa-mask", "rule")
+        return AttentionChoice("sdpa-mask", requested, f"auto: FlexAttention cannot train here ({why}): sdpa-mask",
+                               "rule")
     how = "compiled" if compiled else "eager, unfused"
     if requested == "flex":
-        note = f"; attention dropout {cfg.model.dropout} not applied (FlexAttention has none)" if cfg.model.dropout else ""
+        note = (f"; attention dropout {cfg.model.dropout} not applied (FlexAttention has none)"
+                if cfg.model.dropout else "")
         return AttentionChoice("flex", requested, f"requested (model.packed_attention=flex, {how}){note}", "requested",
                                compiled_flex=compiled)
     if cfg.model.dropout > 0:

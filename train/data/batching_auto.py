@@ -168,8 +168,8 @@ def choose_batching(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunCon
               f"{len(bk['bounds'])} buckets {bk['samples_per_s']:.0f} at {bk['token_efficiency']:.3f}; training steps, "
               f"median of {m['repeats']} per shape, {policy.mode}): {method}")
     decision = BatchingDecision(method, reason + decisions.busy_note(load), "measured", m)
-    decision.cache_path = decisions.store(path, {"method": method, "reason": reason, "measurement": m, "fingerprint": fp},
-                                          load)
+    decision.cache_path = decisions.store(path, {"method": method, "reason": reason, "measurement": m,
+                                                 "fingerprint": fp}, load)
     return decision
 
 

@@ -167,9 +167,11 @@ class BucketPlan:
             raw = json.loads(p.read_text(encoding="utf-8"))
             plan = cls(**raw)
         except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
-            raise UserError(f"{p}: not a bucket-boundaries JSON file ({exc.__class__.__name__}); regenerate it with `make buckets`") from None
+            raise UserError(f"{p}: not a bucket-boundaries JSON file ({exc.__class__.__name__}); "
+                            "regenerate it with `make buckets`") from None
         if plan.schema_version != SCHEMA_VERSION:
-            raise UserError(f"{p}: schema_version {plan.schema_version}, this version reads {SCHEMA_VERSION}; regenerate it with `make buckets`")
+            raise UserError(f"{p}: schema_version {plan.schema_version}, this version reads {SCHEMA_VERSION}; "
+                            "regenerate it with `make buckets`")
         bounds = plan.bounds if isinstance(plan.bounds, list) else []
         if (not bounds or not all(type(b) is int for b in bounds) or sorted(set(bounds)) != bounds or bounds[0] < 1):
             raise UserError(f"{p}: 'bounds' must be a non-empty strictly increasing list of positive ints "
@@ -178,6 +180,7 @@ class BucketPlan:
             for what, have, want in (("data", plan.data_fingerprint, data_fingerprint),
                                      ("tokenizer", plan.tokenizer_fingerprint, tokenizer_fingerprint)):
                 if have != want:
-                    raise UserError(f"{p}: fitted for another {what} ({what} fingerprint {have}, this run's is {want}); "
+                    raise UserError(f"{p}: fitted for another {what} ({what} fingerprint {have}, "
+                                    f"this run's is {want}); "
                                     "refit with `make buckets`, or pass --buckets-force to use it anyway")
         return plan

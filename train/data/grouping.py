@@ -57,7 +57,8 @@ def length_grouped_batches(lengths: Sequence[int], batch_size: int, seed: int = 
 
 
 class LengthGroupedBatchSampler(torch.utils.data.Sampler):
-    """The HF Trainer's batches (:func:`length_grouped_batches`) as a batch sampler for ``batching.method=hf-group-by-length``.
+    """The HF Trainer's batches (:func:`length_grouped_batches`) as a batch sampler for
+    ``batching.method=hf-group-by-length``.
 
     Seeded per (seed, epoch) through :meth:`set_epoch`. Not rank-aware: a single-process baseline.
     """

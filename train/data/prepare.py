@@ -51,7 +51,8 @@ def npy_header(dtype: np.dtype, n: int) -> bytes:
 
 class NpyAppender:
     """A 1-D ``.npy`` file written in pieces whose total length is known only at the end: the data goes after a
-    header-sized gap and the header is written last (numpy pads the shape so the header's size does not depend on it)."""
+    header-sized gap and the header is written last (numpy pads the shape so the header's size does not depend on
+    it)."""
 
     def __init__(self, path: Path, dtype: type) -> None:
         self.path, self.dtype, self.n = path, np.dtype(dtype), 0
@@ -82,7 +83,8 @@ class NpyAppender:
 
 
 class _TextSink:
-    """Receives each row's text (``scan_source``'s ``on_text``): UTF-8 bytes appended to the scratch file, lengths kept."""
+    """Receives each row's text (``scan_source``'s ``on_text``): UTF-8 bytes appended to the scratch file, lengths
+    kept."""
 
     def __init__(self, path: Path) -> None:
         self.f = open(path, "wb")
@@ -120,7 +122,8 @@ def _gather(scratch: Path, starts: np.ndarray, ends: np.ndarray, out: Path, trai
             for a in range(0, len(starts), CHUNK_ROWS):
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # mapped per chunk: the pages leave RSS after
                 try:
-                    parts = [mm[s:e] for s, e in zip(starts[a:a + CHUNK_ROWS].tolist(), ends[a:a + CHUNK_ROWS].tolist())]
+                    parts = [mm[s:e] for s, e in zip(starts[a:a + CHUNK_ROWS].tolist(),
+                                                     ends[a:a + CHUNK_ROWS].tolist())]
                 finally:
                     mm.close()
                 data = b"".join(parts)
@@ -189,7 +192,8 @@ def build(cfg: RunConfig, out: Path) -> dict:
                 yield texts
                 tbar.update(len(texts))
 
-    tok, tok_info = load_or_train(TrainingTexts(batches, fingerprint, chars), d.vocab_size, d.cache_dir, d.tokenizer_path)
+    tok, tok_info = load_or_train(TrainingTexts(batches, fingerprint, chars), d.vocab_size, d.cache_dir,
+                                  d.tokenizer_path)
     tok.no_truncation()
     tok.no_padding()
     splits: dict[str, dict] = {}

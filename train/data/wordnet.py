@@ -104,7 +104,8 @@ def parse_data_line(line: str, path: str, lineno: int) -> Synset:
         if len(words) != w_cnt or pos not in "nvasr" or not 0 <= lex_filenum < len(LEXNAMES):
             raise ValueError
     except (ValueError, IndexError):
-        raise UserError(f"{path}:{lineno}: not a WordNet data line (wndb format); is this a WordNet 3.0 dict directory?") from None
+        raise UserError(f"{path}:{lineno}: not a WordNet data line (wndb format); "
+                        "is this a WordNet 3.0 dict directory?") from None
     lemmas = tuple(_ADJ_MARKER.sub("", w).replace("_", " ") for w in words)
     return Synset(pos=pos, offset=offset, lex_filenum=lex_filenum, lemmas=lemmas, gloss=gloss.strip())
 

@@ -57,7 +57,8 @@ def build_custom(cfg, bundle) -> ExternalClassifier:
         inner = fn(num_classes=n, vocab_size=v, max_len=max_len)
     except Exception as exc:  # noqa: BLE001
         raise UserError(f"model.source={source}: the factory failed when called with num_classes={n}, vocab_size={v}, "
-                        f"max_len={max_len} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+                        f"max_len={max_len} ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     if not isinstance(inner, nn.Module):
         raise UserError(f"model.source={source}: the factory returned {type(inner).__name__}, not a torch.nn.Module")
     longest = max([max_len, *(bundle.bounds or ())])  # no batch of this run is longer (bucket bounds ≤ data.max_len)
@@ -83,8 +84,9 @@ def _probe(source: str, inner: nn.Module, n: int, v: int, s: int) -> None:
         with torch.no_grad():
             out = inner(ids, mask)
     except Exception as exc:  # noqa: BLE001
-        raise UserError(f"model.source={source}: forward(input_ids LongTensor[2, {s}], attention_mask BoolTensor[2, {s}]) "
-                        f"failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); it must return "
+        raise UserError(f"model.source={source}: forward(input_ids LongTensor[2, {s}], attention_mask "
+                        f"BoolTensor[2, {s}]) failed ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}); it must return "
                         f"logits [B, num_classes] for every length up to data.max_len") from None
     finally:
         inner.train(was)

@@ -25,7 +25,8 @@ PRESET_KEYS: dict[str, tuple[str, str, str, str]] = {
 }
 """The architecture's config keys for (num_layers, hidden_size, num_heads, ffn_size), per model_type."""
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                "pytorch_model.bin.index.json")
 
 
 def _transformers():
@@ -233,7 +234,8 @@ def config_json(config) -> str:
     import json
 
     d = config.to_dict()
-    for k in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "_attn_implementation_autoset"):
+    for k in ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype",
+              "_attn_implementation_autoset"):
         d.pop(k, None)
     d["model_type"] = config.model_type
     d["id2label"] = {str(k): v for k, v in d.get("id2label", {}).items()}

@@ -82,9 +82,10 @@ def hf_packed_logits(inner: nn.Module, model_type: str, mask_dim: int, input_ids
 def takes_position_ids(model_type: str) -> Optional[str]:
     """None when the installed transformers' base model for ``model_type`` takes ``position_ids``, else why not
     (looked up from the class, nothing built)."""
-    from train.models.hf import _transformers
-
-    tf = _transformers()
+    try:
+        import transformers as tf  # here, not train.models.hf: that module imports the wrapper, which imports this one
+    except ImportError:
+        return "the transformers package is not installed"
     names = getattr(tf.models.auto.modeling_auto, "MODEL_MAPPING_NAMES", {})
     cls = getattr(tf, names.get(model_type, ""), None)
     if cls is None:

@@ -60,7 +60,8 @@ class EnergyMeter:
     The device should be synchronised before ``stop`` so queued work is inside the window.
     """
 
-    def __init__(self, device: torch.device, sample_interval_s: float = 0.05, rapl_root: str = "/sys/class/powercap") -> None:
+    def __init__(self, device: torch.device, sample_interval_s: float = 0.05,
+                 rapl_root: str = "/sys/class/powercap") -> None:
         self.device = device
         self.interval = sample_interval_s
         self.rapl_root = rapl_root
@@ -93,7 +94,8 @@ class EnergyMeter:
                 self._nvml.nvmlDeviceGetPowerUsage(self._handle)
                 self.source = "nvml-power-sampling"
             except Exception as exc:
-                self.reason = f"NVML energy counter ({not_supported}) and power readings ({exc.__class__.__name__}) unsupported"
+                self.reason = (f"NVML energy counter ({not_supported}) and power readings "
+                               f"({exc.__class__.__name__}) unsupported")
             return
         try:
             self._rapl = _RaplReader(self.rapl_root)
@@ -126,7 +128,8 @@ class EnergyMeter:
         energy: Optional[float] = None
         try:
             if self.source == "nvml-energy-counter":
-                energy = (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._start_value) / 1e3  # mJ → J
+                # mJ → J
+                energy = (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) - self._start_value) / 1e3
             elif self.source == "nvml-power-sampling":
                 self._stop_event.set()
                 if self._thread is not None:

@@ -105,7 +105,8 @@ class ModuleFlops:
         self.attention_seen = all(seen for _, seen in counts)
         self.method = ("FlopCounterMode on one real forward+backward at batch 1, lengths "
                        f"{', '.join(map(str, lengths))}, fitted as a·S²+b·S+c and scaled by the batch"
-                       + ("" if self.attention_seen else "; attention matmuls were not seen by the counter (not counted)"))
+                       + ("" if self.attention_seen
+                          else "; attention matmuls were not seen by the counter (not counted)"))
 
     @staticmethod
     def _count(model: torch.nn.Module, seq: int) -> tuple[int, bool]:

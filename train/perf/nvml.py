@@ -119,7 +119,8 @@ def _by_visible_devices(nv: Any, index: int) -> tuple[Any, str]:
         handle, found = _by_uuid(nv, entry, prefix_ok=True)
     except Exception as exc:
         return None, f"{where} ({entry}): {exc.__class__.__name__}: {exc}"
-    return (handle, f"{found} by {where}") if handle is not None else (None, f"{where} ({entry}) matches no NVML device")
+    return ((handle, f"{found} by {where}") if handle is not None
+            else (None, f"{where} ({entry}) matches no NVML device"))
 
 
 def nvml_handle(device: torch.device | int) -> tuple[Any, str]:

@@ -30,7 +30,8 @@ def verdict(row: dict[str, Any], ridge: Optional[float], device_type: str, th: P
     per_call = row["self_time_us"] / calls
     if per_call < th.launch_us:
         return LAUNCH, f"{per_call:.1f} µs per call < {th.launch_us:g} µs: dispatch/launch overhead dominates"
-    if device_type == "cuda" and row["self_time_us"] > 0 and row["cpu_total_us"] >= LAUNCH_CPU_RATIO * row["self_time_us"]:
+    if (device_type == "cuda" and row["self_time_us"] > 0
+            and row["cpu_total_us"] >= LAUNCH_CPU_RATIO * row["self_time_us"]):
         return LAUNCH, f"CPU {row['cpu_total_us']:.0f} µs ≥ {LAUNCH_CPU_RATIO:g}× device {row['self_time_us']:.0f} µs"
     ai = row.get("intensity_flop_per_byte")
     if ai is None or ridge is None:
@@ -85,7 +86,8 @@ def recommendations(summary: dict[str, Any], ops: list[OpRecord], th: ProfileCon
 
     pad = ctx.get("padding_share")
     if pad is not None:
-        fix = ("bucket by length: batching.method=optimal (make buckets)" if ctx.get("batching_method") in ("pad-to-max", "random")
+        fix = ("bucket by length: batching.method=optimal (make buckets)"
+               if ctx.get("batching_method") in ("pad-to-max", "random")
                else "more buckets: raise batching.num_buckets")
         add("padding", pad, th.padding_share,
             f"{100 * pad:.1f}% of the processed tokens were padding (token efficiency {1 - pad:.3f}, "
@@ -95,11 +97,13 @@ def recommendations(summary: dict[str, Any], ops: list[OpRecord], th: ProfileCon
         fix = ("start DataLoader workers: data.num_workers=2 (and pin_memory on CUDA)" if not ctx.get("num_workers")
                else f"more DataLoader workers than data.num_workers={ctx.get('num_workers')}, or precompute batches")
         add("data_wait", data, th.data_bound_share,
-            f"waiting on the DataLoader took {100 * data:.1f}% of the step (threshold {100 * th.data_bound_share:.0f}%) → {fix}.")
+            f"waiting on the DataLoader took {100 * data:.1f}% of the step "
+            f"(threshold {100 * th.data_bound_share:.0f}%) → {fix}.")
     launch = by_verdict.get(LAUNCH, 0.0)
     add("launch_bound", launch, th.launch_share,
         f"launch/dispatch-bound ops took {100 * launch:.1f}% of the step (threshold {100 * th.launch_share:.0f}%) → "
-        "fuse small ops with torch.compile; on CUDA capture static-shape steps in CUDA graphs (mode='reduce-overhead').")
+        "fuse small ops with torch.compile; on CUDA capture static-shape steps in CUDA graphs "
+        "(mode='reduce-overhead').")
     masks = float_mask_rows(ops)
     if masks:
         add("float_mask", float(len(masks)), 1.0,
@@ -110,16 +114,19 @@ def recommendations(summary: dict[str, Any], ops: list[OpRecord], th: ProfileCon
     if top_mem is not None:
         add("memory_bound", mem, th.memory_share,
             f"memory-bound ops took {100 * mem:.1f}% of the step (largest: {top_mem['op']} at "
-            f"{top_mem['intensity_flop_per_byte']:.2f} FLOP/B < ridge {summary['roofline']['ridge_flop_per_byte']:.1f}) → "
-            "fuse elementwise chains (torch.compile); a 16-bit dtype halves the bytes moved (on CPU only with native bf16).")
+            f"{top_mem['intensity_flop_per_byte']:.2f} FLOP/B < ridge "
+            f"{summary['roofline']['ridge_flop_per_byte']:.1f}) → "
+            "fuse elementwise chains (torch.compile); a 16-bit dtype halves the bytes moved "
+            "(on CPU only with native bf16).")
     comp = by_verdict.get(COMPUTE, 0.0)
     top_comp = next((r for r in summary["table"] if r["verdict"] == COMPUTE), None)
     if top_comp is not None and top_comp["achieved_flops_per_s"]:
         frac = top_comp["achieved_flops_per_s"] / summary["roofline"]["peak_flops_per_s"]
         add("compute_bound", comp, th.compute_share,
             f"compute-bound ops took {100 * comp:.1f}% of the step; the largest ({top_comp['op']}) reached "
-            f"{top_comp['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = {100 * frac:.0f}% of the peak → fewer FLOPs per useful "
-            "token (less padding), a lower-precision matmul dtype where the hardware has one, or tile-friendly sizes (multiples of 8).")
+            f"{top_comp['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = {100 * frac:.0f}% of the peak → "
+            "fewer FLOPs per useful token (less padding), a lower-precision matmul dtype where the hardware has one, "
+            "or tile-friendly sizes (multiples of 8).")
     opt = shares.get("optimizer")
     if opt is not None:
         add("optimizer", opt, th.optimizer_share,
@@ -129,7 +136,8 @@ def recommendations(summary: dict[str, Any], ops: list[OpRecord], th: ProfileCon
     if other is not None:
         add("other", other, th.other_share,
             f"{100 * other:.1f}% of the step is outside data/forward/backward/optimizer (Python bookkeeping, logging) "
-            f"(threshold {100 * th.other_share:.0f}%) → log less often (train.log_every) and keep host-device syncs out of the loop.")
+            f"(threshold {100 * th.other_share:.0f}%) → log less often (train.log_every) "
+            "and keep host-device syncs out of the loop.")
     recs.sort(key=lambda r: -r["score"])
     return recs[:3]
 
@@ -144,7 +152,8 @@ def build_summary(ops: list[OpRecord], *, device_type: str, step_total_us: float
         device_type: ``"cuda"`` ranks by self device time, anything else by self CPU time.
         step_total_us: wall time of the captured steps, summed (µs).
         stage_us: µs per stage (``data_wait``, ``forward``, ``backward``, ``optimizer``) summed over the steps.
-        roofline: from :func:`train.profiling.roofline.ridge_point` (needs ``ridge_flop_per_byte``, ``peak_flops_per_s``).
+        roofline: from :func:`train.profiling.roofline.ridge_point` (needs ``ridge_flop_per_byte``,
+            ``peak_flops_per_s``).
         th: the run's ``profile`` section: the verdict and recommendation thresholds and ``top_k`` (table rows).
         ctx: run facts for the recommendations: ``padding_share``, ``batching_method``, ``num_workers``.
     Raises:
@@ -175,9 +184,11 @@ def build_summary(ops: list[OpRecord], *, device_type: str, step_total_us: float
         "breakdown_ms": breakdown_ms,
         "breakdown_share": breakdown_share,
         "data_bound": data_share >= th.data_bound_share,
-        "data_verdict": (f"{DATA}: DataLoader wait {100 * data_share:.1f}% of the step ≥ {100 * th.data_bound_share:.0f}%"
+        "data_verdict": (f"{DATA}: DataLoader wait {100 * data_share:.1f}% of the step "
+                         f"≥ {100 * th.data_bound_share:.0f}%"
                          if data_share >= th.data_bound_share else
-                         f"not data-bound: DataLoader wait {100 * data_share:.1f}% of the step < {100 * th.data_bound_share:.0f}%"),
+                         f"not data-bound: DataLoader wait {100 * data_share:.1f}% of the step "
+                         f"< {100 * th.data_bound_share:.0f}%"),
         "share_by_verdict": share_by_verdict,
         "roofline": roofline,
         "table": rows[:th.top_k],
@@ -195,8 +206,8 @@ def _fmt(x: Optional[float], spec: str, scale: float = 1.0, none: str = "–") -
 def render_markdown(summary: dict[str, Any]) -> str:
     """summary.md: the attribution table, the breakdown and the recommendations (and the other tools' sections)."""
     lines = _table_markdown(summary) if "table" in summary else ["# Profile", ""]
-    for key, title in (("pyspy", "py-spy"), ("nsys", "Nsight Systems"), ("gpu_sampling", "GPU sampling"), ("trace", "Trace"),
-                       ("skipped", "Skipped")):
+    for key, title in (("pyspy", "py-spy"), ("nsys", "Nsight Systems"), ("gpu_sampling", "GPU sampling"),
+                       ("trace", "Trace"), ("skipped", "Skipped")):
         if summary.get(key):
             lines += ["", f"## {title}", "", "```", _plain(summary[key]), "```"]
     return "\n".join(lines) + "\n"
@@ -206,23 +217,28 @@ def _table_markdown(summary: dict[str, Any]) -> list[str]:
     r = summary["roofline"]
     lines = [f"# Profile attribution ({summary['device_type']}, {summary['active_steps']} active steps, "
              f"step {summary['step_time_ms']:.1f} ms under the profiler)", ""]
-    lines += [f"Ridge point {r['ridge_flop_per_byte']:.2f} FLOP/B ({r['source']}: peak {r['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+    lines += [f"Ridge point {r['ridge_flop_per_byte']:.2f} FLOP/B "
+              f"({r['source']}: peak {r['peak_flops_per_s'] / 1e9:.1f} GFLOP/s, "
               f"{r['peak_bytes_per_s'] / 1e9:.1f} GB/s). Ranked by {summary['ranked_by']}.", ""]
     lines += ["| op | calls | input shapes | self ms | CPU total ms | GFLOP | GFLOP/s | FLOP/B | share | verdict |",
               "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in summary["table"]:
         shapes = ", ".join(str(s) for s in row["input_shapes"] if s)[:60]
-        lines.append(f"| `{row['op']}` | {row['calls']} | {shapes} | {row['self_time_us'] / 1e3:.2f} | {row['cpu_total_us'] / 1e3:.2f} | "
+        lines.append(f"| `{row['op']}` | {row['calls']} | {shapes} | {row['self_time_us'] / 1e3:.2f} | "
+                     f"{row['cpu_total_us'] / 1e3:.2f} | "
                      f"{_fmt(row['flops'], '.3f', 1e9)} | {_fmt(row['achieved_flops_per_s'], '.1f', 1e9)} | "
-                     f"{_fmt(row['intensity_flop_per_byte'], '.2f')} | {_fmt(row['share_of_step'], '.1%')} | {row['verdict']} |")
+                     f"{_fmt(row['intensity_flop_per_byte'], '.2f')} | {_fmt(row['share_of_step'], '.1%')} | "
+                     f"{row['verdict']} |")
     lines += ["", f"Data: {summary['data_verdict']}.", "", "## Step-time breakdown (per step)", "",
               "| stage | ms | share |", "| --- | ---: | ---: |"]
     for k, ms in summary["breakdown_ms"].items():
         lines.append(f"| {k} | {ms:.2f} | {summary['breakdown_share'][k]:.1%} |")
-    lines += ["", "Share of the step by verdict: " + ", ".join(f"{k} {v:.1%}" for k, v in summary["share_by_verdict"].items()), ""]
+    lines += ["", "Share of the step by verdict: "
+              + ", ".join(f"{k} {v:.1%}" for k, v in summary["share_by_verdict"].items()), ""]
     lines += ["## Recommendations", ""]
     recs = summary["recommendations"]
-    lines += [f"{i}. {rec['text']}" for i, rec in enumerate(recs, 1)] or ["No rule fired: no measured figure crossed its threshold."]
+    lines += [f"{i}. {rec['text']}" for i, rec in enumerate(recs, 1)] or [
+        "No rule fired: no measured figure crossed its threshold."]
     if 0 < len(recs) < 3:
         lines.append(f"(only {len(recs)} rule(s) fired; the other measured figures are below their thresholds)")
     return lines
@@ -230,9 +246,11 @@ def _table_markdown(summary: dict[str, Any]) -> list[str]:
 
 def _plain(obj: Any, indent: str = "") -> str:
     if isinstance(obj, dict):
-        return "\n".join(f"{indent}{k}: " + (("\n" + _plain(v, indent + "  ")) if isinstance(v, (dict, list)) and v else str(v))
+        return "\n".join(f"{indent}{k}: "
+                         + (("\n" + _plain(v, indent + "  ")) if isinstance(v, (dict, list)) and v else str(v))
                          for k, v in obj.items())
     if isinstance(obj, list):
-        return "\n".join(f"{indent}- {_plain(v).strip()}" if not isinstance(v, dict) else f"{indent}- " + _plain(v, indent + "  ").strip()
+        return "\n".join(f"{indent}- {_plain(v).strip()}" if not isinstance(v, dict)
+                         else f"{indent}- " + _plain(v, indent + "  ").strip()
                          for v in obj)
     return f"{indent}{obj}"

@@ -47,9 +47,11 @@ class ProfileConfig(Frozen):
     launch_us: float = allowed(10.0, gt=0)
     """An op whose mean time per call is below this many µs is launch/dispatch-bound."""
     launch_share: float = allowed(0.20, gt=0, lt=1)
-    """Recommend fusing small ops (torch.compile, CUDA graphs) when launch-bound ops take at least this share of the step."""
+    """Recommend fusing small ops (torch.compile, CUDA graphs) when launch-bound ops take at least this share of the
+    step."""
     memory_share: float = allowed(0.30, gt=0, lt=1)
-    """Recommend fusing elementwise chains / a 16-bit dtype when memory-bound ops take at least this share of the step."""
+    """Recommend fusing elementwise chains / a 16-bit dtype when memory-bound ops take at least this share of the
+    step."""
     compute_share: float = allowed(0.30, gt=0, lt=1)
     """Recommend fewer FLOPs per useful token when compute-bound ops take at least this share of the step."""
     optimizer_share: float = allowed(0.15, gt=0, lt=1)

@@ -48,12 +48,14 @@ def profile_command(nsys: str, out_prefix: Path, child: list[str]) -> list[str]:
 
 
 def check_fresh(rep: Path, sqlite: Path, started_at: float) -> None:
-    """Raise :class:`StaleExportError` unless ``sqlite`` exists and is newer than ``rep`` and ``started_at`` (epoch s)."""
+    """Raise :class:`StaleExportError` unless ``sqlite`` exists and is newer than ``rep`` and ``started_at``
+    (epoch s)."""
     if not sqlite.is_file():
         raise StaleExportError(f"{sqlite} was not exported")
     mtime = sqlite.stat().st_mtime
     if rep.is_file() and mtime < rep.stat().st_mtime:
-        raise StaleExportError(f"{sqlite} is older than {rep}: refusing a stale export (rerun nsys stats --force-export=true)")
+        raise StaleExportError(f"{sqlite} is older than {rep}: refusing a stale export "
+                               "(rerun nsys stats --force-export=true)")
     if mtime < started_at:
         raise StaleExportError(f"{sqlite} predates this run: refusing a stale export")
 
@@ -66,7 +68,8 @@ def parse_stats_csv(path: Path, top: int = 10) -> list[dict[str, Any]]:
     for rec in csv.DictReader(lines):
         rows.append({"name": rec.get("Name") or rec.get("Operation"), "time_pct": _num(rec, "Time (%)", "Time(%)"),
                      "total_time_ns": _num(rec, "Total Time (ns)", "Total Time"),
-                     "instances": _num(rec, "Instances", "Count", "Calls"), "avg_ns": _num(rec, "Avg (ns)", "Average", "Avg")})
+                     "instances": _num(rec, "Instances", "Count", "Calls"),
+                     "avg_ns": _num(rec, "Avg (ns)", "Average", "Avg")})
     return rows[:top]
 
 
@@ -78,7 +81,8 @@ def _num(rec: dict, *keys: str) -> Optional[float]:
 
 
 def export_stats(nsys: str, rep: Path, started_at: float, top: int = 10, run=subprocess.run) -> dict[str, Any]:
-    """``nsys stats`` kernel and memcpy summaries of ``rep`` (exported fresh), as ``{"kernels": [...], "memcpy": [...]}``.
+    """``nsys stats`` kernel and memcpy summaries of ``rep`` (exported fresh), as
+    ``{"kernels": [...], "memcpy": [...]}``.
 
     Raises:
         StaleExportError: the .sqlite export is missing or older than the report/run.

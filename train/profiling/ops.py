@@ -44,7 +44,8 @@ ELEMENTWISE_FLOPS: dict[str, float] = {
     "aten::embedding_dense_backward": 1, "aten::fill_": 0, "aten::zero_": 0, "aten::contiguous": 0,
     "aten::_to_copy": 0, "aten::index": 0, "aten::index_put_": 0, "aten::_foreach_add_": 1, "aten::_foreach_mul_": 1,
 }
-REDUCTIONS = ("aten::sum", "aten::mean", "aten::norm", "aten::linalg_vector_norm", "aten::all", "aten::any", "aten::max")
+REDUCTIONS = ("aten::sum", "aten::mean", "aten::norm", "aten::linalg_vector_norm", "aten::all", "aten::any",
+              "aten::max")
 MATMULS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul", "aten::linear")
 FUSED_ATTENTION = ("aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
                    "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
@@ -137,7 +138,8 @@ def bytes_moved(name: str, shapes: Sequence, dtypes: Optional[Sequence], default
     return int(read + write)
 
 
-def estimated_flops(name: str, shapes: Sequence, dtypes: Optional[Sequence], default_bytes: int = 4) -> tuple[Optional[float], str]:
+def estimated_flops(name: str, shapes: Sequence, dtypes: Optional[Sequence],
+                    default_bytes: int = 4) -> tuple[Optional[float], str]:
     """(FLOPs, source) for an op the profiler gave no FLOPs: matmul 2·b·m·k·n, fused attention
     4·B·h·Sq·Sk·d (forward; ×2 for backward), or :data:`ELEMENTWISE_FLOPS` × output elements."""
     dims = matmul_dims(name, shapes)
@@ -165,7 +167,8 @@ def estimated_flops(name: str, shapes: Sequence, dtypes: Optional[Sequence], def
 
 def is_annotation(name: str) -> bool:
     """Ranges that are not ops: profiler steps, our stage ranges, optimizer annotations."""
-    return name.startswith(("ProfilerStep", "train/", "Optimizer.", "## ", "[memory]", "autograd::engine::evaluate_function"))
+    return name.startswith(("ProfilerStep", "train/", "Optimizer.", "## ", "[memory]",
+                            "autograd::engine::evaluate_function"))
 
 
 def collect_ops(events: Iterable[Any]) -> list[OpRecord]:

@@ -110,7 +110,8 @@ def try_attach(pyspy: str, timeout_s: float = 30.0) -> tuple[bool, str]:
     """Attach for real: ``py-spy dump --pid <this process>`` after :func:`allow_tracer` (what the capture does)."""
     allow_tracer()
     try:
-        out = subprocess.run([pyspy, "dump", "--pid", str(os.getpid())], capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run([pyspy, "dump", "--pid", str(os.getpid())], capture_output=True, text=True,
+                             timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"{exc.__class__.__name__}: {exc}"
     text = (out.stdout + out.stderr).strip()
@@ -181,7 +182,8 @@ class PySpyPhase(Callback):
     WINDOWS = ("off", "flamegraph", "off", "speedscope", "off")
     needs_step_ms = True  # the on/off step times are compared per step
 
-    def __init__(self, cfg: ProfileConfig, out_dir: Path, first_step: int, check: PtraceCheck, attach_wait_s: float = 1.0) -> None:
+    def __init__(self, cfg: ProfileConfig, out_dir: Path, first_step: int, check: PtraceCheck,
+                 attach_wait_s: float = 1.0) -> None:
         self.cfg, self.out_dir, self.first_step, self.check = cfg, out_dir, first_step, check
         self.attach_wait_s = attach_wait_s
         self.n = cfg.pyspy_steps
@@ -272,5 +274,6 @@ class PySpyPhase(Callback):
             res.update(shape_matched_overhead(on, off))
         else:
             res["overhead_ratio"] = None
-            res["overhead_unavailable_reason"] = "py-spy did not sample (see errors)" if self.errors else "no steps in the windows"
+            res["overhead_unavailable_reason"] = ("py-spy did not sample (see errors)" if self.errors
+                                                  else "no steps in the windows")
         return res

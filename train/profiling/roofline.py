@@ -2,7 +2,8 @@
 
 An op whose arithmetic intensity is at or above the ridge point can be compute-bound; below it,
 it is limited by memory bandwidth (Williams, Waterman & Patterson 2009). Peaks come from
-``train.perf.devices.DEVICE_TABLE`` (datasheet figures, shared with MFU, keyed by ``torch.cuda.get_device_name``, case and spacing aside) when the
+``train.perf.devices.DEVICE_TABLE`` (datasheet figures, shared with MFU, keyed by ``torch.cuda.get_device_name``,
+case and spacing aside) when the
 device is listed, and are always also measured in-run: a large matmul (FLOP/s) and a large copy
 (bytes read + written per second). On CPU only the measurement exists.
 """
@@ -45,7 +46,8 @@ def measure_peaks(device: torch.device, dtype: torch.dtype = torch.float32, matm
             "matmul_n": n, "copy_bytes": int(src.numel() * 4)}
 
 
-def ridge_point(device: torch.device, device_name: str, precision: str, measured: Optional[dict] = None) -> dict[str, Any]:
+def ridge_point(device: torch.device, device_name: str, precision: str,
+                measured: Optional[dict] = None) -> dict[str, Any]:
     """Peaks and ridge point (FLOP/byte) for ``device``.
 
     Uses the datasheet row for ``device_name`` when present (``source: "device table"``), else the
@@ -64,6 +66,7 @@ def ridge_point(device: torch.device, device_name: str, precision: str, measured
         out.update(source="measured", device_name=device_name, peak_flops_per_s=measured["flops_per_s"],
                    peak_bytes_per_s=measured["bytes_per_s"])
         if device.type == "cuda":
-            out["device_table_unavailable_reason"] = f"{device_name!r} ({precision}) is not in train/perf/devices.py DEVICE_TABLE"
+            out["device_table_unavailable_reason"] = (f"{device_name!r} ({precision}) is not in "
+                                                      "train/perf/devices.py DEVICE_TABLE")
     out["ridge_flop_per_byte"] = out["peak_flops_per_s"] / out["peak_bytes_per_s"]
     return out

@@ -109,7 +109,8 @@ class ProfileSession:
             summary["pyspy"] = self.pyspy.result()
             unprofiled = [ms for _shape, ms in self.pyspy.times["off"]]
             if self.window is not None and unprofiled and self.window.timer_ms:
-                summary["torch_profiler_overhead_ratio"] = float(np.median(self.window.timer_ms) / np.median(unprofiled) - 1)
+                summary["torch_profiler_overhead_ratio"] = float(np.median(self.window.timer_ms)
+                                                                 / np.median(unprofiled) - 1)
         if self.sampler is not None:
             self.sampler.stop()
             summary["gpu_sampling"] = self.sampler.write(self.out_dir)
@@ -134,8 +135,9 @@ class ProfileSession:
                "batching_method": self.cfg.batching.method, "num_workers": self.cfg.data.num_workers,
                "precision": env.get("precision")}
         default_bytes = 2 if env.get("precision") in ("bf16", "fp16") else 4
-        summary = build_summary(w.ops, device_type=self.device.type, step_total_us=sum(w.step_us), active_steps=len(w.step_us),
-                                stage_us=w.stage_us, roofline=roof, th=p, default_bytes=default_bytes, ctx=ctx)
+        summary = build_summary(w.ops, device_type=self.device.type, step_total_us=sum(w.step_us),
+                                active_steps=len(w.step_us), stage_us=w.stage_us, roofline=roof, th=p,
+                                default_bytes=default_bytes, ctx=ctx)
         summary["trace"] = w.trace
         summary["profiled_step_time_ms_median"] = float(np.median(w.timer_ms)) if w.timer_ms else None
         return summary
@@ -162,7 +164,8 @@ def print_artifacts(out_dir: Path, summary: dict[str, Any]) -> None:
     trace = summary.get("trace")
     if trace:
         where = trace["path"] or trace.get("path_unavailable_reason")
-        print(f"  torch.profiler trace: {where} ({trace['bytes'] / 2**20:.2f} MiB gzipped, cap {trace['cap_bytes'] / 2**20:.0f} MiB; "
+        print(f"  torch.profiler trace: {where} ({trace['bytes'] / 2**20:.2f} MiB gzipped, "
+              f"cap {trace['cap_bytes'] / 2**20:.0f} MiB; "
               "open in https://ui.perfetto.dev or chrome://tracing)")
     for rec in summary.get("recommendations", []):
         print(f"  recommendation: {rec['text']}")
@@ -171,7 +174,8 @@ def print_artifacts(out_dir: Path, summary: dict[str, Any]) -> None:
         for kind, o in ps["outputs"].items():
             print(f"  py-spy {kind}: {o['path']}")
         if ps.get("overhead_ratio") is not None:
-            print(f"  py-spy overhead: {100 * ps['overhead_ratio']:+.1f}% step time, {ps['rate_hz']} Hz, matched by batch shape "
+            print(f"  py-spy overhead: {100 * ps['overhead_ratio']:+.1f}% step time, {ps['rate_hz']} Hz, "
+                  "matched by batch shape "
                   f"over {ps['steps_matched']} steps (plain medians {ps['step_time_ms_with']:.1f} ms with, "
                   f"{ps['step_time_ms_without']:.1f} ms without: {100 * ps['overhead_ratio_unmatched']:+.1f}%)")
         for err in ps.get("errors", []):

@@ -68,7 +68,8 @@ class TorchProfileWindow(Callback):
         trainer.set_ranges(ProfilerRanges(nvtx=cuda))
         self._prof = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=self.cfg.wait, warmup=self.cfg.warmup, active=self.cfg.active, repeat=1),
+            schedule=torch.profiler.schedule(wait=self.cfg.wait, warmup=self.cfg.warmup, active=self.cfg.active,
+                                             repeat=1),
             record_shapes=True, with_flops=True, profile_memory=True, on_trace_ready=self._ready)
         self._prof.start()
         trainer.add_callback(self)
@@ -81,7 +82,8 @@ class TorchProfileWindow(Callback):
             self.timer_ms.append(step_ms)
         self._prof.step()
         if step >= self.last_step:
-            self.tokens = {"real_tokens": s.real_tokens - self._tok0[0], "padded_tokens": s.padded_tokens - self._tok0[1]}
+            self.tokens = {"real_tokens": s.real_tokens - self._tok0[0],
+                           "padded_tokens": s.padded_tokens - self._tok0[1]}
             self.close()
         return False
 
@@ -121,5 +123,6 @@ class TorchProfileWindow(Callback):
         if size > cap:
             os.unlink(dst)
             self.trace["path"] = None
-            self.trace["path_unavailable_reason"] = (f"trace was {size / 2**20:.1f} MiB > profile.max_trace_mb={self.cfg.max_trace_mb:g}; "
+            self.trace["path_unavailable_reason"] = (f"trace was {size / 2**20:.1f} MiB > "
+                                                     f"profile.max_trace_mb={self.cfg.max_trace_mb:g}; "
                                                      "deleted: lower profile.active")

@@ -175,7 +175,8 @@ def _packing_fields(cfg: RunConfig, bundle: DataBundle, stats: TrainStats,
     layout = pack_layout(cfg, bundle.splits["train"].lengths)
     rows = stats.padded_tokens / layout.capacity if layout.capacity else 0
     return {"pack_len": layout.capacity, "rows_per_step": layout.rows, "label_slots_per_step": layout.max_seqs,
-            "samples_per_row": _ratio(stats.samples, rows), "pack_efficiency": _ratio(stats.real_tokens, stats.padded_tokens),
+            "samples_per_row": _ratio(stats.samples, rows),
+            "pack_efficiency": _ratio(stats.real_tokens, stats.padded_tokens),
             "attention_path": attention["path"] if attention else "sdpa-mask",
             "attention_reason": attention["reason"] if attention else "the model's default (no decision was made)",
             "attention": attention}
@@ -234,9 +235,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return [
         f"test accuracy {f(q['test_accuracy'], '.4f')} (majority class {f(q['test_majority_class_accuracy'], '.4f')}), "
         f"test macro-F1 {f(q['test_macro_f1'], '.4f')}, eval accuracy {f(q['eval_accuracy'], '.4f')}",
-        f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, {f(p['throughput_tokens_per_s'], '.0f')} tokens/s; "
+        f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, "
+        f"{f(p['throughput_tokens_per_s'], '.0f')} tokens/s; "
         f"step p50 {f(p['step_time_ms']['p50'], '.1f')} ms, p99 {f(p['step_time_ms']['p99'], '.1f')} ms; "
-        f"first step after {f(p['time_to_first_step_s'], '.1f')} s; peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
+        f"first step after {f(p['time_to_first_step_s'], '.1f')} s; "
+        f"peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence "
         f"length{'' if b['distinct_shapes'] == 1 else 's'}; "
         f"wall time {p['wall_time_s']:.0f} s",

@@ -69,7 +69,8 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool,
                                f"batching.method={b.method})"),
         "packing": _lever(b.method == "packed", packing_reason),
         "clipping": _lever(cfg.clip.method != "none", f"clip.method={cfg.clip.method} on the model's parameters"),
-        "numerics_guard": _lever(True, "non-finite steps skipped and counted; culprit named from the model's module tree"),
+        "numerics_guard": _lever(True, "non-finite steps skipped and counted; culprit named from the model's "
+                                       "module tree"),
         "compile": _lever(bool(comp.get("enabled")), str(comp.get("reason") or "no compile session")),
         "compile_warmup": _lever(bool(comp.get("enabled")) and comp.get("warmup_s") is not None,
                                  "per-shape warm-up of every planned batch shape" if comp.get("enabled")

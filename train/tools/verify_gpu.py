@@ -52,11 +52,13 @@ def _run(cmd: list[str], timeout: float = 30) -> tuple[int, str]:
 def check_nvidia_smi() -> Check:
     if shutil.which("nvidia-smi") is None:
         return Check("driver / nvidia-smi", "NO-GPU", "nvidia-smi not found",
-                     "on a GPU host: install the NVIDIA driver; in a container: run with --gpus all (NVIDIA container toolkit)")
+                     "on a GPU host: install the NVIDIA driver; in a container: run with --gpus all "
+                     "(NVIDIA container toolkit)")
     rc, out = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     if rc != 0:
         return Check("driver / nvidia-smi", "NO-GPU", out.splitlines()[-1] if out else f"exit {rc}",
-                     "nvidia-smi cannot talk to the driver: check `nvidia-smi` on the host, reload the driver or reboot")
+                     "nvidia-smi cannot talk to the driver: check `nvidia-smi` on the host, reload the driver "
+                     "or reboot")
     return Check("driver / nvidia-smi", "PASS", "; ".join(out.splitlines()))
 
 
@@ -74,18 +76,20 @@ def torch_checks(have_smi: bool) -> list[Check]:
     if not torch.cuda.is_available():
         if have_smi:
             return rows + [Check("torch.cuda.is_available()", "FAIL", "False although nvidia-smi sees a GPU",
-                                 "driver too old for this CUDA build (see nvidia-smi 'CUDA Version'), a CPU-only torch, "
-                                 "or CUDA_VISIBLE_DEVICES hides the GPUs")]
+                                 "driver too old for this CUDA build (see nvidia-smi 'CUDA Version'), "
+                                 "a CPU-only torch, or CUDA_VISIBLE_DEVICES hides the GPUs")]
         return rows + [Check("torch.cuda.is_available()", "NO-GPU", "False (no GPU on this host)", "")]
     rows.append(Check("torch.cuda.is_available()", "PASS", f"True, {torch.cuda.device_count()} device(s)"))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    rows.append(Check("cuDNN", "INFO" if cudnn else "WARN", str(cudnn), "" if cudnn else "cuDNN not available to torch"))
+    rows.append(Check("cuDNN", "INFO" if cudnn else "WARN", str(cudnn),
+                      "" if cudnn else "cuDNN not available to torch"))
     major, minor = torch.cuda.get_device_capability(0)
     rows.append(Check("device", "INFO", f"{torch.cuda.get_device_name(0)}, compute capability {major}.{minor}"))
     rows.append(check_matmul(torch))
     bf16 = torch.cuda.is_bf16_supported()
     rows.append(Check("bf16", "PASS" if bf16 else "WARN", str(bf16),
-                      "" if bf16 else "no bf16 (compute capability < 8.0): precision=auto falls back to fp16 + GradScaler"))
+                      "" if bf16 else
+                      "no bf16 (compute capability < 8.0): precision=auto falls back to fp16 + GradScaler"))
     nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()
     version = ".".join(map(str, torch.cuda.nccl.version())) if nccl else "unavailable"
     rows.append(Check("NCCL", "PASS" if nccl else "WARN", version, "" if nccl else "multi-GPU (DDP) needs NCCL"))
@@ -104,7 +108,8 @@ def check_matmul(torch) -> Check:
         got = (a.cuda() @ b.cuda()).cpu()  # .cpu() is a host-device sync point
         ms = (time.perf_counter() - t0) * 1e3
     except RuntimeError as exc:
-        return Check("matmul vs CPU", "FAIL", str(exc).splitlines()[0], "the GPU cannot run a kernel: check driver/toolkit versions")
+        return Check("matmul vs CPU", "FAIL", str(exc).splitlines()[0],
+                     "the GPU cannot run a kernel: check driver/toolkit versions")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
     want = a @ b
@@ -160,15 +165,16 @@ def check_pyspy() -> Check:
         child.wait()
     if rc != 0:
         return Check("py-spy ptrace", "WARN", (out.splitlines() or [f"exit {rc}"])[-1],
-                     "py-spy cannot attach: run the container with --cap-add SYS_PTRACE (the Makefile does), or on the host "
-                     "`sudo sysctl kernel.yama.ptrace_scope=0`")
+                     "py-spy cannot attach: run the container with --cap-add SYS_PTRACE (the Makefile does), "
+                     "or on the host `sudo sysctl kernel.yama.ptrace_scope=0`")
     return Check("py-spy ptrace", "PASS", "py-spy dump of a child process works")
 
 
 def check_nsys() -> Check:
     exe = shutil.which("nsys")
     if exe is None:
-        return Check("nsys", "WARN", "not found", "make profile-nsys needs Nsight Systems (in the image; on a host: nsight-systems-cli)")
+        return Check("nsys", "WARN", "not found",
+                     "make profile-nsys needs Nsight Systems (in the image; on a host: nsight-systems-cli)")
     rc, out = _run([exe, "--version"])
     return Check("nsys", "PASS" if rc == 0 else "WARN", out.splitlines()[0] if out else f"exit {rc}")
 

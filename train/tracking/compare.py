@@ -34,7 +34,8 @@ def resolve_run_dir(arg: str, runs_root: str = "runs") -> Path:
     if not p.is_dir():
         raise UserError(f"run directory {arg} does not exist; pass a path like runs/<run-id>")
     if not (p / "report.json").is_file():
-        raise UserError(f"{p} has no report.json (did the run finish?); train it with `python -m train train --run-id {p.name}`")
+        raise UserError(f"{p} has no report.json (did the run finish?); "
+                        f"train it with `python -m train train --run-id {p.name}`")
     return p
 
 
@@ -48,7 +49,8 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); rerun the training or remove the run") from None
+        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg}); "
+                        "rerun the training or remove the run") from None
     if not isinstance(report, dict):
         raise UserError(f"{path}: expected a JSON object")
     records: list[dict[str, Any]] = []
@@ -138,7 +140,8 @@ def plot(names: list[str], reports: list[dict], records: list[list[dict]], out: 
               (axes[1][0], "token_efficiency", "token efficiency (1 = no padding)")]
     for ax, key, title in panels:
         for name, recs in zip(names, records):
-            pts = [(r["step"], r[key]) for r in recs if r.get("event") is None and r.get(key) is not None and "step" in r]
+            pts = [(r["step"], r[key]) for r in recs
+                   if r.get("event") is None and r.get(key) is not None and "step" in r]
             if pts:
                 ax.plot(*zip(*pts), label=name, marker="." if len(pts) < 30 else None)
         ax.set_title(title)
@@ -205,8 +208,8 @@ def compare_bench(args: list[str], out_dir: Optional[str] = None, runs_root: str
     samples/s and the ratio to the first file. Returns ``(markdown, md_path)``."""
     benches = [load_bench(a) for a in args]
     lines = ["| | " + " | ".join(args) + " |", "|---|" + "---|" * len(args)]
-    for label, key in (("device", "device"), ("CPU flags", "cpu_flags"), ("torch", "torch"), ("torch threads", "num_threads"),
-                       ("load at start / end", None)):
+    for label, key in (("device", "device"), ("CPU flags", "cpu_flags"), ("torch", "torch"),
+                       ("torch threads", "num_threads"), ("load at start / end", None)):
         cells = []
         for b in benches:
             env = b.get("env", {})

@@ -45,7 +45,8 @@ def grad_table(named_params: list[tuple[str, torch.Tensor]], clip_scale: Optiona
     if clip_scale is not None:
         table = table / clip_scale.float().clamp_min(1e-12)
     values = table.tolist()  # host-device sync: once per grad_stats record
-    return {name: {"norm": values[0][i], "std": values[1][i], "numel": grads[i].numel()} for i, name in enumerate(names)}
+    return {name: {"norm": values[0][i], "std": values[1][i], "numel": grads[i].numel()}
+            for i, name in enumerate(names)}
 
 
 class GradStatsCallback(Callback):
@@ -70,7 +71,8 @@ class GradStats:
         self.every, self.clip_norm, self.log_every = every, clip_norm, log_every
         self.records = 0
 
-    def after_log(self, step: int, model: torch.nn.Module, grad_norm: Optional[torch.Tensor], logger: MetricLogger) -> None:
+    def after_log(self, step: int, model: torch.nn.Module, grad_norm: Optional[torch.Tensor],
+                  logger: MetricLogger) -> None:
         """Call once after each logged record, while the step's gradients are still in ``.grad``.
 
         ``grad_norm``: the step's pre-clip global norm (0-d device tensor) returned by ``clip_grad_norm_``,

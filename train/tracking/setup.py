@@ -34,7 +34,8 @@ class Tracking:
         if self.mode is not None:
             self.wandb = WandbLogger(t, self.mode, Path(run_dir), run_name or Path(run_dir).name, cfg.to_dict(),
                                      **wandb_kwargs)
-        self.grad_stats = GradStats(t.grad_stats_every, cfg.optim.clip_norm, cfg.train.log_every) if t.grad_stats_every else None
+        self.grad_stats = (GradStats(t.grad_stats_every, cfg.optim.clip_norm, cfg.train.log_every)
+                           if t.grad_stats_every else None)
         self.monitor: Optional[SystemMonitor] = None
         self.logger: MetricLogger = self.jsonl
         self._closed = False

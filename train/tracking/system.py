@@ -1,6 +1,7 @@
 """System metrics sampled by a background thread: CPU %, process RSS, and on CUDA NVML GPU figures.
 
-At start, every ``tracking.system_interval_s`` seconds, and once more at stop, the monitor logs ``{"event": "system", ...}``:
+At start, every ``tracking.system_interval_s`` seconds, and once more at stop, the monitor logs
+``{"event": "system", ...}``:
 
 * ``cpu_percent`` (all cores, 0–100) and ``process_cpu_percent`` (this process; 100 = one core busy),
   ``process_rss_bytes``, ``system_memory_used_bytes`` — from psutil.

@@ -260,7 +260,8 @@ class WandbLogger:
             self._fail("the W&B queue did not drain")
         self._thread.join(self.cfg.finish_timeout_s)
         if self._thread.is_alive():
-            self._fail(f"wandb.finish did not complete within tracking.finish_timeout_s={self.cfg.finish_timeout_s:g} s; "
+            self._fail(f"wandb.finish did not complete within "
+                       f"tracking.finish_timeout_s={self.cfg.finish_timeout_s:g} s; "
                        "the W&B files may be incomplete")
 
     def status(self) -> dict[str, Any]:
@@ -270,5 +271,6 @@ class WandbLogger:
             sync = f"wandb sync {self.files_dir}"
         return {"wandb_active": self.run is not None and self.failure is None, "wandb_mode": self.mode,
                 "wandb_dir": self.files_dir, "wandb_fallback_reason": self.failure, "wandb_init_s": self.init_s,
-                "wandb_logged_records": self.logged, "dropped_records": self.dropped, "wandb_unsent_records": self.unsent,
+                "wandb_logged_records": self.logged, "dropped_records": self.dropped,
+                "wandb_unsent_records": self.unsent,
                 "wandb_watch": None if self.cfg.watch == "off" else self.cfg.watch, "wandb_sync_command": sync}

@@ -15,7 +15,14 @@ from typing import Any
 import numpy as np
 
 from train.commands.bench.inference import run_inference_bench
-from train.commands.bench.training import CONFIGS, add_ratios, arm_config, auto_precision, run_training_bench, runnable_rows
+from train.commands.bench.training import (
+    CONFIGS,
+    add_ratios,
+    arm_config,
+    auto_precision,
+    run_training_bench,
+    runnable_rows,
+)
 from train.config import RunConfig
 from train.data import prepare_data
 from train.data.tokenizer import load_or_train
@@ -60,12 +67,22 @@ def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str
         result["inference"] = None
         result["inference_unavailable_reason"] = "skipped (bench.skip_inference)"
     else:
-        tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir, cfg.data.tokenizer_path)
+        tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir,
+                               cfg.data.tokenizer_path)
         result["inference"] = run_inference_bench(cfg, bundle, tok, device, notice)
     result["env"]["load_1min_at_end"] = machine_facts(device)["load_1min"]
     result["run_dir"] = str(run_dir)
     write_outputs(out_dir, result)
     return result
+
+
+def _lever_ratio(row: dict[str, Any]) -> str:
+    """``1.05 [1.01, 1.09]`` (paired, with its interval; ``n.s.`` when it includes 1.0), or ``—``."""
+    v = row.get("vs_parent")
+    if not v or v.get("median") is None:
+        return "—"
+    return (f"{v['median']:.2f} [{v['low']:.2f}, {v['high']:.2f}]"
+            + (" n.s." if v["verdict"] == "no measurable difference" else ""))
 
 
 def _fmt(x: Any, spec: str = ".1f") -> str:
@@ -80,18 +97,22 @@ def markdown(result: dict[str, Any]) -> str:
              f"CPU flags: {', '.join(env.get('cpu_flags') or []) or 'n/a'}; {env.get('torch_threads')} torch threads; "
              f"1-minute {load} (start → end).", "",
              "## Training (interleaved, same process; medians over windows after warm-up)", "",
-             "Each row's own lever is its ratio against the row that differs from it by that lever alone (`vs row`).", "",
-             "| config | samples/s | × naive | × hf-style | lever (vs row) | × lever | tokens/s | first step s | p50 ms "
-             "| p90 ms | p99 ms | token eff. | shapes | peak mem MiB | J/sample | MFU (measured peak) |",
+             "Each row's own lever is its paired per-round ratio against the row that differs from it by that lever "
+             "alone (`vs row`), with its 95 % interval; `n.s.`: the interval includes 1.0 (no measurable difference).",
+             "",
+             "| config | samples/s | × naive | × hf-style | lever (vs row) | × lever | tokens/s | first step s "
+             "| p50 ms | p90 ms | p99 ms | token eff. | shapes | peak mem MiB | J/sample | MFU (measured peak) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["training"]["configs"]:
         st = r["step_time_ms"]
         lever = f"{r['lever']} (vs {r['parent']})" if r.get("parent") else "reference"
         lines.append(f"| {r['name']} | {_fmt(r['samples_per_s'])} | {_fmt(r.get('samples_per_s_vs_naive'), '.2f')} "
                      f"| {_fmt(r.get('samples_per_s_vs_hf-style'), '.2f')} | {lever} "
-                     f"| {_fmt(r.get('samples_per_s_vs_parent'), '.2f')} | {_fmt(r['tokens_per_s'], '.0f')} "
-                     f"| {_fmt(r['time_to_first_step_s'], '.2f')} | {_fmt(st['p50'])} | {_fmt(st['p90'])} | {_fmt(st['p99'])} "
-                     f"| {_fmt(r['token_efficiency'], '.3f')} | {r['distinct_shapes']} | {r['peak_memory_bytes'] / 2**20:.0f} "
+                     f"| {_lever_ratio(r)} | {_fmt(r['tokens_per_s'], '.0f')} "
+                     f"| {_fmt(r['time_to_first_step_s'], '.2f')} | {_fmt(st['p50'])} | {_fmt(st['p90'])} "
+                     f"| {_fmt(st['p99'])} "
+                     f"| {_fmt(r['token_efficiency'], '.3f')} | {r['distinct_shapes']} "
+                     f"| {r['peak_memory_bytes'] / 2**20:.0f} "
                      f"| {_fmt(r.get('energy_j_per_sample'), '.3g')} | {_fmt(r['mfu_vs_measured_peak'], '.1%')} |")
     lines += ["", "Rows:", ""] + [f"* `{r['name']}`: {r['description']}" for r in result["training"]["configs"]]
     lines += [f"* `{n}`: not run: {why}" for n, why in (result["training"].get("skipped") or {}).items()]
@@ -102,25 +123,30 @@ def markdown(result: dict[str, Any]) -> str:
     inf = result.get("inference")
     if inf:
         lines += ["", "## Inference", "", f"Model: {inf['model']}; precision {inf['precision']}; "
-                  f"time to first response {inf['time_to_first_response_s']:.2f} s (first request {inf['first_request_ms']:.1f} ms); "
+                  f"time to first response {inf['time_to_first_response_s']:.2f} s "
+                  f"(first request {inf['first_request_ms']:.1f} ms); "
                   f"accuracy on the requests {inf['accuracy_on_requests']:.3f}.", "",
                   "| mode | requests | requests/s | p50 ms | p90 ms | p99 ms | peak mem MiB | J/request |",
                   "|---|---|---|---|---|---|---|---|"]
         for mode in ("single", "batched"):
             m = inf[mode]
             lat = m["latency_ms"]
-            how = {"packed": "packed rows, one forward", "bucket": "grouped by bucket"}.get(m.get("batching"), m.get("batching"))
+            how = {"packed": "packed rows, one forward",
+                   "bucket": "grouped by bucket"}.get(m.get("batching"), m.get("batching"))
             label = mode if mode == "single" else f"batched ({m['batch_size']}/call, {how}; latency per call)"
             lines.append(f"| {label} | {m['requests']} | {_fmt(m['requests_per_s'])} | {_fmt(lat['p50'], '.2f')} "
-                         f"| {_fmt(lat['p90'], '.2f')} | {_fmt(lat['p99'], '.2f')} | {m['peak_memory_bytes'] / 2**20:.0f} "
+                         f"| {_fmt(lat['p90'], '.2f')} | {_fmt(lat['p99'], '.2f')} "
+                         f"| {m['peak_memory_bytes'] / 2**20:.0f} "
                          f"| {_fmt(m.get('energy_j_per_request'), '.3g')} |")
         if inf.get("load"):
             ls = inf["load_settings"]
             lines += ["", f"Batched / single requests/s: {_fmt(inf.get('batched_vs_single_requests_per_s'), '.2f')}×. "
-                      f"Open loop: Poisson arrivals at shares of the batched maximum ({ls['max_rate_requests_per_s']:.0f} "
+                      "Open loop: Poisson arrivals at shares of the batched maximum "
+                      f"({ls['max_rate_requests_per_s']:.0f} "
                       f"requests/s), dynamic batching up to {ls['max_batch']} with a {ls['max_queue_delay_ms']:g} ms "
                       "maximum queueing delay; latency from arrival to answer.", "",
-                      "| load | offered req/s | achieved req/s | p50 ms | p99 ms | mean batch |", "|---|---|---|---|---|---|"]
+                      "| load | offered req/s | achieved req/s | p50 ms | p99 ms | mean batch |",
+                      "|---|---|---|---|---|---|"]
             for lv in inf["load"]:
                 lines.append(f"| {lv['load']:.0%} | {lv['offered_requests_per_s']:.0f} | "
                              f"{_fmt(lv['achieved_requests_per_s'], '.0f')} | {_fmt(lv['latency_ms']['p50'], '.2f')} "

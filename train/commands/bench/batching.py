@@ -102,7 +102,8 @@ def epoch_stats(method: Method, lengths: np.ndarray) -> dict[str, Any]:
         real = int(np.minimum(lengths, method.bounds[0]).sum())
         padded = len(method.batches) * rows_per_batch * method.bounds[0]
         return {"token_efficiency": real / padded, "distinct_shapes": 1, "distinct_batch_shapes": 1,
-                "batches_per_epoch": len(method.batches), "samples_per_epoch": n, "mean_batch_size": n / len(method.batches),
+                "batches_per_epoch": len(method.batches), "samples_per_epoch": n,
+                "mean_batch_size": n / len(method.batches),
                 "real_tokens_per_epoch": real, "padded_tokens_per_epoch": padded}
     collate = PadCollate(0, method.bounds, method.pad_to)
     real = padded = 0
@@ -148,7 +149,8 @@ def time_methods(methods: list[Method], dataset: TokenDataset, pad_id: int, step
     def arm(m: Method) -> Arm:
         def one() -> dict[str, float]:
             idx = next(streams[m.name])
-            batch = collates[m.name]([[dataset[i] for i in row] for row in idx] if m.packed else [dataset[i] for i in idx])
+            batch = collates[m.name]([[dataset[i] for i in row] for row in idx] if m.packed
+                                     else [dataset[i] for i in idx])
             return step(batch).counts()
 
         return Arm(m.name, one)
@@ -213,10 +215,13 @@ def targets(rows: list[dict], k: int, target_eff: float, dp: dict) -> dict[str, 
                                      "reached": opt["token_efficiency"] >= target_eff,
                                      "dp_optimum_at_k": dp["dp_optimum_by_k"][k - 1]["token_efficiency"]
                                      if k <= len(dp["dp_optimum_by_k"]) else None},
-        "optimal_distinct_shapes": {"target": "<= 16", "value": opt["distinct_shapes"], "reached": opt["distinct_shapes"] <= 16},
-        "samples_per_s_vs_pad_to_max": {"target": ">= 4", "row": best["name"], "value": best["samples_per_s_vs_pad_to_max"],
+        "optimal_distinct_shapes": {"target": "<= 16", "value": opt["distinct_shapes"],
+                                    "reached": opt["distinct_shapes"] <= 16},
+        "samples_per_s_vs_pad_to_max": {"target": ">= 4", "row": best["name"],
+                                        "value": best["samples_per_s_vs_pad_to_max"],
                                         "reached": best["samples_per_s_vs_pad_to_max"] >= 4,
-                                        "by_row": {r["name"]: r["samples_per_s_vs_pad_to_max"] for r in (opt, by[f"optimal-{k}-max-tokens"])}},
+                                        "by_row": {r["name"]: r["samples_per_s_vs_pad_to_max"]
+                                                   for r in (opt, by[f"optimal-{k}-max-tokens"])}},
         "samples_per_s_vs_hf_group_by_length": {"target": ">= 1", "row": best["name"],
                                                 "value": best["samples_per_s"] / hf["samples_per_s"],
                                                 "reached": best["samples_per_s"] >= hf["samples_per_s"],
@@ -225,12 +230,14 @@ def targets(rows: list[dict], k: int, target_eff: float, dp: dict) -> dict[str, 
     }
     packed = next((r for r in rows if r["name"].startswith("packed-")), None)
     if packed is not None:
-        out["packed_token_efficiency"] = {"target": f">= {target_eff} (by packing, not bucketing)", "row": packed["name"],
+        out["packed_token_efficiency"] = {"target": f">= {target_eff} (by packing, not bucketing)",
+                                          "row": packed["name"],
                                           "value": packed["token_efficiency"],
                                           "reached": packed["token_efficiency"] >= target_eff,
                                           "distinct_shapes": packed["distinct_shapes"],
                                           "samples_per_s_vs_pad_to_max": packed["samples_per_s_vs_pad_to_max"],
-                                          "samples_per_s_vs_hf_group_by_length": packed["samples_per_s"] / hf["samples_per_s"]}
+                                          "samples_per_s_vs_hf_group_by_length":
+                                              packed["samples_per_s"] / hf["samples_per_s"]}
     if not out["optimal_token_efficiency"]["reached"]:
         out["optimal_token_efficiency"]["not_reached_reason"] = (
             f"the DP's exact optimum with K={k} pad-to-bound buckets is "

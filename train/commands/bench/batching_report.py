@@ -15,7 +15,8 @@ def markdown_table(result: dict[str, Any]) -> str:
              "samples/s ÷ pad-to-max | tokens/s ÷ pad-to-max |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in result["results"]:
-        lines.append(f"| `{r['name']}` | {r['token_efficiency']:.3f} | {r['distinct_shapes']} | {r['batches_per_epoch']} | "
+        lines.append(f"| `{r['name']}` | {r['token_efficiency']:.3f} | {r['distinct_shapes']} | "
+                     f"{r['batches_per_epoch']} | "
                      f"{r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['samples_per_s_vs_pad_to_max']:.2f}× | "
                      f"{r['tokens_per_s_vs_pad_to_max']:.2f}× |")
     d, c, e = result["data"], result["config"], result["env"]
@@ -51,7 +52,8 @@ def bar_chart(result: dict[str, Any], path: Path) -> None:
         bars = ax.bar(range(len(rows)), values, color=["#999999"] * 3 + ["#6a9fd4"] + ["#1f5fa8"] * (len(rows) - 4))
         for bar, r in zip(bars, rows):
             label = f"{r[key]:.2f}" if key == "token_efficiency" else f"{r['samples_per_s_vs_pad_to_max']:.1f}×"
-            ax.annotate(f"{label}\n{r['distinct_shapes']} shapes", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ax.annotate(f"{label}\n{r['distinct_shapes']} shapes",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                         ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)

@@ -74,7 +74,8 @@ def _child(config: Optional[str], overrides: list[str], extra: list[str], out: P
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"bench-compile child failed ({' '.join(extra)}), exit {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"bench-compile child failed ({' '.join(extra)}), exit {proc.returncode}:\n"
+                           f"{proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
     result["process_wall_s"] = wall
     return result
@@ -180,12 +181,13 @@ def run_bench(cfg: Any, config: Optional[str], overrides: list[str]) -> dict[str
         "compiled_over_eager_step_ms_p50": _ratio(steady["compiled_step_ms_p50"], steady["eager_step_ms_p50"]),
         "speedup_eager_over_compiled_p50": steady["speedup_eager_over_compiled_p50"],
         "targets": {"warm_time_to_first_step_le_25pct_of_cold": {
-            "value": ratio_warm_cold, "target": 0.25, "reached": ratio_warm_cold is not None and ratio_warm_cold <= 0.25}},
+            "value": ratio_warm_cold, "target": 0.25,
+            "reached": ratio_warm_cold is not None and ratio_warm_cold <= 0.25}},
         "processes": {"eager": eager, "cold": cold, "warm": warm},
         "steady": steady,
         "cache_dir": str(cache),
-        **({"cache_comparison_note": f"compile.backend={cfg.compile.backend} keeps no on-disk cache: 'warm' is a second "
-                                      "cold process"} if no_disk_cache else {}),
+        **({"cache_comparison_note": f"compile.backend={cfg.compile.backend} keeps no on-disk cache: "
+                                      "'warm' is a second cold process"} if no_disk_cache else {}),
         "config": config, "overrides": overrides,
         "env": {**collect_env(resolve_device(cfg.train.device)), "num_threads": torch.get_num_threads()},
         "note": ("time_to_first_step_s is from process start (before import torch) to the end of the first optimizer "
@@ -196,5 +198,6 @@ def run_bench(cfg: Any, config: Optional[str], overrides: list[str]) -> dict[str
     print(f"cold {result['cold_time_to_first_step_s']:.1f}s, warm {result['warm_time_to_first_step_s']:.1f}s "
           f"(warm/cold {ratio_warm_cold:.2f}); step p50 eager {steady['eager_step_ms_p50']:.1f} ms, compiled "
           f"{'n/a' if steady['compiled_step_ms_p50'] is None else format(steady['compiled_step_ms_p50'], '.1f')} ms; "
-          f"recompiles after warm-up {steady['recompiles_after_warmup']}; wrote {run_dir / 'bench-compile.json'}", flush=True)
+          f"recompiles after warm-up {steady['recompiles_after_warmup']}; wrote {run_dir / 'bench-compile.json'}",
+          flush=True)
     return result

@@ -1,6 +1,7 @@
 """The performance regression gate: ``python -m train bench-gate`` (``make bench-gate``) and ``bench-baseline``.
 
-A short ``make bench`` run of a few rows (``bench_gate.configs``, default naive / hf-style / optimized / optimized-packed),
+A short ``make bench`` run of a few rows (``bench_gate.configs``, default naive / hf-style / optimized /
+optimized-packed),
 compared with a committed baseline (``bench/baseline-cpu.json``; ``bench/baseline-gpu.json`` on CUDA):
 
 * **exact figures** — per row token efficiency, distinct shapes, samples per step and per epoch — depend only on the
@@ -58,7 +59,8 @@ def machine_key(device: torch.device) -> str:
     facts = machine_facts(device)
     if device.type == "cuda":
         return f"cuda:{facts['gpu']}"
-    return f"cpu:{facts['cpu_model']}|{','.join(facts['cpu_flags'])}|{facts['logical_cores']}c|{facts['torch_threads']}t"
+    return (f"cpu:{facts['cpu_model']}|{','.join(facts['cpu_flags'])}|{facts['logical_cores']}c|"
+            f"{facts['torch_threads']}t")
 
 
 def figures(rows: list[dict[str, Any]], data_fingerprint: str) -> dict[str, Any]:
@@ -66,19 +68,23 @@ def figures(rows: list[dict[str, Any]], data_fingerprint: str) -> dict[str, Any]
     ({"a/b": samples/s of a ÷ of b} for the :data:`RATIOS` whose rows ran), ``absolute`` ({row.samples_per_s}),
     and the context that must match for a comparison to mean anything (``precision`` per row, ``data_fingerprint``)."""
     by = {r["name"]: r for r in rows}
-    exact = {f"{r['name']}.{k}": (round(r[k], 9) if isinstance(r[k], float) else r[k]) for r in rows for k in EXACT_KEYS}
+    exact = {f"{r['name']}.{k}": (round(r[k], 9) if isinstance(r[k], float) else r[k])
+             for r in rows for k in EXACT_KEYS}
     ratios = {f"{a}/{b}": by[a]["samples_per_s"] / by[b]["samples_per_s"] for a, b in RATIOS if a in by and b in by}
-    return {"exact": exact, "ratios": ratios, "absolute": {f"{r['name']}.samples_per_s": r["samples_per_s"] for r in rows},
+    return {"exact": exact, "ratios": ratios,
+            "absolute": {f"{r['name']}.samples_per_s": r["samples_per_s"] for r in rows},
             "precision": {r["name"]: r["precision"] for r in rows}, "data_fingerprint": data_fingerprint,
             "recompiles_after_warmup": None,
-            "recompiles_unavailable_reason": "the gate trains eager steps (compile off); make bench-compile counts recompiles"}
+            "recompiles_unavailable_reason": "the gate trains eager steps (compile off); "
+                                             "make bench-compile counts recompiles"}
 
 
 def measure(cfg: RunConfig, device: torch.device, bundle, notice: Callable[[str], None] = print) -> dict[str, Any]:
     """One gate measurement: the configured rows, interleaved in this process, reduced to :func:`figures`."""
     g = cfg.bench_gate
     names = [n.strip() for n in g.configs.split(",") if n.strip()]
-    rows = run_training_bench(cfg, bundle, device, names, notice, precision=None if g.precision == "auto" else g.precision)
+    rows = run_training_bench(cfg, bundle, device, names, notice,
+                              precision=None if g.precision == "auto" else g.precision)
     return {**figures(rows, bundle.data_fingerprint), "rows": rows}
 
 
@@ -103,22 +109,26 @@ def compare(baseline: dict[str, Any], now: dict[str, Any], machine: str = "", de
     checks = [Check("data fingerprint", "context", baseline["data_fingerprint"], now["data_fingerprint"], "equal",
                     baseline["data_fingerprint"] == now["data_fingerprint"], "other data: make bench-baseline"),
               Check("precision per row", "context", baseline["precision"], now["precision"], "equal",
-                    baseline["precision"] == now["precision"], "other precision: same bench_gate.precision as the baseline")]
+                    baseline["precision"] == now["precision"],
+                    "other precision: same bench_gate.precision as the baseline")]
     for key, base in baseline["exact"].items():
         value = now["exact"].get(key)
         same = value is not None and (value == base if isinstance(base, int) else
                                       math.isclose(value, base, rel_tol=EXACT_RTOL, abs_tol=1e-12))
-        checks.append(Check(key, "exact", base, value, "equal" if isinstance(base, int) else f"±{EXACT_RTOL:g} rel", same))
+        checks.append(Check(key, "exact", base, value, "equal" if isinstance(base, int) else f"±{EXACT_RTOL:g} rel",
+                            same))
     entry = baseline["machines"].get(machine)
     if entry is None:
         note = f"not gated: no timing baseline for this machine ({machine}); make bench-baseline adds one"
-        return checks + [Check(key, "ratio", None, value, "not gated", True, note) for key, value in now["ratios"].items()]
+        return checks + [Check(key, "ratio", None, value, "not gated", True, note)
+                         for key, value in now["ratios"].items()]
     bands = entry["ratio_band"]
     for key, base in entry["ratios"].items():
         band_k = bands[key]
         value = now["ratios"].get(key)
         ok = value is not None and value >= base * (1 - band_k)
-        note = "faster than the baseline: make bench-baseline raises the bar" if ok and value > base * (1 + band_k) else ""
+        note = ("faster than the baseline: make bench-baseline raises the bar"
+                if ok and value > base * (1 + band_k) else "")
         checks.append(Check(key, "ratio", base, value, f"≥ {base * (1 - band_k):.3f} (−{band_k:.0%})", ok, note))
     if entry.get("absolute_allowed") and device_name == entry.get("device"):
         band = min(bands.values())
@@ -148,11 +158,13 @@ def table(checks: list[Check]) -> str:
 def load_baseline(path: Path) -> dict[str, Any]:
     """Read a baseline file. Raises UserError (exit 2): missing, not JSON, or of another schema."""
     if not path.is_file():
-        raise UserError(f"no gate baseline at {path}: create it deliberately with `make bench-baseline` (and commit it)")
+        raise UserError(f"no gate baseline at {path}: create it deliberately with `make bench-baseline` "
+                        "(and commit it)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: not a gate baseline JSON ({exc.__class__.__name__}); rewrite it with make bench-baseline") from None
+        raise UserError(f"{path}: not a gate baseline JSON ({exc.__class__.__name__}); "
+                        "rewrite it with make bench-baseline") from None
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
         raise UserError(f"{path}: schema_version {data.get('schema_version') if isinstance(data, dict) else '?'}, this "
                         f"version reads {SCHEMA_VERSION}; rewrite it with make bench-baseline")
@@ -161,7 +173,8 @@ def load_baseline(path: Path) -> dict[str, Any]:
 
 def baseline_path(cfg: RunConfig) -> Path:
     """``bench_gate.baseline``, or the default for the device ``train.device`` resolves to."""
-    return Path(cfg.bench_gate.baseline) if cfg.bench_gate.baseline else default_baseline(resolve_device(cfg.train.device))
+    return (Path(cfg.bench_gate.baseline) if cfg.bench_gate.baseline
+            else default_baseline(resolve_device(cfg.train.device)))
 
 
 def _setup(cfg: RunConfig, prefix: str):
@@ -227,9 +240,11 @@ def write_baseline(cfg: RunConfig, notice: Callable[[str], None] = print) -> dic
              "ratio_band": band, "ratios": ratios,
              "absolute": {k: statistics.median(r["absolute"][k] for r in runs) for k in runs[0]["absolute"]},
              "measured": {"repeats": g.repeats, "ratios_each_run": {k: [r["ratios"][k] for r in runs] for k in ratios},
-                          "ratio_spread": spread, "band_rule": f"per ratio: min(0.9, max({g.band_floor}, 2 x its spread))"},
+                          "ratio_spread": spread,
+                          "band_rule": f"per ratio: min(0.9, max({g.band_floor}, 2 x its spread))"},
              "env": env}
-    common = {"data_fingerprint": runs[0]["data_fingerprint"], "precision": runs[0]["precision"], "exact": runs[0]["exact"]}
+    common = {"data_fingerprint": runs[0]["data_fingerprint"], "precision": runs[0]["precision"],
+              "exact": runs[0]["exact"]}
     old = load_baseline(path) if path.is_file() else None
     machines = {}
     if old is not None:

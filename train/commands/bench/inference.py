@@ -110,15 +110,17 @@ def load_model(cfg: RunConfig, bundle: DataBundle, device: torch.device,
         UserError: the checkpoint's vocabulary/classes do not match this config's data and tokenizer.
     """
     if checkpoint is None:
-        return build_model(cfg, bundle).to(device), list(bundle.corpus.label_names), "freshly initialised (no bench.checkpoint)"
+        return (build_model(cfg, bundle).to(device), list(bundle.corpus.label_names),
+                "freshly initialised (no bench.checkpoint)")
     state = load_checkpoint(checkpoint)
     spec = state["spec"]
     if spec["vocab_size"] != bundle.vocab_size or spec["num_classes"] != bundle.num_classes:
         raise UserError(f"checkpoint {checkpoint} was trained with vocab {spec['vocab_size']} / {spec['num_classes']} "
-                        f"classes, this config gives {bundle.vocab_size} / {bundle.num_classes}; pass that run's config "
-                        "(--config runs/<id>/config.yaml)")
+                        f"classes, this config gives {bundle.vocab_size} / {bundle.num_classes}; "
+                        "pass that run's config (--config runs/<id>/config.yaml)")
     # a model from model.source (train/models) is rebuilt from the run's config (+ the checkpoint's HF config)
-    model = build_model(cfg, bundle, spec.get("hf_config") or None) if "source" in spec else EncoderClassifier(EncoderSpec(**spec))
+    model = (build_model(cfg, bundle, spec.get("hf_config") or None) if "source" in spec
+             else EncoderClassifier(EncoderSpec(**spec)))
     model.load_state_dict(state["model"])
     return model.to(device), list(state.get("label_names") or bundle.corpus.label_names), checkpoint
 
@@ -168,7 +170,8 @@ def open_loop(answer: Callable[[list[str]], list[str]], texts: list[str], rate: 
             nxt += 1
         due = queue and (len(queue) >= max_batch or now - arrivals[queue[0]] >= max_delay_s or nxt == len(texts))
         if not due:
-            wake = min(arrivals[queue[0]] + max_delay_s if queue else np.inf, arrivals[nxt] if nxt < len(texts) else np.inf)
+            wake = min(arrivals[queue[0]] + max_delay_s if queue else np.inf,
+                       arrivals[nxt] if nxt < len(texts) else np.inf)
             time.sleep(max(0.0, wake - now))
             continue
         batch, queue = queue[:max_batch], queue[max_batch:]
@@ -193,7 +196,8 @@ def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer
     t0 = time.perf_counter()
     model, label_names, source = load_model(cfg, bundle, device, cfg.bench.checkpoint)
     policy = PrecisionPolicy.for_config(cfg, device)
-    clf = Classifier(model, tokenizer, bundle, label_names, policy, device, cfg.data.max_len, cfg.bench.inference_batching)
+    clf = Classifier(model, tokenizer, bundle, label_names, policy, device, cfg.data.max_len,
+                     cfg.bench.inference_batching)
     with Timed(device) as t:
         first = clf(texts[:1])
     t_first, t_done = t.start, t.end
@@ -221,7 +225,8 @@ def run_inference_bench(cfg: RunConfig, bundle: DataBundle, tokenizer: Tokenizer
         "batched": {**batched, "batch_size": batch_size, "batching": clf.batching,
                     "grouped_by": "packed rows (one forward per call)" if clf.batching == "packed"
                     else "bucket (one forward per bucket present)"},
-        "batched_vs_single_requests_per_s": peak / single["requests_per_s"] if peak and single["requests_per_s"] else None,
+        "batched_vs_single_requests_per_s": (peak / single["requests_per_s"]
+                                             if peak and single["requests_per_s"] else None),
         "load": load,
         "load_settings": {"arrivals": "Poisson", "levels_of_max_rate": list(LOAD_LEVELS),
                           "max_rate_requests_per_s": peak, "max_batch": batch_size,

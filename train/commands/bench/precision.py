@@ -5,7 +5,8 @@ also a short ``bf16`` row (``bench_precision.bf16_cpu_steps`` steps, timing only
 ``auto`` avoids it. Every row starts from the same initial weights and RNG state and is fed the same
 batches; the rows run interleaved step by step (the order rotates each step), so a shared, noisy
 machine slows them alike. Step times are synchronised, the first ``bench_precision.warmup`` steps are
-dropped (a row shorter than that drops only its first step), medians are reported with the ratio to fp32's median on the same steps. After training, each full-length row is evaluated on the validation split.
+dropped (a row shorter than that drops only its first step), medians are reported with the ratio to fp32's median
+on the same steps. After training, each full-length row is evaluated on the validation split.
 
 Writes ``bench-precision.json`` and ``bench-precision.md`` into the run directory.
 """
@@ -139,7 +140,8 @@ def run_bench(cfg: RunConfig) -> dict[str, Any]:
             row["eval_unavailable_reason"] = f"timing-only row: {r.steps} steps (bf16 on this CPU is too slow to train)"
         if r is not ref:
             same = r.losses == ref.losses[: len(r.losses)] and all(
-                torch.equal(a, b) for a, b in zip(r.trainer.model.state_dict().values(), ref.trainer.model.state_dict().values()))
+                torch.equal(a, b) for a, b in zip(r.trainer.model.state_dict().values(),
+                                                  ref.trainer.model.state_dict().values()))
             row["identical_to_fp32"] = bool(same) if full else None
             if full and row["eval_accuracy"] is not None and results[0]["eval_accuracy"] is not None:
                 gap = 100 * (row["eval_accuracy"] - results[0]["eval_accuracy"])

@@ -142,7 +142,8 @@ def run_bench(cfg: RunConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "config": {"log_every": cfg.train.log_every, "grad_stats_every": cfg.tracking.grad_stats_every,
                    "system_interval_s": cfg.tracking.system_interval_s, "block_steps": block_steps, "rounds": rounds,
-                   "model_preset": cfg.model.preset, "device": str(env["device"]), "torch_threads": torch.get_num_threads()},
+                   "model_preset": cfg.model.preset, "device": str(env["device"]),
+                   "torch_threads": torch.get_num_threads()},
         "ms_per_step_median": {n: statistics.median(v) for n, v in per.items()},
         "ms_per_step_blocks": per,
         "overhead_full_vs_none": overhead,
@@ -196,7 +197,8 @@ def _online_check(cfg: RunConfig, env: dict[str, Any], run_dir: Path, steps: int
                 os.environ[k] = v
     rep = tracking.report()
     extra_s = (total_ms - base_ms) / 1e3
-    return {"steps": steps, "baseline_s": base_ms / 1e3, "training_s": train_ms / 1e3, "total_with_tracking_s": total_ms / 1e3,
+    return {"steps": steps, "baseline_s": base_ms / 1e3, "training_s": train_ms / 1e3,
+            "total_with_tracking_s": total_ms / 1e3,
             "extra_wall_s": extra_s, "init_timeout_s": online_cfg.tracking.init_timeout_s,
             "bounded_by_init_timeout": extra_s <= online_cfg.tracking.init_timeout_s,
             "wandb_active": rep.get("wandb_active"), "wandb_fallback_reason": rep.get("wandb_fallback_reason")}

@@ -61,7 +61,8 @@ CONFIGS: dict[str, BenchRow] = {
     "optimized": BenchRow(("batching.method=optimal", "train.precision=auto"), "optimized-fixed-batch",
                           "token budget instead of a fixed batch size"),
     "optimized-packed": BenchRow(("batching.method=packed", "train.precision=auto"), "optimized",
-                                 "sequence packing (rows of data.max_len, block-diagonal attention) instead of buckets"),
+                                 "sequence packing (rows of data.max_len, block-diagonal attention) "
+                                 "instead of buckets"),
     "optimized+fast-dropout": BenchRow(("batching.method=optimal", "train.precision=auto", "model.fast_dropout=true"),
                                        "optimized", "dropout masks drawn as float32 uniforms (model.fast_dropout)"),
 }
@@ -75,7 +76,8 @@ def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
     batching = {"pad-to-max": f"every batch padded to data.max_len={cfg.data.max_len}",
                 "hf-group-by-length": "HF group_by_length megabatches, padded to the batch max",
                 "random": "random batches padded to the batch max"}.get(
-        b.method, f"{b.method} buckets (K={b.num_buckets}) padded to the {'bucket bound' if b.pad_to == 'bound' else 'batch max'}")
+        b.method, f"{b.method} buckets (K={b.num_buckets}) padded to the "
+                  f"{'bucket bound' if b.pad_to == 'bound' else 'batch max'}")
     size = f"token budget {b.max_tokens}" if b.max_tokens and b.method in ("optimal", "quantile", "kmeans") else \
         f"batch size {b.batch_size}"
     if b.method == "packed":

@@ -9,9 +9,12 @@ passes over the same training split (so equal samples seen, up to each side's la
   ``per_device_train_batch_size=batching.batch_size``, the same learning rate, warm-up, weight decay and
   clipping; no checkpoints, no logging, no tracking;
 * ``this-project``: this project's trainer with the config as given (``configs/bench-vs-hf.yaml``: the
-  ``optimized`` settings: fitted buckets, a token budget, the ``auto`` precision).
+  ``optimized`` settings: fitted buckets, a token budget, the ``auto`` precision);
+* ``all-levers``: the same with every lever this project can apply to the model on top: packed rows where the
+  model runs them exactly (train/models/packed.py) and the float32 dropout mask (``model.fast_dropout=true``).
 
-They take turns for ``bench.rounds`` rounds (the order alternates), so machine noise hits them alike. Per run:
+They take turns for ``bench.rounds`` rounds (the order rotates; the one A/B primitive, train/perf/ab.py), so
+machine noise hits them alike. Per run:
 samples/s and real tokens/s over the steady steps (the first excluded; wall clock between the ends of steps,
 batch loading included), time to first step (model build → end of step 1), peak memory (the run's window),
 and accuracy on the validation split, measured for both by the same evaluation. Figures: medians over rounds.
@@ -40,10 +43,23 @@ from train.errors import UserError, atomic_write_text
 from train.evaluation import evaluate
 from train.perf.ab import CONFIDENCE, Arm, interleave
 from train.perf.memory import WindowPeakMemory
-from train.setup import build_model, build_run, seed_everything, start_run
+from train.setup import build_model, build_run, replan, seed_everything, start_run
 from train.tools.env import collect_env, machine_facts
 
 SIDES = ("hf-trainer", "this-project")
+ALL_LEVERS = "all-levers"
+"""A third side: this project with every lever it can apply to the model on top of the config (packed rows where
+the model runs them exactly, the float32 dropout mask)."""
+
+
+def _all_levers(cfg: RunConfig) -> dict[str, Any]:
+    """The overrides of the ``all-levers`` side for ``cfg``'s model."""
+    from train.models import model_supports_packing
+
+    levers: dict[str, Any] = {"model.fast_dropout": "true"}
+    if model_supports_packing(cfg.model.source):
+        levers["batching.method"] = "packed"
+    return levers
 
 
 class _StepEnds(Callback):
@@ -119,7 +135,8 @@ def _figures(t0: float, ends: list[float], counts: list[tuple[int, int]]) -> dic
     return {"samples_per_s": sum(n for n, _ in steady) / steady_s if steady_s else None,
             "tokens_per_s": sum(t for _, t in steady) / steady_s if steady_s else None,
             "time_to_first_step_s": ends[0] - t0 if ends else None,
-            "samples_seen": sum(n for n, _ in counts), "steady_samples": sum(n for n, _ in steady), "steady_s": steady_s}
+            "samples_seen": sum(n for n, _ in counts), "steady_samples": sum(n for n, _ in steady),
+            "steady_s": steady_s}
 
 
 def _our_side(cfg: RunConfig, bundle, device, policy) -> tuple[dict[str, Any], torch.nn.Module]:
@@ -152,12 +169,17 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
         import accelerate  # noqa: F401  (the Trainer needs it)
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise UserError(f"bench-vs-hf needs transformers and accelerate ({exc}); pip install -r requirements.txt") from None
+        raise UserError(f"bench-vs-hf needs transformers and accelerate ({exc}); "
+                        "pip install -r requirements.txt") from None
     start = start_run(cfg, prefix="bench-vs-hf-")
     device, policy = start.device, start.policy
     bundle = prepare_data(cfg, None, notice=notice)
     val = make_loader(bundle, "validation", cfg, train=False, device=device)
-    runs: dict[str, list[dict]] = {s: [] for s in SIDES}
+    levers = _all_levers(cfg)
+    cfg_all = cfg.with_values(levers)
+    bundle_all = replan(cfg_all, bundle)
+    sides = (*SIDES, ALL_LEVERS)
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
     env = {**collect_env(device), **machine_facts(device)}
 
     def side(name: str) -> Arm:
@@ -165,6 +187,7 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
         def one() -> dict[str, float]:
             with tempfile.TemporaryDirectory() as tmp:
                 fig, model = (_hf_side(cfg, bundle, device, policy, Path(tmp)) if name == "hf-trainer"
+                              else _our_side(cfg_all, bundle_all, device, policy) if name == ALL_LEVERS
                               else _our_side(cfg, bundle, device, policy))
             fig["eval_accuracy"] = evaluate(model, val, policy, bundle.num_classes, device)["accuracy"]
             runs[name].append(fig)
@@ -182,10 +205,10 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
 
         return Arm(name, one, measure)
 
-    ab = interleave([side(s) for s in SIDES], rounds=cfg.bench.rounds, window=1, warmup=0, device=device)
+    ab = interleave([side(s) for s in sides], rounds=cfg.bench.rounds, window=1, warmup=0, device=device)
     result = {"model_source": cfg.model.source, "precision": policy.mode, "precision_reason": policy.reason,
               "epochs": cfg.train.epochs, "rounds": cfg.bench.rounds, "train_samples": len(bundle.splits["train"]),
-              "sides": {s: {"median": _median(runs[s]), "runs": runs[s]} for s in SIDES},
+              "sides": {s: {"median": _median(runs[s]), "runs": runs[s]} for s in sides},
               "env": {**env, "load_1min_at_end": machine_facts(device)["load_1min"]}}
     ours, theirs = (result["sides"][s]["median"] for s in ("this-project", "hf-trainer"))
     result["speedup_samples_per_s"] = (ours["samples_per_s"] / theirs["samples_per_s"]
@@ -197,6 +220,13 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
     result["speedup_verdict"] = paired.verdict
     result["eval_accuracy_delta"] = (ours["eval_accuracy"] - theirs["eval_accuracy"]
                                      if None not in (ours["eval_accuracy"], theirs["eval_accuracy"]) else None)
+    every = result["sides"][ALL_LEVERS]["median"]
+    result[ALL_LEVERS.replace("-", "_")] = {
+        "levers": levers, "speedup_vs_hf_trainer": ab.ratio(ALL_LEVERS, "hf-trainer").as_dict(),
+        "speedup_vs_this_project": ab.ratio(ALL_LEVERS, "this-project").as_dict(),
+        "eval_accuracy_delta_vs_hf_trainer": (
+            every["eval_accuracy"] - theirs["eval_accuracy"]
+            if None not in (every["eval_accuracy"], theirs["eval_accuracy"]) else None)}
     atomic_write_text(start.run_dir / "bench-vs-hf.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(start.run_dir / "bench-vs-hf.md", markdown(result))
     notice(markdown(result))
@@ -211,7 +241,8 @@ def _interval(result: dict[str, Any]) -> str:
 
 
 def _median(runs: list[dict]) -> dict[str, Any]:
-    keys = ("samples_per_s", "tokens_per_s", "time_to_first_step_s", "peak_memory_bytes", "eval_accuracy", "samples_seen")
+    keys = ("samples_per_s", "tokens_per_s", "time_to_first_step_s", "peak_memory_bytes", "eval_accuracy",
+            "samples_seen")
     return {k: statistics.median(v) if (v := [x[k] for x in runs if x.get(k) is not None]) else None for k in keys}
 
 
@@ -225,18 +256,29 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"bench-vs-hf: {result['model_source']}, precision {result['precision']}, {result['epochs']} epoch(s) of "
              f"{result['train_samples']} samples, {result['rounds']} interleaved rounds; {env['device']}, "
              f"load {_fmt(env['load_1min'], '.2f')} → {_fmt(env['load_1min_at_end'], '.2f')}", "",
-             "| side | samples/s | tokens/s | time to first step (s) | peak memory (MiB) | eval accuracy | samples seen |",
+             "| side | samples/s | tokens/s | time to first step (s) | peak memory (MiB) | eval accuracy "
+             "| samples seen |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for side in SIDES:
+    for side in result["sides"]:
         m = result["sides"][side]["median"]
         mem = None if m["peak_memory_bytes"] is None else m["peak_memory_bytes"] / 2**20
         lines.append(f"| {side} | {_fmt(m['samples_per_s'])} | {_fmt(m['tokens_per_s'], '.0f')} | "
-                     f"{_fmt(m['time_to_first_step_s'], '.2f')} | {_fmt(mem, '.0f')} | {_fmt(m['eval_accuracy'], '.4f')} | "
+                     f"{_fmt(m['time_to_first_step_s'], '.2f')} | {_fmt(mem, '.0f')} | "
+                     f"{_fmt(m['eval_accuracy'], '.4f')} | "
                      f"{_fmt(m['samples_seen'], '.0f')} |")
     rounds = ", ".join(_fmt(x, ".2f") for x in result["speedup_per_round"])
     lines += ["", f"this project / HF Trainer samples/s: {_fmt(result['speedup_samples_per_s'], '.2f')}x (medians); "
-              f"per round {rounds} (median {_fmt(result['speedup_median_of_rounds'], '.2f')}x, {_interval(result)}); eval accuracy "
+              f"per round {rounds} (median {_fmt(result['speedup_median_of_rounds'], '.2f')}x, "
+              f"{_interval(result)}); eval accuracy "
               f"difference {_fmt(result['eval_accuracy_delta'], '+.4f')}"]
+    every = result.get("all_levers")
+    if every:
+        r = every["speedup_vs_hf_trainer"]
+        lines.append(f"{ALL_LEVERS} ({', '.join(f'{k}={v}' for k, v in every['levers'].items())}) / HF Trainer: "
+                     f"{_fmt(r['median'], '.2f')}x [{_fmt(r['low'], '.2f')}, {_fmt(r['high'], '.2f')}] "
+                     f"({r['verdict']}); "
+                     f"vs this-project {_fmt(every['speedup_vs_this_project']['median'], '.2f')}x; eval accuracy "
+                     f"difference {_fmt(every['eval_accuracy_delta_vs_hf_trainer'], '+.4f')}")
     return "\n".join(lines) + "\n"
 
 
