@@ -277,9 +277,9 @@ def run_id_outside_the_output_dir(wndb, tmp):
 
 def packed_model_that_cannot_pack(wndb, tmp):
     pytest.importorskip("transformers")
-    return ["model.source=hf:bert", "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, "
-            "num_attention_heads: 2, intermediate_size: 64}", "batching.method=packed"], [
-        "model.source=hf:bert (BertForSequenceClassification) cannot take per-sample positions"]
+    return ["model.source=hf:albert", "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, "
+            "num_attention_heads: 2, intermediate_size: 64, embedding_size: 16}", "batching.method=packed"], [
+        "model.source=hf:albert (AlbertForSequenceClassification) cannot run packed rows", "no known pooling path"]
 
 
 CONFIG_VALUE_CASES = [  # issue 21 #8: each once a traceback from numpy or torch

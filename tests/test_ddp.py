@@ -66,7 +66,7 @@ def test_two_ranks_cover_an_epoch_exactly_once_and_reduce_eval(wndb: Path, tmp_p
     assert report["quality"]["eval_loss"] == pytest.approx(single["loss"], rel=1e-5)
     # only rank 0 wrote the run directory; one metrics stream
     run_dir = tmp_path / "runs" / "ddp"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["buckets.json", "checkpoint.pt", "config.yaml",
+    assert sorted(p.name for p in run_dir.iterdir()) == [".writer.lock", "buckets.json", "checkpoint.pt", "config.yaml",
                                                           "metrics.jsonl", "report.json", "tokenizer.json"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "step" in r]  # "system" records are timed, not stepped

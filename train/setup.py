@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 import secrets
 import shutil
@@ -81,14 +82,21 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             try:
                 run_dir.mkdir()
+                lock_run_dir(run_dir)
             except FileExistsError:
-                _reuse(run_dir, cfg, resume)
+                lock_run_dir(run_dir)  # before looking inside: a second writer is refused, never interleaved
+                try:
+                    _reuse(run_dir, cfg, resume)
+                except UserError:
+                    unlock_run_dir(run_dir)
+                    raise
         else:
             out.mkdir(parents=True, exist_ok=True)
             while True:
                 run_dir = out / new_run_id(prefix)
                 try:
                     run_dir.mkdir()
+                    lock_run_dir(run_dir)
                     break
                 except FileExistsError:
                     continue
@@ -101,9 +109,48 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
     return run_dir
 
 
+LOCK_FILE = ".writer.lock"
+_LOCKS: dict[str, int] = {}  # run directory → the lock file descriptor this process holds (released when it exits)
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive ``fcntl.flock`` on ``<run_dir>/.writer.lock`` for the life of this process: one writer per
+    run directory (a fresh run, ``--overwrite`` and ``--resume`` alike). The OS releases it when the process dies, so
+    a lock file left by a killed run never blocks. The file records the holder's pid (for the refusal line).
+
+    Raises:
+        UserError: another live process holds the lock (naming its pid).
+    """
+    import fcntl
+
+    key = str(run_dir.resolve())
+    if key in _LOCKS:
+        if (run_dir / LOCK_FILE).exists():
+            return  # this process holds it already (a command that runs several phases)
+        os.close(_LOCKS.pop(key))  # the directory was removed and made again: lock the new one
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # a bare fd, held open on purpose
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(f"run directory {run_dir} is being written by another process (pid {holder}); wait for it "
+                        "to finish, or choose another --run-id") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _LOCKS[key] = fd
+
+
+def unlock_run_dir(run_dir: Path) -> None:
+    """Release this process's lock on ``run_dir`` (a refused or finished command; exit releases it anyway)."""
+    fd = _LOCKS.pop(str(run_dir.resolve()), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def _reuse(run_dir: Path, cfg: RunConfig, resume: bool) -> None:
     """An explicit run directory that exists: continue it (resume), replace its run (overwrite), or refuse."""
-    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    held = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
     if resume or not held:
         return
     if not cfg.train.overwrite:

@@ -50,7 +50,15 @@ from train.resume import (
     truncate_metrics,
     write_state,
 )
-from train.setup import apply_threads_and_seed, build_model, build_run, check_packing, make_run_dir, probe_steps
+from train.setup import (
+    apply_threads_and_seed,
+    build_model,
+    build_run,
+    check_packing,
+    make_run_dir,
+    probe_steps,
+    unlock_run_dir,
+)
 from train.shutdown import ShutdownRequest
 from train.tools.env import collect_env, device_name, resolve_device
 from train.tracking.gradstats import GradStatsCallback
@@ -151,6 +159,7 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
                 phase()
         except (Interrupted, UserError) as exc:
             if fresh and ctx.is_main and r.run_dir is not None:  # nothing trained: no run to keep
+                unlock_run_dir(r.run_dir)
                 shutil.rmtree(r.run_dir, ignore_errors=True)
                 if isinstance(exc, Interrupted):
                     exc.args = (f"{exc.args[0]}; removed {r.run_dir}",)

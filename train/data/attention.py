@@ -143,7 +143,8 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
         UserError: ``flex`` requested where FlexAttention cannot train (one line: the key, torch, the fix).
     """
     requested = cfg.model.packed_attention
-    if not hasattr(model, "set_packed_attention"):  # a Hugging Face / python: model: its own attention, 4-D mask
+    # a Hugging Face / python: model: its own attention with a 4-D block mask
+    if model is not None and not hasattr(model, "set_packed_attention"):
         if requested == "flex":
             raise UserError(f"model.packed_attention=flex: model.source={cfg.model.source} runs its own attention "
                             "(a block-diagonal mask); use model.packed_attention=auto or sdpa-mask")

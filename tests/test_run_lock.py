@@ -1,0 +1,76 @@
+"""One writer per run directory (issue 31): an exclusive flock held for the life of the process; a second writer gets
+one line naming the holder's pid and exit 2; a lock left by a killed process never blocks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_overrides
+from train.config import load_config
+from train.errors import UserError
+from train.setup import LOCK_FILE, make_run_dir, unlock_run_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+HOLD = """
+import sys, time
+from train.config import load_config
+from train.setup import make_run_dir
+make_run_dir(load_config(None, [f"train.output_dir={sys.argv[1]}", "train.run_id=held"]), resume=True)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(out: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_a_dead_holder_never_blocks(tmp_path) -> None:
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "train.run_id=held"])
+    proc = _holder(tmp_path)
+    try:
+        for resume in (True, False):
+            with pytest.raises(UserError, match=rf"being written by another process \(pid {proc.pid}\)") as info:
+                make_run_dir(cfg.with_values({"train.overwrite": True}), resume=resume)
+            assert "\n" not in str(info.value)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert (tmp_path / "held" / LOCK_FILE).is_file(), "the dead holder's lock file is still there"
+    run_dir = make_run_dir(cfg, resume=True)  # killed: the OS released its lock
+    assert (run_dir / LOCK_FILE).read_text().strip() == str(os.getpid())
+    unlock_run_dir(run_dir)
+    # the lock file alone is no earlier run: a fresh run may use the directory
+    assert make_run_dir(cfg) == run_dir
+    unlock_run_dir(run_dir)
+
+
+def test_two_resumes_of_one_run_cannot_both_train(wndb, tmp_path) -> None:
+    from train.cli import main
+
+    over = tiny_overrides(wndb, tmp_path, "train.max_steps=2", "train.run_id=r", "train.checkpoint_every=1")
+    assert main(["train", *over]) == 0
+    unlock_run_dir(tmp_path / "runs" / "r")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.replace("held", "r"), str(tmp_path / "runs")], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert holder.stdout.readline().strip() == "locked"  # another process is writing runs/r
+    try:
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "train", "train", "--resume", str(tmp_path / "runs" / "r"),
+                              "train.max_steps=4"], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert out.returncode == 2 and f"pid {holder.pid}" in out.stderr and "Traceback" not in out.stderr
+        assert time.perf_counter() - t0 < 60
+    finally:
+        holder.kill()
+        holder.wait()
