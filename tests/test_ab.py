@@ -83,7 +83,11 @@ def test_bootstrap_interval_is_seeded_and_brackets_the_median():
     lo, hi = bootstrap_interval(vals)
     assert (lo, hi) == bootstrap_interval(vals)
     assert lo <= sorted(vals)[len(vals) // 2] <= hi
-    assert bootstrap_interval([]) == (None, None) and bootstrap_interval([2.0]) == (2.0, 2.0)
+    assert bootstrap_interval([]) == (None, None) and bootstrap_interval([2.0]) == (None, None)
+    from train.perf.ab import Ratio
+
+    one = Ratio("a", "b", "samples", [1.5], 1.5, None, None)
+    assert one.verdict == "one round: no interval" and not one.clears(1.0) and "no interval" in one.describe()
 
 
 def test_synchronised_wall_time_when_an_arm_reports_none():

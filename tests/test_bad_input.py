@@ -279,7 +279,7 @@ def packed_model_that_cannot_pack(wndb, tmp):
     pytest.importorskip("transformers")
     return ["model.source=hf:albert", "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, "
             "num_attention_heads: 2, intermediate_size: 64, embedding_size: 16}", "batching.method=packed"], [
-        "model.source=hf:albert (AlbertForSequenceClassification) cannot run packed rows", "no known pooling path"]
+        "model.source=hf:albert cannot run packed rows: AlbertForSequenceClassification", "no known pooling path"]
 
 
 CONFIG_VALUE_CASES = [  # issue 21 #8: each once a traceback from numpy or torch

@@ -31,8 +31,10 @@ def test_bench_precision_small(tiny_cfg) -> None:
     fp32_same_step = rows["fp32"]["step_times_ms"][0]
     assert bf16["step_time_ratio_vs_fp32"] == bf16["step_times_ms"][0] / fp32_same_step
     s = bf16["speedup_vs_fp32"]  # the paired ratio with its interval, from the one A/B primitive
-    assert (s["per_round"] == pytest.approx([fp32_same_step / bf16["step_times_ms"][0]])
-            and s["low"] <= s["median"] <= s["high"])
+    assert s["per_round"] == pytest.approx([fp32_same_step / bf16["step_times_ms"][0]])
+    assert s["low"] is None and s["verdict"] == "one round: no interval"  # one timed step supports no claim
+    auto_s = rows["auto"]["speedup_vs_fp32"]
+    assert len(auto_s["per_round"]) == 5 and auto_s["low"] <= auto_s["median"] <= auto_s["high"]
     assert rows["fp32"]["speedup_vs_fp32"] is None
     assert rows["fp32"]["peak_memory_bytes"] is None and rows["fp32"]["peak_memory_unavailable_reason"]
     md = (run_dir / "bench-precision.md").read_text()

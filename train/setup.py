@@ -299,9 +299,8 @@ def check_packing(cfg: RunConfig, model: torch.nn.Module) -> None:
     if cfg.batching.method == "packed" and not getattr(model, "supports_packing", False):
         why = getattr(model, "packing_reason", None) or ("it cannot take per-sample positions and a block-diagonal "
                                                          "mask (forward(..., position_ids=, seq_index=, num_seqs=))")
-        raise UserError(f"batching.method=packed: the model model.source={cfg.model.source} "
-                        f"({type(getattr(model, 'inner', model)).__name__}) cannot run packed rows: {why}; use "
-                        "batching.method=optimal")
+        raise UserError(f"batching.method=packed: model.source={cfg.model.source} cannot run packed rows: {why}; "
+                        "use batching.method=optimal")
 
 
 @contextlib.contextmanager

@@ -151,8 +151,10 @@ def decide_fast_dropout(model: nn.Module, requested: str, precision: str, cache_
         with probe() as step:
             m = (measure_fn or measure)(model, step, batch, device)
         fast = m["low"] is not None and m["low"] > 1.0
-        reason = (f"auto: one training step ran {m['speedup']:.2f}x [{m['low']:.2f}, {m['high']:.2f}] with the float32 "
-                  f"mask ({m['fast_ms']:.1f} vs {m['torch_ms']:.1f} ms, median of {m['rounds']}, {precision}): "
+        interval = "no interval" if m["low"] is None else f"{m['low']:.2f}, {m['high']:.2f}"
+        reason = (f"auto: one training step ran {m['speedup']:.2f}x [{interval}] (median of {m['rounds']} paired "
+                  f"rounds) with the float32 mask (median step {m['fast_ms']:.1f} vs {m['torch_ms']:.1f} ms, "
+                  f"{precision}): "
                   + ("swapped" if fast else "kept nn.Dropout (no measurable gain)"))
         source = "measured"
         decisions.store(path, {"fast": fast, "reason": reason, "measurement": m, "fingerprint": fp}, load)

@@ -101,8 +101,8 @@ class ArmResult:
 @dataclass
 class Ratio:
     """``a`` ÷ ``b`` in ``metric`` per second: ``per_round`` ratios, their ``median`` and its ``confidence``
-    interval [``low``, ``high``]. ``verdict``: ``faster`` / ``slower`` when the interval excludes 1.0, else ``no
-    measurable difference``."""
+    interval [``low``, ``high``]. ``verdict``: ``faster`` / ``slower`` when the interval excludes 1.0, ``no
+    measurable difference`` when it includes 1.0, ``one round: no interval`` with a single round."""
 
     a: str
     b: str
@@ -117,7 +117,9 @@ class Ratio:
     def verdict(self) -> str:
         if self.median is None:
             return "not measured"
-        if self.low is not None and self.low > 1.0:
+        if self.low is None:
+            return "one round: no interval"
+        if self.low > 1.0:
             return "faster"
         if self.high is not None and self.high < 1.0:
             return "slower"
@@ -131,6 +133,8 @@ class Ratio:
         """``1.23x [1.10, 1.31] (faster)`` — the ratio in words, its noise included."""
         if self.median is None:
             return "not measured"
+        if self.low is None:
+            return f"{self.median:.2f}x ({self.verdict})"
         return f"{self.median:.2f}x [{self.low:.2f}, {self.high:.2f}] ({self.verdict})"
 
     def as_dict(self) -> dict[str, Any]:
@@ -141,12 +145,11 @@ class Ratio:
 def bootstrap_interval(values: Sequence[float], confidence: float = CONFIDENCE,
                        resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> tuple[Optional[float], Optional[float]]:
     """Percentile-bootstrap interval of the median of ``values`` (resampled with replacement, seeded: the same
-    values give the same interval). ``(None, None)`` for no values; one value gives ``(v, v)``."""
+    values give the same interval). ``(None, None)`` for fewer than two values: one round has no measurable noise,
+    so it supports no claim."""
     arr = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
-    if arr.size == 0:
+    if arr.size < 2:
         return None, None
-    if arr.size == 1:
-        return float(arr[0]), float(arr[0])
     rng = np.random.default_rng(seed)
     medians = np.median(arr[rng.integers(0, arr.size, size=(resamples, arr.size))], axis=1)
     tail = 100 * (1 - confidence) / 2

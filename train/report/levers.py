@@ -83,6 +83,6 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool,
                                + ("; the Hugging Face config as JSON in spec.hf_config" if external
                                   and cfg.model.source.startswith("hf:") else "")),
         "bench": _bench_lever(cfg, bench_rows),
-        "mfu": _lever(not external, "FLOPs counted on the built-in encoder" if not external
-                      else "perf.mfu counts FLOPs of the built-in encoder only: null for this model"),
+        "mfu": _lever(True, "FLOPs counted on the built-in encoder (its spec)" if not external
+                      else "FLOPs counted on this model (FlopCounterMode, perf.flops_method)"),
     }

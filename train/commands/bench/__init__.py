@@ -81,6 +81,8 @@ def _lever_ratio(row: dict[str, Any]) -> str:
     v = row.get("vs_parent")
     if not v or v.get("median") is None:
         return "—"
+    if v.get("low") is None:
+        return f"{v['median']:.2f} (1 round: no interval)"
     return (f"{v['median']:.2f} [{v['low']:.2f}, {v['high']:.2f}]"
             + (" n.s." if v["verdict"] == "no measurable difference" else ""))
 

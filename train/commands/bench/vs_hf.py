@@ -276,7 +276,7 @@ def markdown(result: dict[str, Any]) -> str:
         r = every["speedup_vs_hf_trainer"]
         lines.append(f"{ALL_LEVERS} ({', '.join(f'{k}={v}' for k, v in every['levers'].items())}) / HF Trainer: "
                      f"{_fmt(r['median'], '.2f')}x [{_fmt(r['low'], '.2f')}, {_fmt(r['high'], '.2f')}] "
-                     f"({r['verdict']}); "
+                     f"({r['verdict']}, median of paired rounds); "
                      f"vs this-project {_fmt(every['speedup_vs_this_project']['median'], '.2f')}x; eval accuracy "
                      f"difference {_fmt(every['eval_accuracy_delta_vs_hf_trainer'], '+.4f')}")
     return "\n".join(lines) + "\n"
