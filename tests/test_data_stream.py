@@ -28,7 +28,8 @@ from train.data.tokenizer import WordCacheEncoder, load_or_train, pad_id
 from train.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-ARRAYS = [f"{s}.{k}.npy" for s in ("train", "validation", "test") for k in ("ids", "offsets", "labels", "texts", "text_offsets")]
+ARRAYS = [f"{s}.{k}.npy" for s in ("train", "validation", "test")
+          for k in ("ids", "offsets", "labels", "texts", "text_offsets")]
 
 
 # --- the reference: the in-memory build as it was before streaming (frozen; do not "fix" it to match) -------------
@@ -38,16 +39,18 @@ def _reference_labels(raw: list, locs: list[str], cfg, names):
     if all(is_int):
         ids = np.asarray(raw, dtype=np.int64)
         distinct = np.unique(ids)
-        if cfg.num_classes is None and not names and int(ids.max()) + 1 > max(2 * distinct.size, distinct.size + SPARSE_SLACK):
+        top = int(ids.max())
+        if cfg.num_classes is None and not names and top + 1 > max(2 * distinct.size, distinct.size + SPARSE_SLACK):
             shown = ", ".join(map(str, distinct[:5].tolist())) + (", …" if distinct.size > 5 else "")
-            raise UserError(f"data: {distinct.size} distinct integer labels ({shown}) but the largest is {int(ids.max())}, "
-                            f"so num_classes would be {int(ids.max()) + 1}; remap the labels to 0..{distinct.size - 1} "
+            raise UserError(f"data: {distinct.size} distinct integer labels ({shown}) but the largest is {top}, "
+                            f"so num_classes would be {top + 1}; remap the labels to 0..{distinct.size - 1} "
                             "(or use them as strings), or set data.num_classes")
         n = cfg.num_classes or (len(names) if names else int(ids.max()) + 1)
         bad = np.flatnonzero((ids < 0) | (ids >= n))
         if bad.size:
             i = int(bad[0])
-            raise UserError(f"{locs[i]}: label {raw[i]} is out of range [0, {n}); fix the label or set data.num_classes")
+            raise UserError(f"{locs[i]}: label {raw[i]} is out of range [0, {n}); "
+                            "fix the label or set data.num_classes")
         return ids, names[:n] if names else [str(k) for k in range(n)]
     for i, (x, ok) in enumerate(zip(raw, is_int)):
         if not ok and not isinstance(x, str):
@@ -88,7 +91,8 @@ def _reference_corpus(cfg) -> tuple[str, list[str], dict[str, tuple[list[str], n
     for i in order:
         buckets[split_of(keys[i], cfg.val_fraction, cfg.test_fraction)].append(i)
     if cfg.max_samples is not None:
-        caps = {"train": cfg.max_samples, "validation": max(1, cfg.max_samples // 10), "test": max(1, cfg.max_samples // 10)}
+        tenth = max(1, cfg.max_samples // 10)
+        caps = {"train": cfg.max_samples, "validation": tenth, "test": tenth}
         buckets = {s: idx[: caps[s]] for s, idx in buckets.items()}
     if not buckets["train"]:
         raise UserError(f"data.source={cfg.source!r}: the training split is empty ({len(texts)} examples in all)")
@@ -137,7 +141,8 @@ def reference_entry(cfg: RunConfig, out: Path, tok_cache: Path) -> dict:
 
 # --- sources ------------------------------------------------------------------------------------------------------
 
-WORDS = ["alpha", "Beta", "ΟΔΟΣ", "İstanbul", "straße", "naïve", "e\u0301", "東京", "[SEP]", "\t", "\u00a0", "😀", "a,b",
+WORDS = ["alpha", "Beta", "ΟΔΟΣ", "İstanbul", "straße", "naïve", "e\u0301", "東京", "[SEP]", "\t", "\u00a0", "😀",
+         "a,b",
          "don't", "", "ﬁ", "delta", "epsilon", "x" * 5000, "y" * 300]
 
 
@@ -147,7 +152,8 @@ def tricky_rows(n: int, seed: int = 7) -> list[dict]:
     for _ in range(n):
         text = "".join(rng.choice(WORDS[:-2] if rng.random() < 0.97 else WORDS) + rng.choice([" ", " ", "  ", ""])
                        for _ in range(rng.randint(1, 30)))
-        rows.append({"text": text if text.strip() and rng.random() > 0.04 else "the same text", "label": rng.choice("pnx")})
+        text = text if text.strip() and rng.random() > 0.04 else "the same text"
+        rows.append({"text": text, "label": rng.choice("pnx")})
     return rows
 
 
@@ -162,8 +168,10 @@ def _sources(tmp: Path, wndb: Path) -> dict[str, list[str]]:
         w.writerows([r["text"], str(i % 3)] for i, r in enumerate(rows[:300]))
     return {
         "jsonl": [f"data.source={tmp / 's.jsonl'}", "data.max_len=24", "data.vocab_size=300"],
-        "ints-capped": [f"data.source={tmp / 'i.jsonl'}", "data.text_field=t", "data.label_field=y", "data.max_samples=200"],
-        "no-test-split": [f"data.source={tmp / 's.jsonl'}", "data.val_fraction=0.2", "data.test_fraction=0", "data.max_len=8"],
+        "ints-capped": [f"data.source={tmp / 'i.jsonl'}", "data.text_field=t", "data.label_field=y",
+                        "data.max_samples=200"],
+        "no-test-split": [f"data.source={tmp / 's.jsonl'}", "data.val_fraction=0.2", "data.test_fraction=0",
+                          "data.max_len=8"],
         "csv": [f"data.source={tmp / 'c.csv'}", "data.text_field=body", "data.label_field=queue"],
         "wordnet": [f"data.wordnet_dir={wndb}"],
     }
@@ -186,10 +194,12 @@ def test_the_streamed_entry_is_byte_identical_to_the_in_memory_build(tiny_cfg, t
         meta = reference_entry(cfg, tmp_path / "ref" / name, tmp_path / "ref-tok" / name)
         _same_entry(Path(p.cache["cache_dir"]), tmp_path / "ref" / name, meta)
         hit = prepare_splits(cfg)  # the warm path reads it as before
-        assert hit.cache["cache"] == "hit" and [len(s) for s in hit.splits.values()] == [m["rows"] for m in meta["splits"].values()]
+        assert hit.cache["cache"] == "hit"
+        assert [len(s) for s in hit.splits.values()] == [m["rows"] for m in meta["splits"].values()]
         cfg.data.cache_prepared = False  # no cache: built in a scratch directory, mapped, removed
         off = prepare_splits(cfg)
-        assert off.cache["cache"] == "off" and all(np.array_equal(off.splits[s].lengths, hit.splits[s].lengths) for s in hit.splits)
+        assert off.cache["cache"] == "off"
+        assert all(np.array_equal(off.splits[s].lengths, hit.splits[s].lengths) for s in hit.splits)
         assert list(off.corpus.train.texts) == list(hit.corpus.train.texts)
 
 
@@ -218,10 +228,12 @@ def test_small_chunks_and_a_small_word_cache_give_the_same_bytes(tiny_cfg, tmp_p
 
 
 BAD_JSONL = {
-    "a label error, then malformed JSON further on": ['{"text": "a", "label": 1.5}', '{"text": "b", "label": "x"}', "{oops"],
+    "a label error, then malformed JSON further on": ['{"text": "a", "label": 1.5}', '{"text": "b", "label": "x"}',
+                                                      "{oops"],
     "a float label": ['{"text": "a", "label": "x"}', '{"text": "b", "label": 2.5}', '{"text": "c", "label": "y"}'],
     "a bool label": ['{"text": "a", "label": true}', '{"text": "b", "label": "x"}'],
-    "an empty label after a mix": ['{"text": "a", "label": 1}', '{"text": "b", "label": "x"}', '{"text": "c", "label": " "}'],
+    "an empty label after a mix": ['{"text": "a", "label": 1}', '{"text": "b", "label": "x"}',
+                                   '{"text": "c", "label": " "}'],
     "ints then strings": ['{"text": "a", "label": 0}', '{"text": "b", "label": 1}', '{"text": "c", "label": "x"}'],
     "strings then ints": ['{"text": "a", "label": "x"}', '{"text": "b", "label": "y"}', '{"text": "c", "label": 3}'],
     "out of range": ['{"text": "a", "label": 0}', '{"text": "b", "label": -1}', '{"text": "c", "label": 1}'],
@@ -262,8 +274,8 @@ def test_unk_only_words_are_counted_and_reported(tiny_cfg, tmp_path: Path) -> No
     from train.commands.train import run_training
 
     long_word = "q" * 5000  # once silently one [UNK]
-    rows = [{"text": f"word {i % 7} and more words here" + (f" {long_word}" if i % 10 == 0 else ""), "label": "ab"[i % 2]}
-            for i in range(200)]
+    rows = [{"text": f"word {i % 7} and more words here" + (f" {long_word}" if i % 10 == 0 else ""),
+             "label": "ab"[i % 2]} for i in range(200)]
     src = write_jsonl(tmp_path / "d.jsonl", rows)
     cfg = tiny_cfg(f"data.source={src}", "train.max_steps=2", "train.eval_every=2", "train.run_id=unk")
     p = prepare_splits(cfg)
@@ -361,7 +373,8 @@ def test_peak_memory_stays_flat_on_a_large_file(tmp_path: Path) -> None:
     """300 k rows (~48 MB): the in-memory build peaked at ~1.5 GiB for 200 k rows; streamed, the process stays near
     what importing torch costs (measured: 0.30 GiB at 0.2 M rows, 0.57 GiB at 2 M rows)."""
     src = tmp_path / "big.jsonl"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_big_jsonl.py"), str(src), "--rows", "300000"], check=True)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_big_jsonl.py"), str(src), "--rows", "300000"],
+                   check=True)
     code = f"""
 import resource, sys
 sys.path.insert(0, {str(ROOT)!r})

@@ -149,7 +149,7 @@ def test_every_file_a_run_writes_honours_the_umask(wndb, tmp_path) -> None:
 
 def test_hf_source_without_network_fails_fast_in_offline_mode(monkeypatch) -> None:
     from train.config import DataConfig
-    from train.data import sources
+    from train.data import readers, sources
 
     seen = {}
 
@@ -160,7 +160,7 @@ def test_hf_source_without_network_fails_fast_in_offline_mode(monkeypatch) -> No
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(sources, "hub_reachable", lambda timeout_s=3.0: (False, "huggingface.co:443 cannot be reached"))
+    monkeypatch.setattr(readers, "hub_reachable", lambda timeout_s=3.0: (False, "huggingface.co:443 cannot be reached"))
     t0 = time.monotonic()
     with pytest.raises(UserError, match="not in the local Hugging Face cache and huggingface.co:443 cannot be reached"):
         sources.load_corpus(DataConfig(source="hf:imdb"))

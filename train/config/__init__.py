@@ -269,7 +269,8 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
         p = Path(path)
         where = str(p)
         if not p.is_file():
-            raise UserError(f"config file {p} does not exist (configs/ holds cpu-tiny.yaml, smoke.yaml, gpu-bert-base.yaml)")
+            raise UserError(f"config file {p} does not exist "
+                            "(configs/ holds cpu-tiny.yaml, smoke.yaml, gpu-bert-base.yaml)")
         try:
             raw = strict_load(p.read_text(encoding="utf-8-sig")) or {}
         except DuplicateKeyError as exc:

@@ -58,8 +58,8 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
     """(bounds, pad_to, plan, source) for the configured batching method.
 
     ``pad-to-max`` → one bucket at ``max_len``; ``random`` → one bucket, padded to the batch max;
-    bucketed methods (padded to ``batching.pad_to``) → the plan from ``batching.boundaries_file`` (fingerprints checked unless
-    ``force``), or fitted now and saved as ``<run_dir>/buckets.json``.
+    bucketed methods (padded to ``batching.pad_to``) → the plan from ``batching.boundaries_file`` (fingerprints checked
+    unless ``force``), or fitted now and saved as ``<run_dir>/buckets.json``.
     """
     b = cfg.batching
     if b.method == "pad-to-max":
@@ -84,7 +84,8 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
         plan.save(run_dir / "buckets.json")
         source = str(run_dir / "buckets.json")
     where = f"saved to {source}" if run_dir is not None else "not saved"
-    pending = " (batching.method=auto: the plan if the measurement picks buckets over packing)" if b.method == "auto" else ""
+    pending = (" (batching.method=auto: the plan if the measurement picks buckets over packing)"
+               if b.method == "auto" else "")
     notice(f"no batching.boundaries_file: fitted {method} buckets {plan.bounds} on the fly "
            f"(predicted token efficiency {plan.predicted_token_efficiency:.3f}); {where}{pending}")
     return plan.bounds, b.pad_to, plan, source
@@ -168,8 +169,8 @@ _SCRATCH = re.compile(r"deep-model-perf-prepare\.(?P<pid>\d+)-(?P<ns>\d+)@(?P<ho
 
 def prepare_splits(cfg: RunConfig) -> cache.Prepared:
     """The corpus and its tokenized splits: from the prepared-data cache when an entry exists for this source
-    content and these settings (train/data/cache.py), else built in bounded memory and stored. ``data.cache_prepared=false``
-    always builds. Raises UserError for any bad input."""
+    content and these settings (train/data/cache.py), else built in bounded memory and stored.
+    ``data.cache_prepared=false`` always builds. Raises UserError for any bad input."""
     d = cfg.data
     if not d.cache_prepared:
         return _with_cache(_build(cfg), {"cache": "off", "cache_unavailable_reason": "data.cache_prepared=false"})
@@ -235,7 +236,8 @@ def eval_batch_rows(bundle: DataBundle, cfg: RunConfig) -> list[list[int]]:
     largest batch training runs in that bucket (the full size; the partial size where the training split has fewer
     samples than one full batch and keeps it; the full size for a bucket training never uses)."""
     b = cfg.batching
-    s = BucketBatchSampler(bundle.splits["train"].lengths, bundle.bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
+    s = BucketBatchSampler(bundle.splits["train"].lengths, bundle.bounds, batch_size=b.batch_size,
+                           max_tokens=b.max_tokens,
                            round_batch_to=8 if b.round_to % 8 == 0 else 1)
     counts = np.bincount(s.bucket_of, minlength=len(bundle.bounds))
     return [[int(n) if 0 < n < size and not b.drop_last else size] for size, n in zip(s.batch_sizes, counts)]
@@ -261,7 +263,8 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
         packed = PackedBatchSampler(bundle.splits[split].lengths, layout.capacity, layout.rows, seed=cfg.train.seed,
                                     window=b.pack_window, drop_last=b.drop_last, world_size=world_size, rank=rank)
         return DataLoader(RowDataset(bundle.splits[split]), batch_sampler=packed,
-                          collate_fn=PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs).collate_items,
+                          collate_fn=PackCollate(bundle.pad_id, layout.capacity, layout.rows,
+                                                 layout.max_seqs).collate_items,
                           num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
                           persistent_workers=cfg.data.num_workers > 0, generator=generator)
     batches: BucketBatchSampler | LengthGroupedBatchSampler | ShardedBatchSampler

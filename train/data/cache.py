@@ -10,13 +10,13 @@ Parsing WordNet and encoding 117k texts takes seconds on every run; what they pr
 * ``max_len``.
 
 Those go into the key of ``<data.cache_dir>/data/<key>/``. An entry holds ``meta.json`` (names, counts,
-fingerprints, the tokenizer facts), a copy of the tokenizer (``tokenizer.json``) and, per split, ``.npy`` arrays: token ids (int32, flat) with row
-offsets (int64 ``[N+1]``), labels (int64), the texts as UTF-8 bytes with offsets. Entries are read with
-``numpy.load(mmap_mode="r")`` (no copy; rows are views into the mapping) and written to a temporary
-directory that is renamed into place, so a reader never sees half an entry and two writers do not clash. A temporary
-directory is named after its writer (``.<key>.<pid>-<pid namespace>@<host>.<random>``): the next preparation removes
-those whose writer is dead (``kill -9``, a crash), and any older than an hour from another host or an older version.
-Entries are built in bounded memory by train/data/prepare.py.
+fingerprints, the tokenizer facts), a copy of the tokenizer (``tokenizer.json``) and, per split, ``.npy`` arrays:
+token ids (int32, flat) with row offsets (int64 ``[N+1]``), labels (int64), the texts as UTF-8 bytes with offsets.
+Entries are read with ``numpy.load(mmap_mode="r")`` (no copy; rows are views into the mapping) and written to a
+temporary directory that is renamed into place, so a reader never sees half an entry and two writers do not clash.
+A temporary directory is named after its writer (``.<key>.<pid>-<pid namespace>@<host>.<random>``): the next
+preparation removes those whose writer is dead (``kill -9``, a crash), and any older than an hour from another host
+or an older version. Entries are built in bounded memory by train/data/prepare.py.
 
 Hugging Face datasets (``hf:``) are not cached: there is no local file to fingerprint.
 """
@@ -150,7 +150,8 @@ class Prepared:
 STALE_AFTER_S = 3600.0
 """A temporary directory whose writer cannot be checked (another host, an older version) is removed after this long."""
 ENTRY_TEMP = re.compile(r"\.[0-9a-f]{20}\.(?:(?P<pid>\d+)-(?P<ns>\d+)@(?P<host>.+)\.)?[a-z0-9_]{8}")
-"""A temporary entry directory: ``.<key>.<writer>.<mkdtemp's 8 characters>`` (no writer: written before it was named)."""
+"""A temporary entry directory: ``.<key>.<writer>.<mkdtemp's 8 characters>`` (no writer: written before it was
+named)."""
 
 
 def _pid_namespace() -> int:

@@ -8,8 +8,9 @@ Memory once grew with every row (the texts, one tokenizers ``Encoding`` and one 
 2. per split, the texts are gathered in the split's order (by stable hash) into ``<split>.texts.npy``, chunk by chunk;
    the training split's fingerprint and alphabet are computed on the way;
 3. the tokenizer is loaded, or trained from the training texts read back in batches (``train_from_iterator``);
-4. per split, the texts are encoded :data:`CHUNK_ROWS` at a time (a batched fast-tokenizer call) and each chunk's ids
-   appended to ``<split>.ids.npy``.
+4. per split, the texts are encoded :data:`CHUNK_ROWS` at a time (a batched fast-tokenizer call; for tokenizers that
+   work word by word, through a cache of each distinct word's ids: :class:`~train.data.tokenizer.WordCacheEncoder`)
+   and each chunk's ids appended to ``<split>.ids.npy``.
 
 The files are byte for byte those the in-memory build wrote (``numpy.save`` headers included), so entries written
 before are read as they were. Progress (rows/s) is drawn on stderr when ``train.progress`` is true and it is a terminal.
@@ -21,9 +22,9 @@ import hashlib
 import io
 import mmap
 import shutil
+import sys
 from array import array
 from collections.abc import Callable, Iterator
-from itertools import chain
 from pathlib import Path
 from typing import Optional
 
@@ -32,7 +33,7 @@ import numpy as np
 import train.data.cache as cache  # the module itself: train/data/__init__.py imports this one
 from train.config import RunConfig
 from train.data.sources import SPLITS, Scan, scan_source
-from train.data.tokenizer import TrainingTexts, encode_chunk, load_or_train, pad_id
+from train.data.tokenizer import TrainingTexts, WordCacheEncoder, encode_chunk, load_or_train, pad_id
 from train.tools.progress import progress_bar
 
 CHUNK_ROWS = 8192
@@ -138,8 +139,10 @@ def _gather(scratch: Path, starts: np.ndarray, ends: np.ndarray, out: Path, trai
     return h.hexdigest()[:16], {chr(c) for c in np.flatnonzero(seen).tolist()}
 
 
-def read_texts(path: Path, offsets: np.ndarray, chunk: int = CHUNK_ROWS) -> Iterator[list[str]]:
-    """The texts of a ``<split>.texts.npy`` written by :func:`_gather` (its byte ``offsets``), ``chunk`` at a time."""
+def read_texts(path: Path, offsets: np.ndarray, chunk: Optional[int] = None) -> Iterator[list[str]]:
+    """The texts of a ``<split>.texts.npy`` written by :func:`_gather` (its byte ``offsets``), ``chunk`` (default
+    :data:`CHUNK_ROWS`) at a time."""
+    chunk = chunk or CHUNK_ROWS
     gap = len(npy_header(np.dtype(np.uint8), 0))
     with open(path, "rb") as f:
         for a in range(0, len(offsets) - 1, chunk):
@@ -196,10 +199,16 @@ def build(cfg: RunConfig, out: Path) -> dict:
                                   d.tokenizer_path)
     tok.no_truncation()
     tok.no_padding()
+    words = WordCacheEncoder.for_tokenizer(tok)
     splits: dict[str, dict] = {}
     with progress_bar(sum(map(len, scan.splits.values())), "tokenizing", shown, unit="row") as bar:
         for name in SPLITS:
-            splits[name] = _encode_split(tok, out, name, text_offsets[name], d.max_len, bar.update)
+            splits[name] = _encode_split(tok, out, name, text_offsets[name], d.max_len, bar.update, words)
+    if words is not None and words.mismatch is not None:  # not expected: then every text is encoded directly
+        print(f"warning: word-cache encoding differs from the tokenizer ({words.mismatch}); encoding every text "
+              "directly instead (slower, exact)", file=sys.stderr, flush=True)
+        for name in SPLITS:
+            splits[name] = _encode_split(tok, out, name, text_offsets[name], d.max_len, lambda _n: None)
     tok_file = Path(tok_info.get("path") or "")
     if tok_file.is_file():
         shutil.copyfile(tok_file, out / "tokenizer.json")
@@ -211,7 +220,7 @@ def build(cfg: RunConfig, out: Path) -> dict:
 
 
 def _encode_split(tok, out: Path, name: str, text_offsets: np.ndarray, max_len: int,
-                  progress: Callable[[int], Optional[bool]]) -> dict:
+                  progress: Callable[[int], Optional[bool]], words: Optional[WordCacheEncoder] = None) -> dict:
     """Encode one split's texts chunk by chunk into ``<name>.ids.npy`` / ``<name>.offsets.npy``; its meta facts."""
     n = len(text_offsets) - 1
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -220,13 +229,12 @@ def _encode_split(tok, out: Path, name: str, text_offsets: np.ndarray, max_len: 
     row = 0
     try:
         for texts in read_texts(out / f"{name}.texts.npy", text_offsets):
-            seqs, cut, unk = encode_chunk(tok, texts, max_len)
+            flat, lengths, cut, unk = encode_chunk(tok, texts, max_len, words)
             truncated, unks = truncated + cut, unks + unk
-            lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-            ids.write(np.fromiter(chain.from_iterable(seqs), dtype=np.int32, count=int(lengths.sum())))
-            offsets[row + 1:row + 1 + len(seqs)] = offsets[row] + np.cumsum(lengths)
-            row += len(seqs)
-            progress(len(seqs))
+            ids.write(flat)
+            offsets[row + 1:row + 1 + len(texts)] = offsets[row] + np.cumsum(lengths)
+            row += len(texts)
+            progress(len(texts))
     finally:
         ids.close()
     np.save(out / f"{name}.offsets.npy", offsets)

@@ -7,24 +7,18 @@ maps labels to ``int64`` class ids and splits train/validation/test by a stable 
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import json
-import os
-import re
-import socket
 import sys
-import urllib.parse
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 import train.data.wordnet as wordnet  # the module itself, not the package: no package <-> submodule import loop
 from train.config import DataConfig
+from train.data.readers import Row, _rows_for, hub_reachable  # noqa: F401 (re-exported: the source readers)
 from train.errors import UserError
 
 SPLITS = ("train", "validation", "test")
@@ -77,144 +71,6 @@ def split_of(key: str, val_fraction: float, test_fraction: float) -> str:
     return "train"
 
 
-Row = tuple[str, str, Any, str]  # (split key, text, raw label, location for messages)
-
-
-def _wordnet_rows(cfg: DataConfig) -> Iterator[Row]:
-    root = wordnet.find_wordnet_dir(cfg.wordnet_dir)
-    for s in wordnet.iter_synsets(root):
-        yield f"{s.pos}:{s.offset}", s.text, s.lex_filenum, f"{root} synset {s.pos}:{s.offset:08d}"
-
-
-def _field(record: dict, name: str, what: str, loc: str) -> Any:
-    if name not in record:
-        have = ", ".join(map(str, record)) or "none"
-        raise UserError(f"{loc}: no {what} field {name!r} (fields: {have}); set data.{what}_field to the right name")
-    return record[name]
-
-
-def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            loc = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is not data
-            except UnicodeDecodeError as exc:
-                raise UserError(f"{loc}: not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{loc}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object") from None
-            if not isinstance(record, dict):
-                raise UserError(f"{loc}: expected a JSON object with {cfg.text_field!r} and {cfg.label_field!r}")
-            text = _field(record, cfg.text_field, "text", loc)
-            label = _field(record, cfg.label_field, "label", loc)
-            yield str(text) if text is not None else "", text, label, loc
-
-
-_INT = re.compile(r"[-+]?[0-9]+")  # ASCII digits only (str.isdigit accepts '²')
-_FLOAT = re.compile(r"[-+]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?")
-
-
-def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
-    try:
-        with open(path, encoding="utf-8-sig", newline="") as f:  # utf-8-sig: a leading BOM is not data
-            reader = csv.DictReader(f)
-            header = reader.fieldnames or []
-            for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
-                if name not in header:
-                    raise UserError(f"{path}:1: no {what} column {name!r} (columns: {', '.join(header) or 'none'}); "
-                                    f"set data.{what}_field to the right name")
-            for record in reader:
-                loc = f"{path}:{reader.line_num}"
-                if None in record or any(v is None for v in record.values()):
-                    raise UserError(f"{loc}: expected {len(header)} columns as in the header, got a different count")
-                label: Any = record[cfg.label_field].strip()
-                if _INT.fullmatch(label):
-                    label = int(label)
-                elif _FLOAT.fullmatch(label):  # as the JSONL reader: a classifier's label is a class id or a name
-                    raise UserError(f"{loc}: label {label!r} must be a string or an integer (a float label: use integer "
-                                    "class ids 0..K-1 or class names)")
-                yield record[cfg.text_field], record[cfg.text_field], label, loc
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not valid UTF-8 (byte offset {exc.start} of a read block); re-encode the file as UTF-8") from None
-    except csv.Error as exc:
-        raise UserError(f"{path}: malformed CSV ({exc})") from None
-
-
-def _parquet_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
-    import pyarrow.parquet as pq
-
-    try:
-        schema_names = pq.read_schema(path).names
-    except Exception as exc:  # pyarrow raises several types for a corrupt file
-        raise UserError(f"{path}: not a readable Parquet file ({exc.__class__.__name__}: {exc})") from None
-    for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
-        if name not in schema_names:
-            raise UserError(f"{path}: no {what} column {name!r} (columns: {', '.join(schema_names)}); set data.{what}_field")
-    table = pq.read_table(path, columns=[cfg.text_field, cfg.label_field])
-    texts = table.column(cfg.text_field).to_pylist()
-    labels = table.column(cfg.label_field).to_pylist()
-    for i, (text, label) in enumerate(zip(texts, labels)):
-        yield str(text) if text is not None else "", text, label, f"{path}: row {i}"
-
-
-def hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
-    """(reachable, why not) for the Hugging Face Hub (``$HF_ENDPOINT``, default huggingface.co): one TCP connect,
-    bounded by ``timeout_s``, so a machine without network fails in seconds, not after ``datasets``' retries."""
-    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme != "http" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-        return True, ""
-    except OSError as exc:
-        return False, f"{host}:{port} cannot be reached ({exc.__class__.__name__}: {exc.strerror or exc})"
-
-
-def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[Row]:
-    name, _, config_name = spec[3:].partition(":")
-    online, why = (False, "HF_HUB_OFFLINE is set") if os.environ.get("HF_HUB_OFFLINE") == "1" else hub_reachable()
-    if not online:  # before `import datasets`, which reads these: use the local cache only, no retries
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
-    try:
-        import datasets  # lazy: optional dependency
-    except ImportError:
-        raise UserError(f"data.source={spec!r} needs the Hugging Face `datasets` package: pip install datasets") from None
-    try:
-        dsd = datasets.load_dataset(name, config_name or None)
-    except Exception as exc:  # network, missing dataset, bad config: all user-fixable
-        if not online:
-            raise UserError(f"data.source={spec!r}: not in the local Hugging Face cache and {why}; load it once on a "
-                            "machine with network (same HF_HOME), or save it as .jsonl/.parquet and give that path") from None
-        raise UserError(f"data.source={spec!r}: could not load the dataset ({exc.__class__.__name__}: {exc})") from None
-    for split_name, ds in dsd.items():
-        for i, record in enumerate(ds):
-            loc = f"{spec}[{split_name}] row {i}"
-            text = _field(record, cfg.text_field, "text", loc)
-            label = _field(record, cfg.label_field, "label", loc)
-            yield f"{split_name}:{i}:{text}", text, label, loc
-
-
-def _rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
-    src = cfg.source
-    if src == "wordnet":
-        return "wordnet", _wordnet_rows(cfg)
-    if src.startswith("hf:"):
-        return src, _hf_rows(src, cfg)
-    path = Path(src)
-    if path.is_dir():
-        raise UserError(f"data.source={src!r} is a directory; give one .jsonl/.csv/.parquet file in it")
-    if not path.is_file():
-        raise UserError(f"data.source={src!r}: no such file; give a .jsonl/.csv/.parquet path, 'wordnet' or 'hf:NAME[:CONFIG]'")
-    readers = {".jsonl": _jsonl_rows, ".json": _jsonl_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
-    reader = readers.get(path.suffix.lower())
-    if reader is None:
-        raise UserError(f"data.source={src!r}: unsupported file type {path.suffix!r}; use .jsonl, .csv or .parquet")
-    return path.name, reader(path, cfg)
-
-
 class _Labels:
     """Raw labels collected row by row into compact form (an int64 per row, the distinct strings once), with the
     first row of each kind of problem, so :meth:`finish` gives exactly the class ids and the error a list of every raw
@@ -252,7 +108,8 @@ class _Labels:
                 self.bad = (i, x)
             self.values.append(0)
 
-    def finish(self, cfg: DataConfig, names: Optional[list[str]], loc: Callable[[int], str]) -> tuple[np.ndarray, list[str]]:
+    def finish(self, cfg: DataConfig, names: Optional[list[str]],
+               loc: Callable[[int], str]) -> tuple[np.ndarray, list[str]]:
         """Class ids (int64 [N]) and label names; ``loc(i)`` names row ``i`` in a message.
 
         Raises:
@@ -263,12 +120,13 @@ class _Labels:
         if self.first_str is None and self.bad is None:
             ids = raw.copy()
             distinct = np.unique(ids)
-            if cfg.num_classes is None and not names and int(ids.max()) + 1 > max(2 * distinct.size, distinct.size + SPARSE_SLACK):
+            top = int(ids.max())
+            if cfg.num_classes is None and not names and top + 1 > max(2 * distinct.size, distinct.size + SPARSE_SLACK):
                 shown = ", ".join(map(str, distinct[:5].tolist())) + (", …" if distinct.size > 5 else "")
-                raise UserError(f"data: {distinct.size} distinct integer labels ({shown}) but the largest is {int(ids.max())}, "
-                                f"so num_classes would be {int(ids.max()) + 1}; remap the labels to 0..{distinct.size - 1} "
+                raise UserError(f"data: {distinct.size} distinct integer labels ({shown}) but the largest is {top}, "
+                                f"so num_classes would be {top + 1}; remap the labels to 0..{distinct.size - 1} "
                                 "(or use them as strings), or set data.num_classes")
-            n = cfg.num_classes or (len(names) if names else int(ids.max()) + 1)
+            n = cfg.num_classes or (len(names) if names else top + 1)
             bad = np.flatnonzero((ids < 0) | (ids >= n))
             if bad.size:
                 i = int(bad[0])
@@ -333,9 +191,11 @@ class Scan:
     rows: int
 
 
-def scan_source(cfg: DataConfig, on_text: Callable[[str], None], progress: Optional[Callable[[int], None]] = None) -> Scan:
+def scan_source(cfg: DataConfig, on_text: Callable[[str], None],
+                progress: Optional[Callable[[int], None]] = None) -> Scan:
     """Read, validate and split the configured source in one pass, handing each row's text to ``on_text`` (in row
-    order) and keeping only its split hash (float64) and label (int64); ``progress(n)`` every 65,536 rows and at the end.
+    order) and keeping only its split hash (float64) and label (int64); ``progress(n)`` every 65,536 rows and at the
+    end.
 
     Within each split, examples are ordered by their stable hash, so a ``max_samples`` cap takes a deterministic
     pseudo-random subset (not, say, only the nouns that come first in WordNet).
@@ -381,7 +241,8 @@ def scan_source(cfg: DataConfig, on_text: Callable[[str], None], progress: Optio
     splits = {"test": order[su < test], "validation": order[(su >= test) & (su < test + val)],
               "train": order[su >= test + val]}  # split_of's rule, vectorized
     if cfg.max_samples is not None:
-        caps = {"train": cfg.max_samples, "validation": max(1, cfg.max_samples // 10), "test": max(1, cfg.max_samples // 10)}
+        tenth = max(1, cfg.max_samples // 10)
+        caps = {"train": cfg.max_samples, "validation": tenth, "test": tenth}
         splits = {s: idx[: caps[s]] for s, idx in splits.items()}
     if not splits["train"].size:
         raise UserError(f"data.source={cfg.source!r}: the training split is empty ({n} examples in all)")

@@ -71,6 +71,13 @@ def sampler_counts(loader) -> dict[str, int]:
     return {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
 
 
+def _unk_only_words(bundle: DataBundle) -> Optional[int]:
+    """``[UNK]`` tokens over all splits (words the tokenizer cannot spell); None from a cache entry written before
+    they were counted."""
+    counts = [s.unk_only_words for s in bundle.splits.values()]
+    return None if any(c is None for c in counts) else int(sum(counts))
+
+
 def _ratio(a: float, b: float) -> Optional[float]:
     return a / b if b else None
 
@@ -120,6 +127,7 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
             "label_names": bundle.corpus.label_names,
             "truncated_samples": sum(s.truncated for s in bundle.splits.values()),
             "truncated_train_samples": train_split.truncated,
+            "unk_only_words": _unk_only_words(bundle),
             "mean_train_length": float(train_split.lengths.mean()),
             "max_train_length": int(train_split.lengths.max()),
             "data_fingerprint": bundle.data_fingerprint,
