@@ -173,9 +173,11 @@ def test_module_flops_equals_the_encoders_own_count_and_a_hand_count_for_hf_bert
     from train.models.wrap import ExternalClassifier, ExternalSpec
 
     h, f, layers, c = 32, 64, 2, 5
-    hf = transformers.BertForSequenceClassification(transformers.BertConfig(
+    from train.compat import hf_attn_implementation  # eager on torch 2.1.0: transformers refuses SDPA there
+
+    hf = transformers.AutoModelForSequenceClassification.from_config(transformers.BertConfig(
         vocab_size=100, hidden_size=h, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=f,
-        max_position_embeddings=64, num_labels=c))
+        max_position_embeddings=64, num_labels=c), attn_implementation=hf_attn_implementation())
     model = ExternalClassifier(hf, ExternalSpec("hf:bert", c, 100, 64, h, layers), "hf")
 
     def hand(b: int, s: int) -> int:  # QKV + output projection + FFN per token, QKᵀ and A·V, pooler + classifier
