@@ -21,8 +21,6 @@ but does not cache.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import asdict, dataclass
@@ -39,7 +37,7 @@ from train.errors import UserError
 from train.perf.ab import Arm, interleave
 from train.precision import PrecisionPolicy
 from train.tools import decisions
-from train.tools.env import cpuinfo, machine_load
+from train.tools.env import machine_load
 
 FLEX_MARGIN = 1.0
 """``auto`` picks ``flex`` when the ``sdpa-mask`` step takes ≥ this × the ``flex`` step (ties go to flex)."""
@@ -122,10 +120,7 @@ def measure_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: di
 
 def _cache_key(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, device: torch.device,
                compiled: bool) -> dict[str, Any]:
-    name, flags = cpuinfo()
-    dev = (torch.cuda.get_device_name(device) if device.type == "cuda" else
-           f"{name or os.uname().machine} {hashlib.sha256(flags.encode()).hexdigest()[:16]}")
-    return {"device": dev, "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(),
+    return {**decisions.machine_key(device),
             "model": str(getattr(model, "spec", type(model).__name__)), "precision": policy.mode,
             "compiled": compiled, "shape": list(batch["input_ids"].shape), "label_slots": int(batch["labels"].shape[0])}
 

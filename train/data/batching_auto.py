@@ -22,10 +22,8 @@ not cache. Same pattern as ``precision=auto`` (train/precision.py).
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import math
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, replace
@@ -42,7 +40,7 @@ from train.data.sampler import BucketBatchSampler
 from train.perf.ab import Arm, bootstrap_interval, interleave
 from train.precision import PrecisionPolicy
 from train.tools import decisions
-from train.tools.env import cpuinfo, machine_load
+from train.tools.env import machine_load
 
 PACKED_MARGIN = 1.0
 """``auto`` picks packed rows when their measured samples/s ≥ this × the buckets' (ties go to packing: one shape)."""
@@ -132,10 +130,7 @@ def measure_layouts(step: Callable[[dict], Any], cfg: RunConfig, bundle: DataBun
 def _fingerprint(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
                  device: torch.device) -> dict[str, Any]:
     b = cfg.batching
-    name, flags = cpuinfo()
-    dev = (torch.cuda.get_device_name(device) if device.type == "cuda" else
-           f"{name or os.uname().machine} {hashlib.sha256(flags.encode()).hexdigest()[:16]}")
-    return {"device": dev, "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(),
+    return {**decisions.machine_key(device),
             "model": [type(model).__name__, sum(p.numel() for p in model.parameters()),
                       str(getattr(model, "spec", ""))], "precision": policy.mode, "data": bundle.data_fingerprint,
             "batching": [b.num_buckets, b.max_tokens, b.batch_size, b.round_to, b.pack_len, b.pack_rows, b.pack_window,

@@ -19,8 +19,6 @@ cached under ``data.cache_dir/decisions/`` like the other ``auto`` decisions.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, Optional
@@ -30,7 +28,7 @@ from torch import nn
 
 from train.perf.ab import Arm, interleave
 from train.tools import decisions
-from train.tools.env import cpuinfo, machine_load
+from train.tools.env import machine_load
 
 DECISION_FORMAT = 1
 
@@ -88,11 +86,7 @@ def unswappable(model: nn.Module) -> list[str]:
 
 
 def _fingerprint(model: nn.Module, precision: str, batch: dict) -> dict[str, Any]:
-    name, flags = cpuinfo()
-    dev = next(model.parameters()).device
-    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else
-             f"{name or os.uname().machine} {hashlib.sha256(flags.encode()).hexdigest()[:16]}")
-    return {"device": where, "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(),
+    return {**decisions.machine_key(next(model.parameters()).device),
             "model": [type(getattr(model, "inner", model)).__name__, sum(p.numel() for p in model.parameters()),
                       str(getattr(model, "spec", ""))], "precision": precision,
             "shape": list(batch["input_ids"].shape)}

@@ -21,6 +21,21 @@ from typing import Any, Optional
 from train.errors import atomic_write_text
 
 
+def machine_key(device: Any) -> dict[str, Any]:
+    """What every cached ``auto`` decision is valid for on ``device`` (a ``torch.device``): the GPU's name, or the
+    CPU model and a hash of its flags; the torch version; torch's thread count. The start of each fingerprint."""
+    import torch
+
+    from train.tools.env import cpuinfo
+
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        name, flags = cpuinfo()
+        where = f"{name or os.uname().machine} {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+    return {"device": where, "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads()}
+
+
 def cache_path(cache_dir: Optional[str], kind: str, fingerprint: Any, version: int) -> Optional[str]:
     """``<cache_dir>/decisions/<kind>-<16 hex of sha256(version, fingerprint)>.json``; None without a cache dir."""
     if not cache_dir:
