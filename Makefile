@@ -104,7 +104,7 @@ LAUNCH_IN_IMAGE := $(if $(TORCHRUN_ARGS),torchrun $(TORCHRUN_ARGS) -m train,pyth
 
 .DEFAULT_GOAL := help
 .PHONY: help setup data train smoke smoke-2node buckets bench bench-gate bench-baseline bench-batching bench-precision compare wandb-sync bench-tracking bench-compile test test-slow lint clean distclean
-.PHONY: print-image bad-runtime build image-ready verify-gpu warmup profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache gpu-check
+.PHONY: print-image bad-runtime build image-ready verify-gpu warmup optimize optimize-grid profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache gpu-check
 
 help: ## list the targets
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -221,6 +221,14 @@ verify-gpu: $(RT_DEPS) ## driver, CUDA, torch/Triton, matmul vs CPU, bf16, NCCL,
 warmup: $(RT_DEPS_DATA) ## fill the inductor/Triton cache (python -m train warmup); a second warm-up reuses it
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m train warmup --config $(CONFIG) compile.enabled=true $(ARGS))
+
+optimize: $(RT_DEPS_DATA) ## profile → pick the lever the evidence ranks first → A/B it (kept only when faster and learning as well) → repeat, within optimize.budget_s → runs/<id>/optimize/optimized.yaml, optimize.md, waterfall.png
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train optimize --config $(CONFIG) $(ARGS))
+
+optimize-grid: $(RT_DEPS_DATA) ## every combination of the crossable levers, interleaved: the benchmark make optimize is judged against (ARGS="--optimized runs/<id>/optimize/optimized.yaml")
+	@echo "$(RT_LINE)"
+	$(call rt_py,-m train optimize-grid --config $(CONFIG) $(ARGS))
 
 profile: $(RT_DEPS_DATA) ## profile real training steps: torch.profiler table + py-spy + nsys + GPU sampling (what is available) → runs/profile/profile/
 	@echo "$(RT_LINE)"

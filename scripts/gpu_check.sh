@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh: one command that runs every CUDA path of the project once and returns every number
-# (docs/gpu-check.md). Budget: <= 8 min on one H200 (the steps' timeouts add up to 480 s, + 5 s kill grace each).
+# (docs/gpu-check.md). Budget: <= 10 min on one H200 (the steps' timeouts add up to 600 s, + 5 s kill grace each).
 # Rerunnable: every step overwrites its own run directory under WORK (STEPS=... reruns only those).
 #
 #   scripts/gpu_check.sh                      # on the GPU host, with its own python3 (no .venv, pins not enforced)
@@ -21,7 +21,7 @@ OUT=${OUT:-runs/gpu-check}
 WORK=${WORK:-$OUT.work}
 CONFIG=${CONFIG:-configs/gpu-bert-base.yaml}
 DRY_RUN=${DRY_RUN:-0}
-ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit"
+ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit,optimize"
 STEPS=${STEPS:-$ALL_STEPS}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -53,11 +53,16 @@ if [ "$DRY_RUN" = 1 ]; then
           compile.warmup_cv=0.9 train.num_threads=1)
   TIMEOUT_PCT=${TIMEOUT_PCT:-300}; PRECISION_STEPS=4; BENCH=(--warmup-steps 1 --rounds 1 --window 2 --requests 4 --inference-batch-size 2)
   COMPILE_STEPS=(--steps 2 --rounds 1); RUN_STEPS=4; SYNC_STEPS=6; RO_MODE=default  # no CUDA graphs on a CPU
+  OPTIMIZE=(optimize.budget_s=60 optimize.rounds=2 optimize.window_samples=16 optimize.confirm_rounds=2
+            optimize.quality_samples=32 optimize.profile_steps=2 optimize.levers=precision,batching,fast_dropout)
 else
   MODE=gpu
   COMMON=(train.device=cuda train.progress=false train.overwrite=true "train.output_dir=$WORK")
   TIMEOUT_PCT=${TIMEOUT_PCT:-100}; PRECISION_STEPS=120; BENCH=(--warmup-steps 3 --rounds 3 --window 8 --requests 100)
   COMPILE_STEPS=(--steps 8 --rounds 3); RUN_STEPS=40; SYNC_STEPS=30; RO_MODE=reduce-overhead
+  # make optimize on bert-base: 90 s of search (compile left out: its warm-up alone would take the step's budget)
+  OPTIMIZE=(optimize.budget_s=90 optimize.rounds=4 optimize.window_samples=256 optimize.confirm_rounds=4
+            optimize.levers=precision,batching,token_budget,fast_dropout,fused_adamw,workers)
 fi
 # bench-precision trains bert-base 4 times (fp32 without TF32 is ~22 TFLOP a step at the config's 32k tokens: ~0.4 s on
 # an H200); an 8k-token budget keeps its 4 x 120 steps and evaluations inside the step's budget.
@@ -109,6 +114,8 @@ run_step profile 45 "$PYTHON" "${M[@]}" profile --config "$CONFIG" --run-id gc-p
 run_step sync-audit 35 "$PYTHON" -m train.commands.sync_audit --config "$CONFIG" --mode warn --out "$WORK/sync_audit.json" \
   "${COMMON[@]}" train.run_id=gc-sync train.overwrite=true compile.enabled=false "train.max_steps=$SYNC_STEPS" \
   train.log_every=10 train.eval_every=100000
+run_step optimize 120 "$PYTHON" "${M[@]}" optimize --config "$CONFIG" --run-id gc-optimize "${COMMON[@]}" \
+  compile.enabled=false "${OPTIMIZE[@]}"
 
 "$PYTHON" scripts/gpu_check_report.py write "$WORK" "$OUT" "$MODE" "$ALL_STEPS" || FAILED=1
 echo "gpu-check ($MODE): $([ "$FAILED" = 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED'); see $OUT/gpu_check.md"

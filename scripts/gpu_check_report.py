@@ -128,11 +128,24 @@ def _sync(work: Path) -> tuple[Optional[dict], str]:
     return r, f"{r.get('host_syncs')} host sync(s) in {r.get('watched_steps')} steady steps ({r.get('method')})"
 
 
+def _optimize(work: Path) -> tuple[Optional[dict], str]:
+    run = _find(work, "gc-optimize*")
+    r = _load(run / "optimize" / "optimize.json" if run else None)
+    if r is None:
+        return None, "no optimize.json"
+    kept = [f"{d['lever']}={d['value']}" for d in r.get("decisions", []) if d.get("accepted")]
+    conf = (r.get("confirmation") or {}).get("ratio") or {}
+    end = (f"optimized vs baseline {_f(conf.get('median'), '.2f')}x [{_f(conf.get('low'), '.2f')}, "
+           f"{_f(conf.get('high'), '.2f')}]" if conf else "no end-to-end confirmation (nothing kept)")
+    return r, (f"{r.get('status')} in {_f(r.get('seconds'), '.0f')} s; {len(r.get('decisions', []))} A/Bs; kept "
+               f"{', '.join(kept) or 'nothing'}; {end}")
+
+
 STEPS: dict[str, Callable[[Path], tuple[Optional[dict], str]]] = {
     "verify-gpu": _verify, "bench-precision": _precision, "bench": _bench,
     "compile-default": _compile("gc-compile-default*/bench-compile.json"),
     "compile-reduce-overhead": _compile("gc-compile-ro*/bench-compile.json"),
-    "compile-run": _run, "profile": _profile, "sync-audit": _sync,
+    "compile-run": _run, "profile": _profile, "sync-audit": _sync, "optimize": _optimize,
 }
 
 

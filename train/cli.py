@@ -27,6 +27,8 @@ from train.commands.entry import (  # noqa: F401  (load_cfg, flag_overrides: par
     cmd_bench_tracking,
     cmd_buckets,
     cmd_compare,
+    cmd_optimize,
+    cmd_optimize_grid,
     cmd_precision,
     cmd_profile,
     cmd_train,
@@ -131,6 +133,18 @@ def _args_bench_tracking(p: argparse.ArgumentParser) -> None:
     _key_flag(p, "--out", "bench_tracking.out", "result JSON; runs/<id>/bench-tracking.json when not set", str)
 
 
+def _args_optimize(p: argparse.ArgumentParser) -> None:
+    _key_flag(p, "--budget-s", "optimize.budget_s", "wall-clock budget of the search in seconds", float)
+    _key_flag(p, "--levers", "optimize.levers", "comma-separated levers to consider; all when not set", str)
+    _key_flag(p, "--rounds", "optimize.rounds", "interleaved rounds per A/B")
+
+
+def _args_optimize_grid(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--optimized", default=None, metavar="YAML",
+                   help="make optimize's optimized.yaml: measured as one more arm against the grid's best")
+    _key_flag(p, "--rounds", "optimize.grid_rounds", "interleaved rounds over every combination")
+
+
 def _args_warmup(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets-force", action="store_true",
                    help="use batching.boundaries_file even if its fingerprints differ")
@@ -184,6 +198,12 @@ COMMANDS: dict[str, Command] = {
                               cmd_bench_tracking, _args_bench_tracking, run_id="bench-tracking-<UTC time>-<random>"),
     "profile": Command("profile real training steps: torch.profiler attribution, py-spy, nsys, GPU sampling",
                        cmd_profile, _args_profile, run_id="profile"),
+    "optimize": Command("profile, pick the lever the evidence ranks first, A/B it, keep it only when it is faster "
+                        "and learns as well; repeat → runs/<id>/optimize/optimized.yaml", cmd_optimize, _args_optimize,
+                        run_id="optimize-<UTC time>-<random>"),
+    "optimize-grid": Command("every combination of the crossable levers, interleaved: what make optimize is judged "
+                             "against → runs/<id>/optimize-grid/grid.{json,md}", cmd_optimize_grid, _args_optimize_grid,
+                             run_id="optimize-grid-<UTC time>-<random>"),
     "warmup": Command("compile and warm every batch shape of the run's bucket plan → runs/<id>/warmup.json",
                       cmd_warmup, _args_warmup, run_id="<UTC time>-<random>"),
     "compare": Command("compare runs side by side: markdown table + PNG (no network)", cmd_compare, _args_compare,

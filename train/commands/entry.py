@@ -204,3 +204,29 @@ def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
     return 0
 
 
+
+
+def cmd_optimize(args: argparse.Namespace, t_start: float) -> int:
+    from train.commands.optimize import run_optimize
+
+    res = run_optimize(load_cfg(args), config_path=args.config)
+    conf = (res.get("confirmation") or {}).get("ratio")
+    kept = [f"{d['lever']}={d['value']}" for d in res["decisions"] if d["accepted"]]
+    print(f"optimize: {res['status']} in {res['seconds']:.0f} s; kept {', '.join(kept) or 'nothing'}; "
+          + (f"optimized vs baseline {conf['median']:.2f}x [{conf['low']:.2f}, {conf['high']:.2f}]" if conf and
+             conf.get("low") is not None else "no end-to-end confirmation"))
+    print(f"optimize: {res['out_dir']}/optimize.md; train it with: make train CONFIG={res['out_dir']}/optimized.yaml")
+    return 130 if res["status"] == "interrupted" else 0
+
+
+def cmd_optimize_grid(args: argparse.Namespace, t_start: float) -> int:
+    from train.commands.optimize.grid import check_optimized, run_grid
+
+    check_optimized(args.optimized)
+    g = run_grid(load_cfg(args), args.optimized, config_path=args.config)
+    print(f"optimize-grid: {g['points']} combinations in {g['seconds']:.0f} s; best {g['best']} "
+          f"{g['best_samples_per_s']:.1f} samples/s; {g['out_dir']}/grid.md")
+    if g["optimized"]:
+        r = g["optimized"]["vs_best"]
+        print(f"optimize-grid: optimized = {r['median']:.3f}x [{r['low']:.3f}, {r['high']:.3f}] of the grid's best")
+    return 0

@@ -30,6 +30,7 @@ from train.config.bench import (
     BenchTrackingConfig,
 )
 from train.config.hf_aliases import expand_hf_alias
+from train.config.optimize import OptimizeConfig
 from train.config.sections import (
     BatchingConfig,
     ClipConfig,
@@ -65,6 +66,7 @@ class RunConfig(Frozen):
     bench_compile: BenchCompileConfig = field(default_factory=BenchCompileConfig)
     bench_tracking: BenchTrackingConfig = field(default_factory=BenchTrackingConfig)
     bench_gate: BenchGateConfig = field(default_factory=BenchGateConfig)
+    optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
 
     def __post_init__(self) -> None:
         # optim.clip_norm is the old name of clip.max_norm: accept it, and keep it mirroring clip.max_norm.

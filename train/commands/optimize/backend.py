@@ -1,0 +1,201 @@
+"""The real arms of ``make optimize``: each candidate is the user's config with the search's overrides, built by the
+one set-up (:func:`train.setup.build_run`) and stepped by ``make train``'s own :meth:`~train.trainer.Trainer.step`;
+each profile is the same torch.profiler window and attribution as ``make profile``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from train.commands.optimize.levers import Evidence, LeverContext
+from train.compat import fused_adamw_supported
+from train.config import RunConfig
+from train.evaluation import evaluate
+from train.precision import PrecisionPolicy, cpu_native_bf16
+from train.profiling.attribution import COMPUTE, LAUNCH, MEMORY, build_summary
+from train.profiling.roofline import ridge_point
+from train.profiling.session import write_summary
+from train.profiling.window import TorchProfileWindow
+from train.setup import build_model, build_run, replan
+from train.tools.env import device_name
+
+DROPOUT_MASK_OPS = ("aten::bernoulli_", "aten::bernoulli", "aten::native_dropout", "aten::dropout", "aten::rand",
+                    "aten::uniform_", "aten::ge", "aten::native_dropout_backward")
+"""Ops whose share of the step is the dropout-mask evidence (nn.Dropout's mask and FastDropout's)."""
+
+
+class RunArm:
+    """One configuration as a real training run (see :class:`~train.commands.optimize.search.ArmHandle`)."""
+
+    def __init__(self, backend: "RunBackend", cfg: RunConfig) -> None:
+        self.backend, self.cfg = backend, cfg
+        self.threads = cfg.train.num_threads or backend.default_threads
+        torch.set_num_threads(self.threads)
+        self.run = build_run(cfg, replan(cfg, backend.bundle), backend.device, backend.policy(cfg),
+                             compile=cfg.compile.enabled == "true")
+
+    def warmup(self, samples: int) -> float:
+        one_off = 0.0
+        compiled = self.run.compiled
+        if compiled is not None and compiled.enabled:
+            from train.compiling.warmup import warm_up_for_run
+
+            t0 = time.perf_counter()
+            warm_up_for_run(compiled, self.run.trainer, self.run.model, None, force=True, notice=lambda _m: None)
+            one_off = time.perf_counter() - t0
+        seen = 0
+        while seen < samples:
+            seen += self.step()["samples"]
+        return one_off
+
+    def step(self) -> dict[str, float]:
+        if torch.get_num_threads() != self.threads:  # process-wide: each arm sets its own before its step
+            torch.set_num_threads(self.threads)
+        return self.run.trainer.step().counts()
+
+    def quality(self) -> dict[str, Any]:
+        t = self.run.trainer
+        t.guard.end_window(max(1, t.window["steps"]))  # one sync: the non-finite steps so far
+        ev = evaluate(self.run.model, self.backend.quality_batches(), self.run.policy, self.backend.bundle.num_classes,
+                      self.backend.device)
+        return {"loss": ev["loss"], "accuracy": ev["accuracy"], "held_out_samples": ev["samples"],
+                "samples_seen": t.stats.samples, "nonfinite_steps": t.guard.skipped_steps}
+
+    def close(self) -> None:
+        torch.set_num_threads(self.backend.default_threads)
+        self.run = None
+
+
+class RunBackend:
+    """Builds arms and profiles from ``base`` (the user's resolved config) + the search's overrides, on the prepared
+    ``bundle``. Profiles are written to ``out_dir/profiles/<n>/summary.{json,md}``."""
+
+    def __init__(self, base: RunConfig, bundle: Any, device: torch.device, out_dir: Path,
+                 notice: Callable[[str], None] = print) -> None:
+        self.base, self.bundle, self.device, self.out_dir, self.notice = base, bundle, device, out_dir, notice
+        self.default_threads = torch.get_num_threads()
+        self._policies: dict[str, PrecisionPolicy] = {}
+        self._quality: Optional[list[dict]] = None
+        self._caps: Optional[tuple[bool, int]] = None
+        self._roofline: dict[str, dict] = {}
+        b = base.batching
+        self.base_budget = b.max_tokens or b.batch_size * base.data.max_len
+
+    def cfg(self, settings: dict[str, Any]) -> RunConfig:
+        return self.base.with_values(settings, "optimize candidate")
+
+    def policy(self, cfg: RunConfig) -> PrecisionPolicy:
+        mode = cfg.train.precision
+        if mode not in self._policies:
+            self._policies[mode] = PrecisionPolicy.for_config(cfg, self.device)
+        return self._policies[mode]
+
+    def quality_batches(self) -> list[dict]:
+        """The fixed held-out slice: the first ``optimize.quality_samples`` samples of the validation split (else the
+        test split) in fitted-bucket evaluation batches — the same batches for every arm."""
+        if self._quality is None:
+            from train.data import make_loader
+
+            split = "validation" if len(self.bundle.splits["validation"]) else "test"
+            # fitted buckets, whatever the baseline's batching: less padding to evaluate, the same batches for all
+            cfg = self.base.with_values({"batching.method": "optimal", "batching.max_tokens": None})
+            loader = make_loader(replan(cfg, self.bundle), split, cfg, train=False, device=self.device)
+            out, n = [], 0
+            for batch in loader:
+                out.append(batch)
+                n += int(batch.get("samples", batch["labels"].numel()))
+                if n >= self.base.optimize.quality_samples:
+                    break
+            self._quality = out
+        return self._quality
+
+    def _capabilities(self) -> tuple[bool, int]:
+        if self._caps is None:
+            model = build_model(self.base, self.bundle)
+            drops = sum(1 for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0)
+            self._caps = (bool(getattr(model, "supports_packing", False)), drops)
+        return self._caps
+
+    def arm(self, name: str, settings: dict[str, Any]) -> RunArm:
+        """``settings`` (overrides on the user's config) built as a training run."""
+        return RunArm(self, self.cfg(settings))
+
+    def planned_steps(self) -> Optional[int]:
+        return self.base.train.max_steps
+
+    def context(self, settings: dict[str, Any]) -> LeverContext:
+        cfg = self.cfg(settings)
+        packing, drops = self._capabilities()
+        cuda = self.device.type == "cuda"
+        return LeverContext(cfg=cfg, device_type=self.device.type, supports_packing=packing, dropout_modules=drops,
+                            native_bf16=cpu_native_bf16(), cuda_bf16=cuda and torch.cuda.is_bf16_supported(),
+                            fused_adamw=fused_adamw_supported(self.device), torch_threads=self.default_threads,
+                            planned_steps=self.planned_steps(), batch_shapes=len(replan(cfg, self.bundle).bounds),
+                            base_budget=self.base_budget)
+
+    def profile(self, settings: dict[str, Any], index: int) -> Evidence:
+        """A short torch.profiler window on ``settings`` (2 untimed steps, then ``optimize.profile_steps`` captured)
+        and the attribution of ``make profile``, reduced to the shares the levers read."""
+        cfg = self.cfg(settings)
+        steps = cfg.optimize.profile_steps
+        pcfg = cfg.with_values({"profile.wait": 1, "profile.warmup": 1, "profile.active": steps}).profile
+        out = self.out_dir / "profiles" / str(index)
+        arm = RunArm(self, cfg)
+        try:
+            trainer = arm.run.trainer
+            window = TorchProfileWindow(pcfg, out, self.device)
+            window.attach(trainer)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            samples = []
+            for step in range(1, steps + 3):
+                rec = trainer.step(resolve=True)
+                samples.append(rec.samples)
+                for cb in tuple(trainer.callbacks):
+                    cb.on_step_end(step, rec.ms)
+            if not window.done:
+                window.close()
+            return self._evidence(cfg, window, samples[2:], out)
+        finally:
+            arm.close()
+
+    def _evidence(self, cfg: RunConfig, w: TorchProfileWindow, samples: list[int], out: Path) -> Evidence:
+        dev = self.device
+        mode = self.policy(cfg).mode
+        if mode not in self._roofline:
+            name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else device_name(dev)
+            self._roofline[mode] = ridge_point(dev, name, mode)
+        real, padded = w.tokens.get("real_tokens", 0), w.tokens.get("padded_tokens", 0)
+        total_us = sum(w.step_us)
+        summary = build_summary(w.ops, device_type=dev.type, step_total_us=total_us, active_steps=len(w.step_us),
+                                stage_us=w.stage_us, roofline=self._roofline[mode], th=cfg.profile,
+                                default_bytes=2 if mode in ("bf16", "fp16") else 4,
+                                ctx={"padding_share": 1 - real / padded if padded else None,
+                                     "batching_method": cfg.batching.method, "num_workers": cfg.data.num_workers,
+                                     "precision": mode})
+        write_summary(out, summary)
+        by, shares = summary["share_by_verdict"], summary["breakdown_share"]
+        mask_us = sum(r.self_us(dev.type) for r in w.ops if r.name in DROPOUT_MASK_OPS)
+        table = summary["table"]
+        ev = Evidence(step_ms=summary["step_time_ms"], padding_share=summary["context"]["padding_share"],
+                      compute_share=by.get(COMPUTE, 0.0), memory_share=by.get(MEMORY, 0.0),
+                      launch_share=by.get(LAUNCH, 0.0), data_wait_share=shares.get("data_wait"),
+                      optimizer_share=shares.get("optimizer"), other_share=shares.get("other"),
+                      dropout_mask_share=mask_us / total_us if total_us else None,
+                      top_op=table[0]["op"] if table else None,
+                      top_memory_op=next((r["op"] for r in table if r["verdict"] == MEMORY), None))
+        if w.timer_ms and samples:
+            ev.samples_per_s = sum(samples[:len(w.timer_ms)]) / (sum(w.timer_ms) / 1e3)
+        if dev.type == "cuda":
+            ev.peak_memory_bytes = int(torch.cuda.max_memory_allocated(dev))
+            ev.memory_total_bytes = int(torch.cuda.get_device_properties(dev).total_memory)
+        else:
+            ev.notes["memory"] = "CPU: host memory is not the limit here; the token-budget lever is bounded by " \
+                                 "optimize.max_budget_factor"
+        ev.notes["summary"] = str(out / "summary.md")
+        return ev

@@ -1,0 +1,288 @@
+"""The lever catalogue of ``make optimize``: what each lever changes, where it applies, which profile evidence makes
+it promising, and what it may change in training.
+
+A :class:`Lever` turns the current best config and the latest profile's :class:`Evidence` into candidates — one per
+value worth trying, each with ``overrides`` (``section.key → value``), a predicted speedup and the evidence behind
+it — or into the one reason it does not apply here. Predictions are Amdahl's law on the profile's shares: a lever
+that makes a fraction ``s`` of the step ``k`` times faster predicts ``1 / (1 − s + s / k)`` (Amdahl, AFIPS 1967).
+They only rank candidates; every candidate is measured before it is kept (train/commands/optimize/search.py).
+
+``may_change`` says what a lever can change in training: ``exact`` (the same computation), ``numerics`` (the same
+samples in the same order, other rounding), ``sample order`` (other batches), ``training`` (other optimizer steps
+per sample) or ``rng stream`` (other random masks). Everything but ``exact`` goes through the quality guard.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+EXACT, NUMERICS, SAMPLE_ORDER, TRAINING, RNG = "exact", "numerics", "sample order", "training", "rng stream"
+
+
+@dataclass
+class Evidence:
+    """What a short profile of the current best config measured. Shares are fractions of the profiled step time
+    (None: not measured). ``samples_per_s`` from the profiled steps; ``peak_memory_bytes`` / ``memory_total_bytes``
+    on CUDA (None elsewhere, with the reason in ``notes``)."""
+
+    step_ms: Optional[float] = None
+    samples_per_s: Optional[float] = None
+    padding_share: Optional[float] = None
+    compute_share: Optional[float] = None
+    memory_share: Optional[float] = None
+    launch_share: Optional[float] = None
+    data_wait_share: Optional[float] = None
+    optimizer_share: Optional[float] = None
+    other_share: Optional[float] = None
+    dropout_mask_share: Optional[float] = None
+    top_memory_op: Optional[str] = None
+    top_op: Optional[str] = None
+    peak_memory_bytes: Optional[int] = None
+    memory_total_bytes: Optional[int] = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class LeverContext:
+    """What a lever may look at besides the evidence: the current best ``cfg`` (a RunConfig, ``train.precision``
+    explicit), the device type, the model's capabilities and the machine."""
+
+    cfg: Any
+    device_type: str
+    supports_packing: bool = False
+    dropout_modules: int = 0
+    native_bf16: bool = False
+    cuda_bf16: bool = False
+    fused_adamw: bool = False
+    cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
+    torch_threads: int = 1
+    planned_steps: Optional[int] = None
+    batch_shapes: int = 1
+    base_budget: Optional[int] = None  # the baseline's token budget (bounds the token-budget lever)
+
+
+@dataclass
+class Candidate:
+    """One value of one lever to try: ``overrides`` on the current best, the ``predicted`` speedup (Amdahl on the
+    evidence) and the ``evidence`` sentence behind it; ``may_change`` (module docstring); ``warmup_s_estimate``:
+    one-off seconds the candidate costs before its steady state (compilation), amortised over the planned run."""
+
+    lever: str
+    value: str
+    overrides: dict[str, Any]
+    predicted: float
+    evidence: str
+    may_change: str
+    warmup_s_estimate: float = 0.0
+
+    @property
+    def key(self) -> tuple:
+        return tuple(sorted((k, repr(v)) for k, v in self.overrides.items()))
+
+
+Proposal = Union[list[Candidate], str]  # candidates, or why the lever does not apply
+
+
+@dataclass(frozen=True)
+class Lever:
+    """A catalogue entry: ``name``, what it ``changes``, where it ``applies`` (words), which ``evidence`` ranks it,
+    what it ``may_change``, and ``propose(ctx, evidence) -> candidates | reason``."""
+
+    name: str
+    changes: str
+    applies: str
+    evidence: str
+    may_change: str
+    propose: Callable[[LeverContext, Evidence], Proposal]
+
+
+def amdahl(share: Optional[float], k: float) -> float:
+    """Speedup when a fraction ``share`` of the step becomes ``k`` times faster (``share`` None: 1.0)."""
+    if share is None or share <= 0:
+        return 1.0
+    s = min(1.0, share)
+    return 1.0 / (1.0 - s + s / k)
+
+
+def _pct(x: Optional[float]) -> str:
+    return "not measured" if x is None else f"{100 * x:.1f}%"
+
+
+def _precision(ctx: LeverContext, ev: Evidence) -> Proposal:
+    mode = ctx.cfg.train.precision
+    dense = (ev.compute_share or 0) + (ev.memory_share or 0)
+    out = []
+    if ctx.device_type == "cuda":
+        for value, ok in (("bf16", ctx.cuda_bf16), ("fp16", True)):
+            if value != mode and ok:
+                out.append(Candidate("precision", value, {"train.precision": value}, amdahl(dense, 2.0),
+                                     f"compute- and memory-bound ops {_pct(dense)} of the step: 16-bit tensor cores "
+                                     "and half the bytes", NUMERICS))
+        return out or f"already {mode}"
+    if mode != "fp32":
+        return f"already {mode}; fp32 would only be slower on this CPU's evidence"
+    if not ctx.native_bf16:
+        return "this CPU has no native bf16 (avx512_bf16 / amx_bf16): emulated bf16 is slower than fp32"
+    return [Candidate("precision", "bf16", {"train.precision": "bf16"}, amdahl(dense, 1.8),
+                      f"compute- and memory-bound ops {_pct(dense)} of the step; the CPU has native bf16", NUMERICS)]
+
+
+_PADDING = {"hf-group-by-length": 0.7, "optimal": 0.85, "packed": 0.97}
+"""Share of the padding each batching method is expected to remove (ranks them only)."""
+
+
+def _batching(ctx: LeverContext, ev: Evidence) -> Proposal:
+    method = ctx.cfg.batching.method
+    pad = ev.padding_share
+    if pad is None:
+        return "the profile measured no padding share"
+    out = []
+    for value, removed in _PADDING.items():
+        if value == method or (value == "packed" and not ctx.supports_packing):
+            continue
+        if _PADDING.get(method, 0.0) >= removed:
+            continue  # removes less padding than what runs now
+        over = {"batching.method": value}
+        if value == "packed" and ctx.cfg.batching.max_tokens is None:
+            over["batching.max_tokens"] = None
+        out.append(Candidate("batching", value, over, amdahl(pad * removed, 1e9),
+                             f"padding {_pct(pad)} of the processed tokens", SAMPLE_ORDER))
+    if not out:
+        return f"batching.method={method} already removes the padding the other methods would" + (
+            "" if ctx.supports_packing else " (packed rows: the model cannot run them)")
+    return out
+
+
+def _budget_methods() -> tuple[str, ...]:
+    return ("optimal", "quantile", "kmeans", "packed")
+
+
+def _token_budget(ctx: LeverContext, ev: Evidence) -> Proposal:
+    b, max_len = ctx.cfg.batching, ctx.cfg.data.max_len
+    if b.method not in _budget_methods():
+        return f"batching.method={b.method} takes a fixed batch size (a token budget needs buckets or packing)"
+    current = b.max_tokens
+    start = current or b.batch_size * max_len
+    per_step = (ev.launch_share or 0) + (ev.other_share or 0) + (ev.optimizer_share or 0)
+    head = None
+    if ev.peak_memory_bytes and ev.memory_total_bytes:
+        head = 1 - ev.peak_memory_bytes / ev.memory_total_bytes
+    limit = (ctx.base_budget or start) * ctx.cfg.optimize.max_budget_factor
+    value = start if current is None else current * 2
+    if value > limit:
+        return (f"batching.max_tokens={current} is already optimize.max_budget_factor="
+                f"{ctx.cfg.optimize.max_budget_factor}x the first budget")
+    words = (f"per-step overhead (launch-bound, optimizer, other) {_pct(per_step)} of the step"
+             + (f"; {100 * head:.0f}% of device memory free" if head is not None else ""))
+    gain = amdahl(per_step, 2.0) if current else amdahl(per_step, 1.5)
+    return [Candidate("token_budget", str(value), {"batching.max_tokens": int(value)}, gain, words, TRAINING)]
+
+
+def _fast_dropout(ctx: LeverContext, ev: Evidence) -> Proposal:
+    if ctx.cfg.model.fast_dropout == "true":
+        return "already on"
+    if not ctx.dropout_modules:
+        return "the model has no nn.Dropout module with p > 0"
+    return [Candidate("fast_dropout", "true", {"model.fast_dropout": "true"}, amdahl(ev.dropout_mask_share, 4.0),
+                      f"dropout mask ops (bernoulli_/rand) {_pct(ev.dropout_mask_share)} of the step", RNG)]
+
+
+def _fused_adamw(ctx: LeverContext, ev: Evidence) -> Proposal:
+    if not ctx.fused_adamw:
+        return f"torch has no fused AdamW on {ctx.device_type} here"
+    if ctx.cfg.optim.fused is not False:
+        return "already fused (optim.fused=null uses it where torch supports it)"
+    return [Candidate("fused_adamw", "true", {"optim.fused": True}, amdahl(ev.optimizer_share, 2.0),
+                      f"optimizer stage {_pct(ev.optimizer_share)} of the step", NUMERICS)]
+
+
+def _workers(ctx: LeverContext, ev: Evidence) -> Proposal:
+    if ctx.cfg.data.num_workers:
+        return f"data.num_workers={ctx.cfg.data.num_workers} already"
+    n = 2 if ctx.device_type == "cuda" else min(2, max(1, ctx.cpu_count - 1))
+    if ctx.device_type != "cuda" and ctx.cpu_count <= 2:
+        n = 1
+    return [Candidate("workers", str(n), {"data.num_workers": n}, amdahl(ev.data_wait_share, 1e9),
+                      f"DataLoader wait {_pct(ev.data_wait_share)} of the step"
+                      + ("; pinned host memory is on for CUDA" if ctx.device_type == "cuda" else ""), EXACT)]
+
+
+def _threads(ctx: LeverContext, ev: Evidence) -> Proposal:
+    if ctx.device_type == "cuda":
+        return "CPU threads: not the bottleneck of a CUDA step"
+    if ctx.torch_threads >= ctx.cpu_count:
+        return f"torch already uses every core ({ctx.torch_threads} threads, {ctx.cpu_count} cores)"
+    dense = (ev.compute_share or 0) + (ev.memory_share or 0)
+    return [Candidate("threads", str(ctx.cpu_count), {"train.num_threads": ctx.cpu_count},
+                      amdahl(dense, ctx.cpu_count / max(1, ctx.torch_threads)),
+                      f"{ctx.torch_threads} of {ctx.cpu_count} cores in use", EXACT)]
+
+
+COMPILE_S_PER_SHAPE = {"cpu": 20.0, "cuda": 8.0}
+"""Rough one-off compile seconds per batch shape (ranks compile against the run's length only; measured in the A/B)."""
+
+
+def _compile(ctx: LeverContext, ev: Evidence) -> Proposal:
+    c = ctx.cfg.compile
+    if c.enabled == "true":
+        return f"already compiled (mode {c.mode})"
+    if ctx.cfg.batching.pad_to != "bound" and ctx.cfg.batching.method not in ("pad-to-max", "packed"):
+        return "batches are padded to their longest sample: no fixed set of shapes to compile"
+    modes = ("default", "reduce-overhead", "max-autotune") if ctx.device_type == "cuda" else ("default",)
+    fused = (ev.launch_share or 0) * 0.7 + (ev.memory_share or 0) * 0.3
+    steady = amdahl(fused, 2.0)
+    warm = COMPILE_S_PER_SHAPE.get(ctx.device_type, 20.0) * max(1, ctx.batch_shapes)
+    run_s = (ctx.planned_steps or 0) * (ev.step_ms or 0) / 1e3
+    amortised = run_s / (run_s / steady + warm) if run_s > 0 else steady
+    return [Candidate("compile", mode, {"compile.enabled": "true", "compile.mode": mode}, amortised,
+                      f"launch-bound {_pct(ev.launch_share)} and memory-bound {_pct(ev.memory_share)} of the step; "
+                      f"~{warm:.0f} s of compilation over a {run_s:.0f} s run", NUMERICS, warm) for mode in modes]
+
+
+def _allocator(ctx: LeverContext, ev: Evidence) -> Proposal:
+    if ctx.device_type != "cuda":
+        return "CUDA caching allocator: CUDA only"
+    return ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is process-wide: both arms of an in-process A/B would "
+            "share it, so it is measured by running make bench twice, not by this search")
+
+
+CATALOGUE: tuple[Lever, ...] = (
+    Lever("precision", "train.precision (bf16 / fp16 with a loss scaler / fp32)", "bf16 where the device has native "
+          "bf16; fp16 on CUDA", "compute- and memory-bound share", NUMERICS, _precision),
+    Lever("batching", "batching.method (dynamic padding, fitted buckets, packing) and its attention path",
+          "packing where the model runs packed rows", "padding share", SAMPLE_ORDER, _batching),
+    Lever("token_budget", "batching.max_tokens: tokens per step, doubled up to optimize.max_budget_factor while "
+          "memory fits", "bucketed or packed batching", "per-step overhead share, memory headroom", TRAINING,
+          _token_budget),
+    Lever("fast_dropout", "model.fast_dropout: dropout masks drawn as float32 uniforms", "models with nn.Dropout",
+          "dropout-mask op share", RNG, _fast_dropout),
+    Lever("fused_adamw", "optim.fused: AdamW's fused kernel", "CUDA; CPU from torch 2.4", "optimizer share",
+          NUMERICS, _fused_adamw),
+    Lever("workers", "data.num_workers (and pinned memory on CUDA)", "any", "data-wait share", EXACT, _workers),
+    Lever("threads", "train.num_threads", "CPU", "compute share, cores unused", EXACT, _threads),
+    Lever("compile", "compile.enabled/mode (default, reduce-overhead = CUDA graphs, max-autotune), warm-up amortised "
+          "over the planned steps", "fixed batch shapes", "launch- and memory-bound share", NUMERICS, _compile),
+    Lever("allocator", "PYTORCH_CUDA_ALLOC_CONF (expandable segments)", "CUDA", "memory fragmentation", EXACT,
+          _allocator),
+)
+
+
+def select(names: Optional[list[str]], catalogue: tuple[Lever, ...] = CATALOGUE) -> tuple[Lever, ...]:
+    """The levers named in ``names`` (None: all), in catalogue order.
+
+    Raises:
+        ValueError: a name not in the catalogue (the message lists the valid ones).
+    """
+    if names is None:
+        return catalogue
+    known = {lv.name: lv for lv in catalogue}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"optimize.levers: unknown lever(s) {unknown}; choose from {', '.join(known)}")
+    return tuple(lv for lv in catalogue if lv.name in names)

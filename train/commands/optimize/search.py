@@ -1,0 +1,373 @@
+"""The progressive search of ``make optimize``: profile → rank the catalogue → A/B the most promising candidate
+against the current best → keep it only when its interval clears ``optimize.min_gain`` and the quality guard passes
+→ re-profile (the bottleneck moves) → repeat, until the budget or the candidates run out; then confirm baseline vs
+optimized in one interleaved run.
+
+The search is written against a :class:`Backend` (build an arm from settings, profile settings, say what levers may
+look at), so a test drives it with fake arms of known speed, and ``make optimize`` with real training runs
+(train/commands/optimize/backend.py). Every arm failure — out of memory, an exception, a hang past
+``optimize.arm_timeout_s`` — is a rejected candidate with its reason; the search goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+
+from train.commands.optimize.levers import EXACT, Candidate, Evidence, Lever, LeverContext
+from train.perf.ab import Arm, Ratio, interleave
+
+NO_GAIN = 1.005
+"""Candidates whose predicted speedup is below this are not measured: the profile shows nothing for them to gain."""
+
+
+class ArmHandle(Protocol):
+    """One built configuration: ``warmup(samples)`` runs its one-off work (compilation) and untimed steps until it has
+    seen ``samples`` and returns the one-off seconds; ``step()`` one training step's counts; ``quality()`` its held-out
+    ``loss`` and ``nonfinite_steps``; ``close()`` frees it."""
+
+    def warmup(self, samples: int) -> float: ...
+    def step(self) -> dict[str, float]: ...
+    def quality(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    device: torch.device
+
+    def context(self, settings: dict[str, Any]) -> LeverContext: ...
+    def profile(self, settings: dict[str, Any], index: int) -> Evidence: ...
+    def arm(self, name: str, settings: dict[str, Any]) -> ArmHandle: ...
+
+
+class ArmTimeout(Exception):
+    """A candidate ran past ``optimize.arm_timeout_s``."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`ArmTimeout` in the main thread after ``seconds`` (SIGALRM; no limit off the main thread or where
+    the OS has no SIGALRM). A call stuck inside C code that never returns to Python is not interruptible this way."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_sig, _frame):
+        raise ArmTimeout(f"ran past optimize.arm_timeout_s={seconds:g} s (a hang, or too slow to measure)")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line for a failed arm: ``out of memory: …``, ``hung: …``, or ``raised <Type>: …``."""
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    if isinstance(exc, ArmTimeout):
+        return f"timed out: {text}"
+    if isinstance(exc, MemoryError) or "out of memory" in text.lower() or type(exc).__name__ == "OutOfMemoryError":
+        return f"out of memory: {text or type(exc).__name__}"
+    if "recompile" in text.lower() and "limit" in text.lower():
+        return f"hit the recompile limit: {text}"
+    return f"raised {type(exc).__name__}: {text}"
+
+
+@dataclass
+class Decision:
+    """One candidate's outcome, in search order."""
+
+    candidate: Candidate
+    accepted: bool
+    reason: str
+    ratio: Optional[dict] = None
+    steady_ratio: Optional[dict] = None
+    quality: Optional[dict] = None
+    warmup_s: Optional[float] = None
+    seconds: float = 0.0
+    evidence_index: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.candidate
+        return {"lever": c.lever, "value": c.value, "overrides": c.overrides, "predicted": c.predicted,
+                "evidence": c.evidence, "may_change": c.may_change, "accepted": self.accepted, "reason": self.reason,
+                "ratio": self.ratio, "steady_ratio": self.steady_ratio, "quality": self.quality,
+                "warmup_s": self.warmup_s, "seconds": self.seconds, "profile": self.evidence_index}
+
+
+@dataclass
+class SearchSettings:
+    """The ``optimize`` section's numbers the search needs (tests pass small ones)."""
+
+    budget_s: float
+    rounds: int
+    window_samples: int
+    min_gain: float
+    quality_tolerance: float
+    arm_timeout_s: float
+    confirm_rounds: int
+    max_tries_per_value: int = 2
+
+    @classmethod
+    def from_config(cls, o: Any) -> "SearchSettings":
+        return cls(o.budget_s, o.rounds, o.window_samples, o.min_gain, o.quality_tolerance, o.arm_timeout_s,
+                   o.confirm_rounds)
+
+
+@dataclass
+class SearchResult:
+    """Everything the search measured (what optimize.json holds); ``status``: completed / budget / interrupted."""
+
+    baseline: dict[str, Any]
+    best: dict[str, Any]
+    decisions: list[Decision] = field(default_factory=list)
+    profiles: list[dict] = field(default_factory=list)
+    rankings: list[list[dict]] = field(default_factory=list)
+    not_applicable: dict[str, str] = field(default_factory=dict)
+    not_tried: list[dict] = field(default_factory=list)
+    confirmation: Optional[dict] = None
+    status: str = "running"
+    seconds: float = 0.0
+
+    def accepted(self) -> list[Decision]:
+        return [d for d in self.decisions if d.accepted]
+
+    def waterfall(self) -> dict[str, Any]:
+        """Baseline 1.0 → each accepted lever's ratio multiplied in (median and interval bounds) → the confirmed
+        end-to-end ratio; ``adds_up``: the confirmed median lies within the product of the accepted intervals."""
+        steps, med, low, high = [], 1.0, 1.0, 1.0
+        for d in self.accepted():
+            r = d.ratio
+            med, low, high = med * r["median"], low * r["low"], high * r["high"]
+            steps.append({"lever": f"{d.candidate.lever}={d.candidate.value}", "ratio": r["median"],
+                          "low": r["low"], "high": r["high"], "cumulative": med, "cumulative_low": low,
+                          "cumulative_high": high})
+        conf = (self.confirmation or {}).get("ratio") or {}
+        final = conf.get("median")
+        return {"steps": steps, "product": med, "product_low": low, "product_high": high,
+                "confirmed": conf or None,
+                "adds_up": None if final is None or not steps else bool(low <= final <= high)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "seconds": self.seconds, "baseline": self.baseline, "best": self.best,
+                "decisions": [d.as_dict() for d in self.decisions], "profiles": self.profiles,
+                "rankings": self.rankings, "not_applicable": self.not_applicable, "not_tried": self.not_tried,
+                "confirmation": self.confirmation, "waterfall": self.waterfall()}
+
+
+def amortise(ratio: Ratio, warmup_s: float, planned_s: Optional[float]) -> dict[str, Any]:
+    """A steady-state ratio with a one-off cost ``warmup_s`` paid once over a run that takes ``planned_s`` at the
+    current best's speed: ``planned_s / (planned_s / r + warmup_s)`` for the median and each interval bound (the map is
+    increasing in ``r``). ``planned_s`` None or 0: the steady ratio."""
+    d = ratio.as_dict()
+    if not warmup_s or not planned_s:
+        return d
+
+    def f(r: Optional[float]) -> Optional[float]:
+        return None if r is None or r <= 0 else planned_s / (planned_s / r + warmup_s)
+
+    d.update(median=f(d["median"]), low=f(d["low"]), high=f(d["high"]), amortised_over_s=planned_s,
+             warmup_s=warmup_s)
+    d["verdict"] = ("faster" if d["low"] and d["low"] > 1 else
+                    "slower" if d["high"] and d["high"] < 1 else "no measurable difference")
+    return d
+
+
+def quality_verdict(best: dict[str, Any], cand: dict[str, Any], tolerance: float) -> tuple[bool, str]:
+    """(passes, why): no non-finite step, a finite held-out loss, and that loss ≤ the best's × (1 + ``tolerance``)."""
+    if cand.get("nonfinite_steps"):
+        return False, f"{cand['nonfinite_steps']} non-finite step(s) (skipped by the numerics guard)"
+    loss, ref = cand.get("loss"), best.get("loss")
+    if loss is None or not math.isfinite(loss):
+        return False, f"held-out loss is {loss}"
+    if ref is None or not math.isfinite(ref):
+        return True, f"held-out loss {loss:.4f} (the current best's is {ref}: no comparison)"
+    limit = ref * (1 + tolerance)
+    if loss > limit:
+        return False, (f"held-out loss {loss:.4f} > {limit:.4f} (the current best's {ref:.4f} + "
+                       f"{100 * tolerance:g}%) after the same samples")
+    return True, f"held-out loss {loss:.4f} vs {ref:.4f} (tolerance +{100 * tolerance:g}%)"
+
+
+def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, rounds: int,
+                 names: tuple[str, str] = ("best", "candidate")) -> tuple[Any, float, dict, dict]:
+    """Build both arms, warm them to the same samples seen, interleave ``rounds`` windows of ``window_samples``, and
+    read both quality figures. Returns (ABResult, the candidate's one-off warm-up s, best quality, candidate quality).
+    Exceptions propagate (the caller records them); both arms are closed either way."""
+    arms: list[ArmHandle] = []
+    try:
+        arms.append(backend.arm(names[0], best))
+        arms.append(backend.arm(names[1], cand))
+        arms[0].warmup(s.window_samples)
+        warm = arms[1].warmup(s.window_samples)
+        result = interleave([Arm(n, a.step) for n, a in zip(names, arms)], rounds=rounds, warmup=0,
+                            window_samples=s.window_samples, device=backend.device)
+        return result, warm, arms[0].quality(), arms[1].quality()
+    finally:
+        for a in arms:
+            with contextlib.suppress(Exception):
+                a.close()
+        arms.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
+                  planned_s: Optional[float], clock: Callable[[], float]) -> Decision:
+    """A/B ``c`` against the current ``best`` (module docstring); never raises but KeyboardInterrupt."""
+    t0 = clock()
+    cand = {**best, **c.overrides}
+    try:
+        with time_limit(s.arm_timeout_s):
+            result, warm, q_best, q_cand = measure_pair(backend, best, cand, s, s.rounds)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # any failure of an arm is a rejected candidate, never a lost search
+        return Decision(c, False, failure_reason(exc), seconds=clock() - t0)
+    steady = result.ratio("candidate", "best")
+    ratio = amortise(steady, warm, planned_s) if c.warmup_s_estimate or warm > 1.0 else steady.as_dict()
+    quality = {"best": q_best, "candidate": q_cand}
+    d = Decision(c, False, "", ratio=ratio, steady_ratio=steady.as_dict(), quality=quality, warmup_s=warm or None,
+                 seconds=clock() - t0)
+    low = ratio["low"]
+    if low is None:
+        d.reason = "one round: no interval"
+        return d
+    if low < s.min_gain:
+        d.reason = (f"{ratio['median']:.3f}x [{low:.3f}, {ratio['high']:.3f}]: the interval's lower bound is below "
+                    f"optimize.min_gain={s.min_gain:g}" + (" (no measurable difference)" if low <= 1 <= ratio["high"]
+                                                           else ""))
+        return d
+    if c.may_change != EXACT:
+        ok, why = quality_verdict(q_best, q_cand, s.quality_tolerance)
+        quality["verdict"] = why
+        if not ok:
+            d.reason = f"quality guard: {why}"
+            return d
+    else:
+        quality["verdict"] = "exact lever: the same computation, no quality check needed"
+    d.accepted = True
+    d.reason = f"{ratio['median']:.3f}x [{low:.3f}, {ratio['high']:.3f}] clears {s.min_gain:g}; {quality['verdict']}"
+    return d
+
+
+def propose(levers: tuple[Lever, ...], ctx: LeverContext, ev: Evidence) -> tuple[list[Candidate], dict[str, str]]:
+    """Every lever's candidates, most promising first, and the reason of each lever that does not apply."""
+    cands, skipped = [], {}
+    for lever in levers:
+        got = lever.propose(ctx, ev)
+        if isinstance(got, str):
+            skipped[lever.name] = got
+        else:
+            cands.extend(got)
+    cands.sort(key=lambda c: -c.predicted)
+    return cands, skipped
+
+
+def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any], s: SearchSettings, *,
+           planned_steps: Optional[int] = None, notice: Callable[[str], None] = print,
+           clock: Callable[[], float] = time.monotonic, on_update: Callable[[SearchResult], None] = lambda _r: None,
+           result: Optional[SearchResult] = None) -> SearchResult:
+    """Run the progressive search from ``baseline`` (config overrides on the user's config) and return what it
+    measured. ``on_update(result)`` after every profile and decision (outputs are written there, so an interrupted
+    search leaves them). KeyboardInterrupt ends it with ``status=interrupted`` (the result so far is returned)."""
+    t0 = clock()
+    res = result or SearchResult(baseline=dict(baseline), best=dict(baseline))
+    tried: set[tuple] = set()  # (candidate overrides, the best it was measured against)
+    tries: dict[tuple[str, str], int] = {}  # (lever, value) → A/Bs so far
+    ab_costs: list[float] = []
+
+    def left() -> float:
+        return s.budget_s - (clock() - t0)
+
+    try:
+        ev = backend.profile(res.best, 0)
+        res.profiles.append({"settings": dict(res.best), **ev.as_dict()})
+        on_update(res)
+        while True:
+            ctx = backend.context(res.best)
+            cands, skipped = propose(levers, ctx, ev)
+            res.not_applicable.update(skipped)
+            fresh = [c for c in cands if (c.key, _key(res.best)) not in tried
+                     and any(k not in res.best or res.best[k] != v for k, v in c.overrides.items())  # not a no-op
+                     and tries.get((c.lever, c.value), 0) < s.max_tries_per_value]
+            res.rankings.append([{"lever": c.lever, "value": c.value, "predicted": c.predicted,
+                                  "evidence": c.evidence} for c in fresh])
+            if not fresh:
+                res.status = "completed"
+                break
+            c = fresh[0]
+            if c.predicted < NO_GAIN:
+                res.not_tried += [{"lever": x.lever, "value": x.value, "predicted": x.predicted,
+                                   "reason": "the evidence predicts a slowdown" if x.predicted < 1 else
+                                             f"the evidence predicts no gain (< {100 * (NO_GAIN - 1):g}%)"}
+                                  for x in fresh]
+                res.status = "completed"
+                break
+            typical = sorted(ab_costs)[len(ab_costs) // 2] if ab_costs else 0.0
+            need = typical + c.warmup_s_estimate + typical * s.confirm_rounds / max(1, s.rounds)
+            if ab_costs and need > left():
+                res.not_tried += [{"lever": x.lever, "value": x.value, "predicted": x.predicted,
+                                   "reason": f"budget: ~{typical + x.warmup_s_estimate:.0f} s needed, "
+                                             f"{max(0.0, left()):.0f} s left of optimize.budget_s={s.budget_s:g}"}
+                                  for x in fresh]
+                res.status = "budget"
+                break
+            tried.add((c.key, _key(res.best)))
+            tries[(c.lever, c.value)] = tries.get((c.lever, c.value), 0) + 1
+            planned_s = (planned_steps or 0) * (ev.step_ms or 0) / 1e3 or None
+            d = try_candidate(backend, res.best, c, s, planned_s, clock)
+            d.evidence_index = len(res.profiles) - 1
+            ab_costs.append(d.seconds)
+            res.decisions.append(d)
+            notice(f"optimize: {'ACCEPT' if d.accepted else 'reject'} {c.lever}={c.value} "
+                   f"(predicted {c.predicted:.2f}x from {c.evidence}): {d.reason}")
+            if d.accepted:
+                res.best = {**res.best, **c.overrides}
+                ev = backend.profile(res.best, len(res.profiles))
+                res.profiles.append({"settings": dict(res.best), **ev.as_dict()})
+            on_update(res)
+        if res.accepted():
+            res.confirmation = confirm(backend, res.baseline, res.best, s, notice)
+        res.status = res.status if res.status != "running" else "completed"
+    except KeyboardInterrupt:
+        res.status = "interrupted"
+        notice("optimize: interrupted; writing what was measured so far")
+    res.seconds = clock() - t0
+    on_update(res)
+    return res
+
+
+def _key(settings: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in settings.items()))
+
+
+def confirm(backend: Backend, baseline: dict, best: dict, s: SearchSettings,
+            notice: Callable[[str], None]) -> dict[str, Any]:
+    """Baseline vs optimized, interleaved over ``confirm_rounds``: the end-to-end speedup with its interval."""
+    try:
+        with time_limit(max(s.arm_timeout_s, 60.0) * 2):
+            result, warm, q_base, q_best = measure_pair(backend, baseline, best, s, s.confirm_rounds,
+                                                        names=("baseline", "optimized"))
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        notice(f"optimize: the final confirmation failed: {failure_reason(exc)}")
+        return {"ratio": None, "unavailable_reason": failure_reason(exc)}
+    ratio = result.ratio("optimized", "baseline")
+    notice(f"optimize: optimized vs baseline, interleaved: {ratio.describe()}")
+    return {"ratio": ratio.as_dict(), "ab": result.as_dict(), "quality": {"baseline": q_base, "optimized": q_best},
+            "optimized_warmup_s": warm or None}

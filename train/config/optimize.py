@@ -1,0 +1,57 @@
+"""The ``optimize`` section of ``RunConfig``: what ``python -m train optimize`` (``make optimize``) may spend and how
+sure it must be before it keeps a lever (docs/optimize.md). Kept free of torch imports like the bench sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from train.errors import Frozen, UserError, allowed, check_fields
+
+
+@dataclass
+class OptimizeConfig(Frozen):
+    """Attribution-driven progressive optimisation: profile, rank the lever catalogue, A/B the best candidate against
+    the current best, keep it when it clears ``min_gain`` and the quality guard, re-profile, repeat."""
+
+    budget_s: float = allowed(900.0, gt=0)
+    """Wall-clock budget of the search in seconds (profiles, A/Bs and the final confirmation included); candidates
+    that no longer fit are listed as not tried."""
+    levers: Optional[str] = None
+    """Comma-separated lever names to consider (train/commands/optimize/levers.py ``CATALOGUE``); null = all that
+    apply on this device and model."""
+    rounds: int = allowed(5, ge=2)
+    """Interleaved rounds per A/B (paired per-round ratios; at least 2 for an interval)."""
+    window_samples: int = allowed(96, ge=1)
+    """Samples per timed window: both arms see the same number of samples per round, whatever their batch size."""
+    warmup_steps: int = allowed(3, ge=1)
+    """Untimed steps per arm before its timed windows (compiled arms warm every planned shape instead)."""
+    min_gain: float = allowed(1.02, ge=1.0)
+    """A lever is kept only when its ratio's confidence interval lies at or above this (1.02: at least 2 % faster)."""
+    quality_tolerance: float = allowed(0.05, ge=0)
+    """The quality guard: a lever that may change training is rejected when its held-out loss, after the same
+    number of samples from the same initial weights, exceeds the current best's by more than this fraction."""
+    quality_samples: int = allowed(512, ge=1)
+    """The fixed held-out slice of the quality guard: the first this-many validation samples (the test split when
+    there is no validation split)."""
+    arm_timeout_s: float = allowed(240.0, gt=0)
+    """One candidate's A/B (build, warm-up, rounds, quality check) longer than this is stopped and rejected as hung."""
+    confirm_rounds: int = allowed(8, ge=2)
+    """Rounds of the final confirmation: the baseline vs the optimized config, interleaved."""
+    profile_steps: int = allowed(4, ge=2)
+    """Steps of each (re-)profile: the first warms up, the rest are captured by torch.profiler."""
+    max_budget_factor: int = allowed(4, ge=1)
+    """The token-budget lever tries budgets up to this multiple of the current one (bounded, OOM-safe probe)."""
+    grid_rounds: int = allowed(3, ge=2)
+    """``optimize-grid``: interleaved rounds over every combination (each arm once per round)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "optimize")
+        if self.levers is not None and not self.lever_names():
+            raise UserError("optimize.levers must name at least one lever, or be null for all")
+
+    def lever_names(self) -> Optional[list[str]]:
+        """The levers named in ``levers`` (None: all)."""
+        if self.levers is None:
+            return None
+        return [n.strip() for n in self.levers.split(",") if n.strip()]
