@@ -19,6 +19,7 @@ resumed run's parameters and losses equal an uninterrupted run's bit for bit (te
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -107,11 +108,26 @@ class Checkpointer(Callback):
         return path
 
 
+FINAL = "checkpoint.pt"
+
+
+def resume_candidates(run_dir: Path) -> list[Path]:
+    """``run_dir``'s checkpoints a resume may start from, newest first: the periodic ones and the final
+    ``checkpoint.pt`` (a finished run's last state), ordered by modification time (``checkpoint.pt`` first on a tie;
+    a run resumed with a higher ``train.max_steps`` writes periodic checkpoints after it)."""
+    found = list_checkpoints(run_dir)
+    final = run_dir / FINAL
+    if final.is_file() and (not found or final.stat().st_mtime >= found[-1].stat().st_mtime):
+        return [final, *reversed(found)]
+    return [*reversed(found), *([final] if final.is_file() else [])]
+
+
 def find_resume_checkpoint(target: str) -> tuple[Path, Path]:
-    """(run_dir, checkpoint) for ``--resume``: a run directory (its newest periodic checkpoint) or a checkpoint file.
+    """(run_dir, checkpoint) for ``--resume``: a run directory (its newest checkpoint, :func:`resume_candidates`)
+    or a checkpoint file.
 
     Raises:
-        UserError: no such run, or no checkpoint in it.
+        UserError: no such run, no checkpoint in it, or no config.yaml.
     """
     p = Path(target)
     if p.is_file():
@@ -120,13 +136,32 @@ def find_resume_checkpoint(target: str) -> tuple[Path, Path]:
     if not p.is_dir():
         raise UserError(f"--resume {target}: no such run directory or checkpoint file "
                         "(runs are under train.output_dir, e.g. runs/<id>)")
-    found = list_checkpoints(p)
+    found = resume_candidates(p)
     if not found:
         raise UserError(f"--resume {target}: no checkpoint in {p / CHECKPOINT_DIR} (periodic checkpoints need "
                         "train.checkpoint_every; a finished run's final state is checkpoint.pt)")
     if not (p / "config.yaml").is_file():
         raise UserError(f"--resume {target}: {p / 'config.yaml'} is missing; cannot rebuild the run's config")
-    return p, found[-1]
+    return p, found[0]
+
+
+def load_resume(target: str, say=print) -> tuple[Path, dict[str, Any]]:
+    """(checkpoint, state) for ``--resume target``. A run directory's newest checkpoint that cannot be read (truncated,
+    corrupt) is skipped for the next one, with one line naming it (``say``); a checkpoint file given by name is not.
+
+    Raises:
+        UserError: as :func:`find_resume_checkpoint`, or no readable checkpoint (the newest one's error).
+    """
+    _, first = find_resume_checkpoint(target)
+    found = [first] if Path(target).is_file() else resume_candidates(Path(target))
+    for i, path in enumerate(found):
+        try:
+            return path, read_resume_state(path)
+        except UserError as exc:
+            if i + 1 == len(found):
+                raise
+            say(f"resume: skipped {path}: {exc}; trying {found[i + 1]}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
 
 
 def read_resume_state(path: Path) -> dict[str, Any]:
@@ -179,6 +214,25 @@ def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bund
     return state
 
 
+def complete_run(state: dict[str, Any], cfg, run_dir: Path) -> Optional[dict[str, Any]]:
+    """For a resume: ``run_dir``'s report.json (plus ``_why``, the one line to say) when the run is complete — the
+    checkpoint is at its last step, report.json says ``"status": "completed"`` and the requested run is no longer
+    (``train.max_steps`` / ``train.epochs`` as the checkpoint's) — else None (then the resume trains, or runs the
+    final evaluation that a signal interrupted)."""
+    saved = (state.get("config") or {}).get("train", {})
+    same_length = all(saved.get(k, getattr(cfg.train, k)) == getattr(cfg.train, k) for k in ("max_steps", "epochs"))
+    if state["step"] < state["total_steps"] or not same_length:
+        return None
+    try:
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict) or report.get("status") != "completed":
+        return None
+    return {**report, "_why": f"the run is complete (step {state['step']} of {state['total_steps']}, report.json "
+                              "status completed); nothing to train (raise train.max_steps to train longer)"}
+
+
 def restore_rng(state: dict[str, Any], ctx: DistContext) -> None:
     """This rank's RNG states from ``state``; call right before the loop so nothing draws from them in between."""
     set_rng_state(state["ranks"][ctx.rank]["rng"])
@@ -197,3 +251,70 @@ def truncate_metrics(path: Path, step: int) -> None:
         if record.get("step", 0) <= step:
             keep.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in keep))
+
+
+# -- what a resume may change -------------------------------------------------------------------------------------
+
+FIXED_SECTIONS = ("data", "batching", "model", "optim")
+"""Sections whose settings are baked into the checkpoint (data order, model shape, optimizer/scheduler state)."""
+MAY_CHANGE = {"data.cache_dir", "data.cache_prepared", "data.num_workers", "data.max_eval_samples", "optim.fused",
+              "optim.clip_norm"}
+"""Keys of those sections that a resume applies (where the data is cached and read, the evaluation bound, AdamW's
+kernel, and ``clip_norm``, an alias of ``clip.max_norm``)."""
+CHECKED_BY_CONTENT = {"data.source", "data.wordnet_dir", "data.tokenizer_path", "data.max_len", "train.precision"}
+"""Keys checked by what they produce, not their text (data and tokenizer fingerprints, the model's position table,
+the checkpoint's precision): a moved file with the same content resumes."""
+FIXED_KEYS = {"train.seed"}
+NOT_SETTINGS = {"train.run_id", "train.output_dir", "train.overwrite", "train.resume_apply"}
+APPLICABLE = ("optim.lr",)
+"""Fixed keys that ``train.resume_apply`` applies for real (:func:`apply_lr`)."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not prefix:
+            out.update(_flat(v, f"{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def resume_changes(saved: dict, cfg, where: str) -> list[str]:
+    """Compare the checkpoint's resolved config (``saved``, ``RunConfig.to_dict()``) with the run's (``cfg``): returns
+    the changes that apply, ``"key old → new"`` each (a key the checkpoint does not have is not compared).
+
+    Raises:
+        UserError: a setting that cannot change mid-run differs (data, model, tokenizer, batching, the optimizer's
+            hyper-parameters, ``train.seed``), one line listing each key with both values, unless it is in
+            ``train.resume_apply`` (:data:`APPLICABLE`).
+    """
+    old, new = _flat(saved or {}), _flat(cfg.to_dict())
+    apply = cfg.train.resume_apply
+    refused, applied = [], []
+    for key in sorted(old.keys() & new.keys()):
+        if old[key] == new[key] or key in NOT_SETTINGS or key in CHECKED_BY_CONTENT:
+            continue
+        change = f"{key} {old[key]!r} → {new[key]!r}"
+        fixed = key in FIXED_KEYS or (key.split(".")[0] in FIXED_SECTIONS and key not in MAY_CHANGE)
+        if fixed and key != apply:
+            refused.append(change)
+        else:
+            applied.append(change + (" (written into the optimizer and scheduler)" if key == apply else ""))
+    if refused:
+        how = "".join(f" (or train.resume_apply={k} to apply it)" for k in APPLICABLE
+                      if any(c.startswith(k + " ") for c in refused))
+        raise UserError(f"{where}: these settings cannot change mid-run (checkpoint → requested): "
+                        f"{', '.join(refused)}; resume with the checkpoint's values{how}, or start a new run")
+    return applied
+
+
+def apply_lr(trainer, lr: float) -> None:
+    """Make ``lr`` (the peak learning rate) the run's own after ``trainer.load_state_dict``: every param group's
+    ``initial_lr`` and current ``lr`` (``lr`` × the schedule's factor at this step) and the scheduler's ``base_lrs``."""
+    sched = trainer.scheduler
+    for i, group in enumerate(trainer.optimizer.param_groups):
+        group["initial_lr"] = lr
+        group["lr"] = lr * sched.lr_lambdas[i](sched.last_epoch)
+    sched.base_lrs = [lr] * len(trainer.optimizer.param_groups)
+    sched._last_lr = [g["lr"] for g in trainer.optimizer.param_groups]

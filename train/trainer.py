@@ -27,7 +27,7 @@ from train.config import RunConfig
 from train.data.batch import batch_samples, epochs, move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
-from train.evaluation import evaluate
+from train.evaluation import EvaluationAbandoned, evaluate
 from train.model import EncoderClassifier, param_groups
 from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
@@ -65,6 +65,7 @@ class TrainStats:
     final_train_loss: Optional[float] = None
     first_step_end: Optional[float] = None  # time.perf_counter() at the end of step 1
     evals: list = field(default_factory=list)
+    abandoned_eval: Optional[str] = None  # what a signal cut short ("periodic evaluation at step N")
 
     def add(self, rec: "StepRecord", steady: bool) -> None:
         """Count one step (``steady``: not this process's first, cold step)."""
@@ -314,9 +315,16 @@ class Trainer:
         self.reset_window()
 
     def _evaluate(self, step: int, bar: Any) -> None:
-        result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device, self.dist)
-        self.stats.evals.append({"step": step, **result})
-        self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
+        """Evaluate on ``eval_loader``; a signal during it abandons it (said, recorded in ``stats.abandoned_eval``)."""
+        try:
+            result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device, self.dist,
+                              phase="periodic evaluation")
+        except EvaluationAbandoned as exc:
+            self.stats.abandoned_eval = f"periodic evaluation at step {step}"
+            result = {"accuracy": None, "unavailable_reason": str(exc)}
+        else:
+            self.stats.evals.append({"step": step, **result})
+            self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
         msg = (f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 "
                f"{result['macro_f1']:.4f}" if result["accuracy"] is not None else
                f"step {step}/{self.total_steps}: no evaluation ({result.get('unavailable_reason')})")

@@ -23,9 +23,9 @@ from train.config import RunConfig, dump_config
 from train.data import DataBundle, make_loader
 from train.data.attention import apply_attention, choose_packed_attention
 from train.data.batching_auto import apply_batching, choose_batching
-from train.distributed import DistContext, agreed, broadcast_from_main, init_distributed, teardown
+from train.distributed import DistContext, agreed, any_rank, broadcast_from_main, init_distributed, teardown
 from train.errors import Interrupted, UserError, atomic_write_text
-from train.evaluation import evaluate
+from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.dropout import decide_fast_dropout
 from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
@@ -42,11 +42,13 @@ from train.report import (
 from train.report.levers import levers_section, model_section
 from train.resume import (
     Checkpointer,
+    apply_lr,
     check_resume_state,
-    find_resume_checkpoint,
+    complete_run,
     full_state,
-    read_resume_state,
+    load_resume,
     restore_rng,
+    resume_changes,
     truncate_metrics,
     write_state,
 )
@@ -74,7 +76,8 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
     ``t_start`` is ``time.perf_counter()`` at command start, for ``perf.time_to_first_step_s``.
     Under ``torchrun`` every rank calls this; DDP is set up and torn down here and only rank 0
     writes files or prints. ``resume``: a run directory (or one of its checkpoint files) to
-    continue from (see train/resume.py). After SIGTERM/SIGINT the report has ``"status": "interrupted"``.
+    continue from (see train/resume.py; a complete run's report.json is returned as it is, nothing retrained). After
+    SIGTERM/SIGINT (during a step or an evaluation, which is then abandoned) the report has ``"status": "interrupted"``.
     ``hooks``: objects with ``attach(trainer, run_dir)`` (called before the loop) and
     ``finish(report)`` (called before report.json is written; may add keys), e.g. a profile session.
 
@@ -144,6 +147,10 @@ class _Run:
     fast_dropout: Optional[dict] = None
 
 
+class _Complete(Exception):  # --resume of a complete run: nothing to train; args[0] is its report.json
+    pass
+
+
 def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
                   device: torch.device, hooks: tuple = ()) -> dict[str, Any]:
     """The phases: prepare → build → resume → fit → evaluate → report."""
@@ -164,18 +171,28 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
                 if isinstance(exc, Interrupted):
                     exc.args = (f"{exc.args[0]}; removed {r.run_dir}",)
             raise
+        except _Complete as done:
+            return done.args[0]
         for hook in hooks:
             hook.attach(r.trainer, r.run_dir)
-        shutdown.defer()
+        shutdown.defer()  # from here a signal checkpoints the last completed step (an evaluation is abandoned)
         checkpointer = Checkpointer(r.run_dir, r.cfg, r.trainer, r.model, r.bundle, ctx, shutdown)
         stats, energy = _fit(r, checkpointer)
-        interrupted = None
-        if r.trainer.stopped_at is not None:
-            interrupted = {"signal": shutdown.signal_name, "step": r.trainer.stopped_at,
-                           "total_steps": r.trainer.total_steps, "checkpoint": str(checkpointer.last_path),
-                           "resume_command": f"make train ARGS=\"--resume {r.run_dir}\""}
-        final_eval, test_eval = _evaluate(r, stats, interrupted is not None)
+        evals = None if any_rank(shutdown.requested, ctx) else _evaluate(r, stats)
+        interrupted = _interruption(r, shutdown, checkpointer) if evals is None else None
+        final_eval, test_eval = evals or ((stats.evals[-1] if stats.evals else {}), {})
         return _report(r, stats, energy, final_eval, test_eval, interrupted, hooks)
+
+
+def _interruption(r: _Run, shutdown: ShutdownRequest, checkpointer: Checkpointer) -> dict:
+    """report.json's ``interrupted``: the signal, the last completed step, its checkpoint (``checkpoint.pt`` when the
+    signal came in the last step or the final evaluation), the abandoned evaluation."""
+    stopped, last = r.trainer.stopped_at, checkpointer.last_path
+    out = {"signal": shutdown.signal_name, "step": stopped or r.trainer.stats.steps,
+           "total_steps": r.trainer.total_steps, "checkpoint": str(last if stopped else r.run_dir / "checkpoint.pt"),
+           "resume_command": f"make train ARGS=\"--resume {r.run_dir}\""}
+    abandoned = r.trainer.stats.abandoned_eval or (None if stopped else "final evaluation")
+    return {**out, **({"evaluation_abandoned": abandoned} if abandoned else {})}
 
 
 def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
@@ -189,9 +206,8 @@ def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
         r.cfg = cfg = cfg.with_values({"train.run_id": run_id})
     r.run_dir = Path(cfg.train.output_dir) / run_id
     apply_threads_and_seed(cfg)
-    if resume is not None:
-        _, r.ckpt_path = find_resume_checkpoint(resume)
-        r.state = agreed(lambda: read_resume_state(r.ckpt_path), ctx)
+    if resume is not None:  # the newest readable checkpoint (a truncated one skipped, named)
+        r.ckpt_path, r.state = agreed(lambda: load_resume(resume, r.say), ctx)
     r.policy = precision_policy(cfg, r.device, ctx, r.state, r.ckpt_path)
     r.say(f"run {r.run_dir}: device {r.device}"
           + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""),
@@ -226,9 +242,14 @@ def _build(r: _Run) -> None:
     r.cfg = cfg
     r.fast_dropout = _fast_dropout(r, probe)
     r.cfg = cfg = r.cfg.with_values({}).freeze()  # every decision made: the run's config is a value from here on
-    if r.state is not None:
-        r.state = agreed(lambda: check_resume_state(r.state, r.ckpt_path, ctx, bundle, r.model.spec), ctx)
-        r.say(f"resuming from {r.ckpt_path} (step {r.state['step']})", flush=True)
+    if r.state is not None:  # refused here, before config.yaml is written: a refused resume leaves it as it was
+        r.state, applied = agreed(lambda: (check_resume_state(r.state, r.ckpt_path, ctx, bundle, r.model.spec),
+                                           resume_changes(r.state.get("config"), cfg, f"--resume {r.ckpt_path}")), ctx)
+        r.say(f"resuming from {r.ckpt_path} (step {r.state['step']})"  # one notice line: the changes that apply
+              + (f"; changed settings applied: {'; '.join(applied)}" if applied else ""), flush=True)
+        if (done := complete_run(r.state, cfg, r.run_dir)) is not None:  # said, its files left as they are
+            r.say(f"--resume {r.ckpt_path}: {done['_why']}", flush=True)
+            raise _Complete({k: v for k, v in done.items() if k != "_why"})
     if ctx.is_main:  # written once, resolved, after the resume checks (--resume replays it)
         atomic_write_text(r.run_dir / "config.yaml", dump_config(cfg))
     if ctx.is_main:  # after the resume checks: a refused resume leaves the run's own tokenizer copy alone
@@ -293,9 +314,14 @@ def _resume(r: _Run, resume: Optional[str]) -> None:
     if r.state is None:
         return
     r.trainer.load_state_dict(r.state, r.state["ranks"][r.ctx.rank])
-    if r.trainer.start_step >= r.trainer.total_steps:
-        raise UserError(f"--resume {resume}: the checkpoint is at step {r.trainer.start_step} of "
-                        f"{r.trainer.total_steps}; nothing left to train (raise train.max_steps to train longer)")
+    if r.cfg.train.resume_apply == "optim.lr":
+        apply_lr(r.trainer, r.cfg.optim.lr)
+    step, total = r.trainer.start_step, r.trainer.total_steps
+    if step > total:
+        raise UserError(f"--resume {resume}: the checkpoint is at step {step} of {total}; nothing left to train "
+                        "(raise train.max_steps to train longer)")
+    if step == total:  # trained to the end, but its final evaluation was interrupted: run that
+        r.say(f"resume: training finished at step {step} of {total}; running the final evaluation", flush=True)
     restore_rng(r.state, r.ctx)  # last: nothing may draw from the RNGs between here and the next step
 
 
@@ -323,14 +349,20 @@ def _fit(r: _Run, checkpointer: Checkpointer) -> tuple[Any, dict]:
     return stats, energy
 
 
-def _evaluate(r: _Run, stats, interrupted: bool) -> tuple[dict, dict]:
-    """(validation, test) results: the last periodic validation (or a new one) and the test split; after an
-    interruption only what was already measured (a bounded shutdown evaluates nothing more)."""
-    if interrupted:
-        return (stats.evals[-1] if stats.evals else {}), {}
+def _evaluate(r: _Run, stats) -> Optional[tuple[dict, dict]]:
+    """(validation, test) results: the validation at the last step (or a new one) and the test split; None when a
+    signal abandoned them (said in one line; the final state is already in checkpoint.pt)."""
     n = r.bundle.num_classes
-    final = stats.evals[-1] if stats.evals else evaluate(r.model, r.loaders["validation"], r.policy, n, r.device, r.ctx)
-    return final, evaluate(r.model, r.loaders["test"], r.policy, n, r.device, r.ctx)
+
+    def run(split: str) -> dict:
+        return evaluate(r.model, r.loaders[split], r.policy, n, r.device, r.ctx, phase="final evaluation")
+
+    try:
+        last = stats.evals[-1] if stats.evals and stats.evals[-1]["step"] == r.trainer.total_steps else None
+        return last or run("validation"), run("test")
+    except EvaluationAbandoned as exc:
+        r.say(f"{exc}; the trained state is in {r.run_dir / 'checkpoint.pt'}", flush=True)
+        return None
 
 
 def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, interrupted: Optional[dict],
@@ -353,7 +385,8 @@ def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, int
     efficiency = efficiency_fields(r.model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, r.policy.mode)
     report = build_report(ReportInputs(
         cfg, r.run_dir, r.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),
-        sampler_counts(r.loaders["train"]), r.t_start, time.perf_counter() - r.t_start, data_prep_s=r.data_s,
+        sampler_counts(r.loaders["train"], trainer.epoch + 1), r.t_start, time.perf_counter() - r.t_start,
+        data_prep_s=r.data_s,
         efficiency={**efficiency, "throughput_valid": True}, sections=sections, interrupted=interrupted,
         batching_auto=r.batching_auto, packed_attention=r.packed_attention))
     for hook in hooks:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 from train.compiling.warmup import plan_all_shapes, warm_up_for_run
 from train.data import prepare_data
-from train.errors import UserError
-from train.setup import build_run, start_run
+from train.errors import Interrupted, UserError
+from train.setup import build_run, start_run, unlock_run_dir
+from train.shutdown import ShutdownRequest
 
 
 def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
@@ -15,12 +18,39 @@ def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
     ``runs/<id>/warmup.json``.
 
     Compiles when ``compile.enabled`` resolves on (``make warmup`` passes ``compile.enabled=true``);
-    otherwise warms the eager shapes and says why. Raises UserError for bad input.
+    otherwise warms the eager shapes and says why. SIGTERM/SIGINT at any point (data preparation, set-up, warm-up)
+    stops at once with :class:`~train.errors.Interrupted` (one line, exit 128 + signal), and a run directory this
+    command created is removed (nothing was written that a later command could use).
+
+    Raises:
+        UserError: bad input.
+        Interrupted: a signal arrived.
     """
-    start = start_run(cfg)
-    run_dir = start.run_dir
-    bundle = prepare_data(cfg, run_dir, buckets_force)
-    run = build_run(cfg, bundle, start.device, start.policy, splits=("train", "validation", "test"), compile=True)
+    existed = bool(cfg.train.run_id) and (Path(cfg.train.output_dir) / cfg.train.run_id).exists()
+    run_dir = None
+    with ShutdownRequest(cfg.train.shutdown_timeout_s, immediate=True) as shutdown:
+        try:
+            shutdown.phase = "set-up"
+            start = start_run(cfg)
+            run_dir = start.run_dir
+            shutdown.phase = "data preparation"
+            bundle = prepare_data(cfg, run_dir, buckets_force)
+            shutdown.phase = "model set-up"
+            run = build_run(cfg, bundle, start.device, start.policy, splits=("train", "validation", "test"),
+                            compile=True)
+            shutdown.phase = "compile warm-up"
+            result = _warm(cfg, run, run_dir)
+        except Interrupted as exc:
+            if run_dir is not None and not existed:
+                unlock_run_dir(run_dir)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                exc.args = (f"{exc.args[0]}; removed {run_dir}",)
+            raise
+    return result
+
+
+def _warm(cfg: Any, run: Any, run_dir: Path) -> dict[str, Any]:
+    """Warm the built run's shapes (the eager ones when compile is off) and write warmup.json; returns it."""
     session, loaders = run.compiled, run.loaders
     if not session.enabled:
         print(f"compile is off ({session.reason}); warming the eager shapes only", flush=True)

@@ -38,6 +38,7 @@ from train.checkpoint import rng_state, set_rng_state
 from train.compiling.session import CompileSession, _delta, resolve_compile
 from train.errors import atomic_write_text
 from train.perf.timer import Timed
+from train.shutdown import pause_point
 from train.tools.progress import beside, progress_bar
 
 
@@ -226,6 +227,7 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
             r = time_shape(train_step if shape.phase == "train" else eval_step, shape, det, device, clock)
             results.append(r)
             bar.update(1)
+            pause_point("compile warm-up")  # a test hook (no-op): a signal during warm-up
             say(f"warm-up {shape.phase} [{shape.batch_size}, {shape.seq_len}]: "
                 f"first step {r['first_step_ms'] / 1e3:.1f}s "
                 f"(cache {r['cache']}), {'stable' if r['stable'] else 'NOT stable'} after {r['steps']} steps, "

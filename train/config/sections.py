@@ -33,6 +33,10 @@ class DataConfig(Frozen):
     """Fraction of examples in the test split (by stable hash)."""
     max_samples: Optional[int] = allowed(None, ge=1)
     """Cap the training split at this many examples (validation/test at a tenth each); None = all."""
+    max_eval_samples: Optional[int] = allowed(None, ge=1)
+    """Evaluate (validation, periodic and final, and test) on the first N examples of each split, in the split's
+    fixed order: the same N every evaluation and run; None = all. report.json ``data.max_eval_samples`` and each
+    evaluation's ``samples`` state it."""
     max_len: int = allowed(128, ge=3)
     """Maximum sequence length in tokens, ``[CLS]`` and ``[SEP]`` included; longer inputs are truncated and counted."""
     vocab_size: int = allowed(8192, ge=10)
@@ -236,8 +240,12 @@ class TrainConfig(Frozen):
     keep_checkpoints: int = allowed(3, ge=1)
     """How many periodic checkpoints to keep (the newest; older ones are deleted after each write)."""
     shutdown_timeout_s: float = allowed(60.0, gt=0)
-    """After SIGTERM/SIGINT the run finishes its step, checkpoints and reports; it exits anyway after this many
-    seconds."""
+    """After SIGTERM/SIGINT the run finishes its step (or abandons its evaluation), checkpoints and reports; it exits
+    anyway after this many seconds."""
+    resume_apply: Optional[str] = allowed(None, choices=("optim.lr",))
+    """``--resume`` refuses settings baked into the checkpoint that differ from it; ``optim.lr`` here applies a new
+    peak learning rate for real instead (written into the optimizer's param groups and the scheduler's
+    ``base_lrs``; the schedule's shape continues). null = refuse."""
 
     def __post_init__(self) -> None:
         check_fields(self, "train")

@@ -254,6 +254,7 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
     each rank gets every ``world_size``-th batch (:class:`ShardedBatchSampler`, nothing repeated).
     Each loader draws its workers' base seed from its own generator, not the global torch RNG, so
     starting an epoch or an evaluation never shifts the dropout stream (exact resume relies on it).
+    ``data.max_eval_samples`` (evaluation only): the split's first N examples, the same ones every time.
     """
     b = cfg.batching
     generator = torch.Generator()
@@ -274,8 +275,10 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
         batches = LengthGroupedBatchSampler(bundle.splits[split].lengths, b.batch_size, cfg.train.seed, b.drop_last)
     else:
         shard_train = world_size if train else 1
+        lengths = bundle.splits[split].lengths  # evaluation: the first data.max_eval_samples (None: all)
         sampler = BucketBatchSampler(
-            bundle.splits[split].lengths, bundle.bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
+            lengths if train else lengths[:cfg.data.max_eval_samples], bundle.bounds, batch_size=b.batch_size,
+            max_tokens=b.max_tokens,
             round_batch_to=8 if b.round_to % 8 == 0 else 1, shuffle=train, seed=cfg.train.seed,
             drop_last=b.drop_last if train else False, world_size=shard_train, rank=rank if train else 0)
         batches = sampler if train or world_size == 1 else ShardedBatchSampler(sampler, world_size, rank)

@@ -90,6 +90,7 @@ class PackedBatchSampler(Sampler[list[tuple[int, int]]]):
         self.drop_last, self.world_size, self.rank = drop_last, world_size, rank
         self.epoch, self._start = 0, 0
         self.dropped_samples = self.repeated_samples = 0
+        self.epoch_counts: dict[int, tuple[int, int]] = {}  # epoch → (dropped, repeated), each epoch planned
         self._plan: tuple[int, list[list[list[int]]]] = (-1, [])
 
     def set_epoch(self, epoch: int) -> None:
@@ -123,6 +124,7 @@ class PackedBatchSampler(Sampler[list[tuple[int, int]]]):
                 repeated = sum(len(r) for b in extra for r in b)
                 batches += extra
         self.dropped_samples, self.repeated_samples = dropped, repeated
+        self.epoch_counts[self.epoch] = (dropped, repeated)
         self._plan = (self.epoch, batches)
         return batches
 

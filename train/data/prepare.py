@@ -34,6 +34,7 @@ import train.data.cache as cache  # the module itself: train/data/__init__.py im
 from train.config import RunConfig
 from train.data.sources import SPLITS, Scan, scan_source
 from train.data.tokenizer import TrainingTexts, WordCacheEncoder, encode_chunk, load_or_train, pad_id
+from train.shutdown import pause_point
 from train.tools.progress import progress_bar
 
 CHUNK_ROWS = 8192
@@ -235,6 +236,7 @@ def _encode_split(tok, out: Path, name: str, text_offsets: np.ndarray, max_len: 
             offsets[row + 1:row + 1 + len(texts)] = offsets[row] + np.cumsum(lengths)
             row += len(texts)
             progress(len(texts))
+            pause_point("data preparation")  # a test hook (no-op): a signal while the cache entry is written
     finally:
         ids.close()
     np.save(out / f"{name}.offsets.npy", offsets)

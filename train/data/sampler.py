@@ -14,6 +14,7 @@ plan (``repeated_samples``), so every rank runs the same number of steps and not
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator, Sequence
 from typing import Optional
@@ -57,6 +58,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         self._start = 0  # batches of this epoch already consumed (for resume)
         self.dropped_samples = 0
         self.repeated_samples = 0
+        self.epoch_counts: dict[int, tuple[int, int]] = {}  # epoch → (dropped, repeated), each epoch planned
 
     @staticmethod
     def _size(bound: int, batch_size: int, max_tokens: Optional[int], round_to: int) -> int:
@@ -102,6 +104,7 @@ class BucketBatchSampler(Sampler[list[int]]):
                 repeated = sum(len(b) for b in extra)
                 batches += extra
         self.dropped_samples, self.repeated_samples = dropped, repeated
+        self.epoch_counts[self.epoch] = (dropped, repeated)
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -153,3 +156,17 @@ class ShardedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(range(self.rank, len(self.inner), self.world_size))
+
+
+def run_counts(sampler, epochs: int) -> dict[str, int]:
+    """``dropped`` and ``repeated`` samples summed over epochs ``0 … epochs - 1`` of a training batch sampler (each
+    epoch's plan has its own counts). Epochs this process did not plan (before a resume) are planned on a copy."""
+    if not hasattr(sampler, "epoch_counts"):  # a sampler whose counts are the same every epoch
+        return {"dropped": sampler.dropped_samples * epochs, "repeated": sampler.repeated_samples * epochs}
+    for epoch in range(epochs):
+        if epoch not in sampler.epoch_counts:
+            probe = copy.copy(sampler)  # shares epoch_counts: planning the copy records its counts
+            probe.epoch, probe._plan = epoch, (-1, [])
+            probe._global_plan()
+    counts = [sampler.epoch_counts[e] for e in range(epochs)]
+    return {"dropped": sum(c[0] for c in counts), "repeated": sum(c[1] for c in counts)}

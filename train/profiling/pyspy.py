@@ -48,8 +48,11 @@ def shape_matched_overhead(on: list[tuple[Any, float]], off: list[tuple[Any, flo
     median step time without it *of the same shape*, and ``overhead_ratio`` is the median of those ratios − 1.
     Steps whose shape never ran without the sampler are left out (``steps_matched`` counts the rest); with no shape
     in common, the ratio of plain medians is returned and ``overhead_method`` says so.
-    Returns overhead_ratio, overhead_method, steps_matched, step_time_ms_with/without (plain medians, ms) and
-    overhead_ratio_unmatched (their ratio − 1). Raises ValueError when either list is empty.
+    Returns overhead_ratio, overhead_method, steps_matched, step_time_ms_with/without (plain medians, ms),
+    overhead_ratio_unmatched (their ratio − 1), overhead_noise_ratio (half the interquartile range of the steps
+    without the sampler, each divided by its shape's median: the step-to-step spread, a fraction; None with fewer
+    than 4 such steps) and overhead_within_noise (true when the overhead is negative, a sampler cannot speed a step
+    up, or no larger than that spread: the figure is noise, not a cost). Raises ValueError when either list is empty.
     """
     if not on or not off:
         raise ValueError("shape_matched_overhead needs steps with and without the sampler")
@@ -67,6 +70,11 @@ def shape_matched_overhead(on: list[tuple[Any, float]], off: list[tuple[Any, flo
     else:
         res.update(overhead_ratio=m_on / m_off - 1, overhead_method="ratio of medians (no batch shape ran both with "
                    "and without py-spy)")
+    spread = [ms / ref[shape] for shape, ms in off]
+    noise = float(np.subtract(*np.percentile(spread, [75, 25]))) / 2 if len(spread) >= 4 else None
+    res["overhead_noise_ratio"] = noise
+    res["overhead_within_noise"] = bool(res["overhead_ratio"] < 0 or (noise is not None
+                                                                      and abs(res["overhead_ratio"]) <= noise))
     return res
 
 

@@ -155,8 +155,19 @@ def profile_report_keys(out_dir: Path, summary: dict[str, Any]) -> dict[str, Any
     return {"summary_json": str(out_dir / "summary.json"), "summary_md": str(out_dir / "summary.md"),
             "trace_path": trace.get("path"), "trace_bytes": trace.get("bytes"),
             "pyspy_overhead_ratio": pyspy.get("overhead_ratio"),
+            "pyspy_overhead_within_noise": pyspy.get("overhead_within_noise"),
             "recommendations": [r["rule"] for r in summary.get("recommendations", [])],
             "skipped": summary.get("skipped", {})}
+
+
+def pyspy_overhead_text(ps: dict[str, Any]) -> str:
+    """py-spy's overhead as printed: ``+2.7% step time (spread ±1.1%)``, or, when the figure is negative or no larger
+    than the step-to-step spread, ``within noise (measured -51.2%, spread ±30.0%): no measurable cost``."""
+    noise = ps.get("overhead_noise_ratio")
+    spread = f"spread ±{100 * noise:.1f}%" if noise is not None else "spread unknown"
+    if ps.get("overhead_within_noise"):
+        return f"within noise (measured {100 * ps['overhead_ratio']:+.1f}%, {spread}): no measurable cost"
+    return f"{100 * ps['overhead_ratio']:+.1f}% step time ({spread})"
 
 
 def print_artifacts(out_dir: Path, summary: dict[str, Any]) -> None:
@@ -174,8 +185,7 @@ def print_artifacts(out_dir: Path, summary: dict[str, Any]) -> None:
         for kind, o in ps["outputs"].items():
             print(f"  py-spy {kind}: {o['path']}")
         if ps.get("overhead_ratio") is not None:
-            print(f"  py-spy overhead: {100 * ps['overhead_ratio']:+.1f}% step time, {ps['rate_hz']} Hz, "
-                  "matched by batch shape "
+            print(f"  py-spy overhead: {pyspy_overhead_text(ps)}, {ps['rate_hz']} Hz, matched by batch shape "
                   f"over {ps['steps_matched']} steps (plain medians {ps['step_time_ms_with']:.1f} ms with, "
                   f"{ps['step_time_ms_without']:.1f} ms without: {100 * ps['overhead_ratio_unmatched']:+.1f}%)")
         for err in ps.get("errors", []):

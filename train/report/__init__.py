@@ -15,6 +15,7 @@ import torch
 
 from train.config import RunConfig
 from train.data import DataBundle, pack_layout
+from train.data.sampler import run_counts
 from train.errors import atomic_write_text
 from train.model import EncoderClassifier
 from train.numerics import NumericsAbort
@@ -36,7 +37,7 @@ class ReportInputs:
         timer: the loop's step timer (first step, steady-state steps, percentiles in ms).
         final_eval, test_eval: ``evaluate()`` results (empty dicts when not evaluated).
         env: report ``env`` (environment facts and the precision policy's fields).
-        memory: ``peak_memory(device)``; sampler_counts: ``{"dropped", "repeated"}`` per epoch.
+        memory: ``peak_memory(device)``; sampler_counts: ``{"dropped", "repeated"}`` over the run.
         t_start: ``time.perf_counter()`` at command start; wall_s: seconds since then.
         data_prep_s: data loading + tokenization seconds; efficiency: :func:`efficiency_fields`.
         sections: whole top-level sections (``numerics``, ``clip``, ``tracking``, ``compile``, ``resumed_from``).
@@ -65,10 +66,10 @@ class ReportInputs:
     """Packed rows' attention decision (``AttentionChoice.as_report()``, train/data/attention.py)."""
 
 
-def sampler_counts(loader) -> dict[str, int]:
-    """Per-epoch ``dropped`` (drop_last) and ``repeated`` (evening out ranks) samples of a training loader."""
-    sampler = loader.batch_sampler
-    return {"dropped": sampler.dropped_samples, "repeated": sampler.repeated_samples}
+def sampler_counts(loader, epochs: int = 1) -> dict[str, int]:
+    """``dropped`` (drop_last) and ``repeated`` (evening out ranks) samples of a training loader over the whole run:
+    summed over its ``epochs`` epochs (0 … epochs - 1, every epoch it began)."""
+    return run_counts(loader.batch_sampler, epochs)
 
 
 def _unk_only_words(bundle: DataBundle) -> Optional[int]:
@@ -87,7 +88,7 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
     cfg, bundle, stats, run_dir = r.cfg, r.bundle, r.stats, r.run_dir
     final_eval, test_eval, sampler_counts = r.final_eval, r.test_eval, r.sampler_counts
     train_split = bundle.splits["train"]
-    test_labels = bundle.splits["test"].labels
+    test_labels = bundle.splits["test"].labels[:cfg.data.max_eval_samples]  # what was evaluated
     majority = float(np.bincount(test_labels).max() / len(test_labels)) if len(test_labels) else None
     steady_s = sum(r.timer.steady_ms) / 1e3
     perf = {
@@ -115,6 +116,8 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
             "test_accuracy": test_eval.get("accuracy"),
             "test_macro_f1": test_eval.get("macro_f1"),
             "test_majority_class_accuracy": majority,
+            "eval_samples": final_eval.get("samples"),
+            "test_samples_evaluated": test_eval.get("samples"),
             "evals": stats.evals,
         },
         "data": {
@@ -123,6 +126,7 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
             "train_samples": len(train_split),
             "validation_samples": len(bundle.splits["validation"]),
             "test_samples": len(bundle.splits["test"]),
+            "max_eval_samples": cfg.data.max_eval_samples,
             "num_classes": bundle.num_classes,
             "label_names": bundle.corpus.label_names,
             "truncated_samples": sum(s.truncated for s in bundle.splits.values()),
@@ -218,9 +222,9 @@ def write_aborted_report(cfg: RunConfig, run_dir: Path, bundle: DataBundle, trai
     """report.json for a run the numerics guard stopped: status ``aborted-numerics``, the diagnosis under
     ``numerics``, no evaluation, and throughput figures null (``perf.throughput_valid`` false)."""
     env = {**collect_env(device), **policy.report(), "num_threads": torch.get_num_threads()}
+    counts = sampler_counts(trainer.train_loader, trainer.epoch + 1)
     report = build_report(ReportInputs(cfg, run_dir, bundle, trainer.stats, trainer.timer, {}, {}, env,
-                                       peak_memory(device), sampler_counts(trainer.train_loader), t_start,
-                                       time.perf_counter() - t_start,
+                                       peak_memory(device), counts, t_start, time.perf_counter() - t_start,
                                        sections={"numerics": {**abort.diagnosis, "aborted": True},
                                                  "clip": clip_report(cfg)}))
     report["status"] = "aborted-numerics"
