@@ -254,3 +254,20 @@ def test_the_grid_crosses_every_crossable_lever():
     assert {p["batching.max_tokens"] for p in pts if p["batching.method"] == "packed"} == {None, 4096, 8192}
     small = grid_points(base, native_bf16=False, supports_packing=False, fused=False, workers=0)
     assert len(small) == 1 * 5 * 2 * 1 * 1 and {p["train.precision"] for p in small} == {"fp32"}
+
+
+def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
+    from train.commands.optimize.search import measure_pair
+
+    calls = []
+
+    def extend(result) -> bool:
+        calls.append(result.rounds)
+        return True
+
+    result, _warm, qa, qb = measure_pair(FakeBackend(), {}, {"fake.speed": 1.5}, settings(rounds=3), 3,
+                                         extend=extend)
+    assert calls == [3, 6] and result.rounds == 9  # max_extensions=2: two extensions of 3 rounds
+    rounds = [w.round for w in result.arms["candidate"].windows]
+    assert rounds == list(range(9))
+    assert len(result.ratio("candidate", "best").per_round) == 9

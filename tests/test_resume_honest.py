@@ -89,6 +89,7 @@ def test_resuming_a_complete_run_says_so_and_keeps_its_report(finished, capsys) 
     assert main(["train", "--resume", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "the run is complete (step 30 of 30, report.json status completed)" in out
+    assert "test accuracy" not in out  # no retold summary
     assert (run_dir / "report.json").read_bytes() == report and (run_dir / "metrics.jsonl").read_bytes() == metrics
     assert main(["train", "--resume", str(run_dir), "train.max_steps=36"]) == 0  # raised: trains the 6 more steps
     extended = json.loads((run_dir / "report.json").read_text())

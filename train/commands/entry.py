@@ -46,6 +46,8 @@ def cmd_train(args: argparse.Namespace, t_start: float) -> int:
     else:
         cfg = load_cfg(args)
     report = run_training(cfg, t_start, buckets_force=args.buckets_force, resume=args.resume)
+    if report.get("nothing_trained"):  # --resume of a complete run: said in one line already
+        return 0
     main_rank = os.environ.get("RANK", "0") == "0"
     if report.get("status") == "interrupted":
         info = report["interrupted"]

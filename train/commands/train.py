@@ -172,7 +172,7 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
                     exc.args = (f"{exc.args[0]}; removed {r.run_dir}",)
             raise
         except _Complete as done:
-            return done.args[0]
+            return {**done.args[0], "nothing_trained": True}  # its one line is said; cmd_train prints no summary
         for hook in hooks:
             hook.attach(r.trainer, r.run_dir)
         shutdown.defer()  # from here a signal checkpoints the last completed step (an evaluation is abandoned)

@@ -22,8 +22,10 @@ class OptimizeConfig(Frozen):
     apply on this device and model."""
     rounds: int = allowed(5, ge=2)
     """Interleaved rounds per A/B (paired per-round ratios; at least 2 for an interval)."""
-    window_samples: int = allowed(96, ge=1)
-    """Samples per timed window: both arms see the same number of samples per round, whatever their batch size."""
+    window_samples: int = allowed(384, ge=1)
+    """Samples per timed window: both arms see the same number of samples per round, whatever their batch size. Large
+    enough that a bucketed arm's window covers many buckets (with 96, three batch-32 steps of whichever buckets came
+    up made per-window rates swing 2x and intervals span 0.6-1.5)."""
     warmup_steps: int = allowed(3, ge=1)
     """Untimed steps per arm before its timed windows (compiled arms warm every planned shape instead)."""
     min_gain: float = allowed(1.02, ge=1.0)
@@ -34,7 +36,7 @@ class OptimizeConfig(Frozen):
     quality_samples: int = allowed(512, ge=1)
     """The fixed held-out slice of the quality guard: the first this-many validation samples (the test split when
     there is no validation split)."""
-    arm_timeout_s: float = allowed(240.0, gt=0)
+    arm_timeout_s: float = allowed(600.0, gt=0)
     """One candidate's A/B (build, warm-up, rounds, quality check) longer than this is stopped and rejected as hung."""
     confirm_rounds: int = allowed(8, ge=2)
     """Rounds of the final confirmation: the baseline vs the optimized config, interleaved."""

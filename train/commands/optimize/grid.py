@@ -1,12 +1,13 @@
 """``python -m train optimize-grid``: the exhaustive grid that ``make optimize``'s search is judged against — every
 combination of the search's levers that can be crossed in one process (precision × batching × token budget × fast
-dropout × fused AdamW × DataLoader workers), measured with the same A/B primitive: all combinations interleaved,
+dropout × fused AdamW), measured with the same A/B primitive: all combinations interleaved,
 ``optimize.grid_rounds`` rounds of ``optimize.window_samples`` samples each.
 ``--optimized runs/<id>/optimize/optimized.yaml`` adds the search's result as one more arm, so its ratio to the
 grid's best is paired and has an interval.
 
 Writes ``runs/<id>/optimize-grid/grid.{json,md}``. Levers that cannot be crossed in one process interleaved with the
-others (CPU threads: process-wide; compilation: minutes per arm on a CPU)
+others (DataLoader workers: a process pool per arm; CPU threads: process-wide; compilation: minutes per arm on a
+CPU)
 are left out and listed.
 """
 
@@ -18,18 +19,20 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from train.commands.optimize.levers import Evidence
 from train.config import RunConfig, load_config
 from train.errors import UserError, atomic_write_text
 
-LEFT_OUT = {"threads": "torch's thread count is process-wide (and every core is in use by default)",
+LEFT_OUT = {"workers": "a DataLoader process pool per arm: forked from a process holding every arm, each worker "
+                       "grew to ~7 GB and the 24 GiB machine ran out of memory (measured); the search A/Bs it alone",
+            "threads": "torch's thread count is process-wide (and every core is in use by default)",
             "compile": "one compilation per arm and shape (minutes on a CPU)",
             "allocator": "process-wide, CUDA only"}
 
 
 def grid_points(base: RunConfig, native_bf16: bool, supports_packing: bool, fused: bool, cuda: bool = False,
-                workers: int = 1) -> list[dict[str, Any]]:
-    """Every combination of the crossable levers' values, as overrides on ``base``."""
+                workers: int = 0) -> list[dict[str, Any]]:
+    """Every combination of the crossable levers' values, as overrides on ``base`` (``workers`` > 0: DataLoader
+    workers crossed too, 0 and that many — a process pool per arm: mind the memory)."""
     precisions = ["fp32"] + (["bf16"] if native_bf16 or cuda else []) + (["fp16"] if cuda else [])
     budget0 = base.batching.batch_size * base.data.max_len
     batching: list[dict[str, Any]] = [{"batching.method": "pad-to-max", "batching.max_tokens": None},
@@ -76,12 +79,8 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     bundle = prepare_data(start.cfg, None, notice=notice)
     backend = RunBackend(start.cfg, bundle, start.device, out_dir, notice)
     ctx = backend.context({})
-    from train.commands.optimize.levers import CATALOGUE
-
-    workers = next(lv for lv in CATALOGUE if lv.name == "workers").propose(ctx, Evidence())
     points = grid_points(start.cfg, cpu_native_bf16(), ctx.supports_packing, fused_adamw_supported(start.device),
-                         start.device.type == "cuda", workers[0].overrides["data.num_workers"]
-                         if isinstance(workers, list) else 0)
+                         start.device.type == "cuda", workers=0)
     named = {name_of(p): p for p in points}
     if extra is not None:
         keys = ("train.precision", "batching.method", "batching.max_tokens", "model.fast_dropout", "optim.fused",

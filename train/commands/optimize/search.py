@@ -12,6 +12,7 @@ look at), so a test drives it with fake arms of known speed, and ``make optimize
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import signal
@@ -24,7 +25,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from train.commands.optimize.levers import EXACT, Candidate, Evidence, Lever, LeverContext
-from train.perf.ab import Arm, Ratio, interleave
+from train.perf.ab import ABResult, Arm, Ratio, interleave
 
 NO_GAIN = 1.005
 """Candidates whose predicted speedup is below this are not measured: the profile shows nothing for them to gain."""
@@ -119,6 +120,9 @@ class SearchSettings:
     arm_timeout_s: float
     confirm_rounds: int
     max_tries_per_value: int = 2
+    max_extensions: int = 2
+    """An undecided A/B (median at or above ``min_gain``, lower bound below it) gets ``rounds`` more rounds, at most
+    this many times, while the candidate's time stays within a third of ``arm_timeout_s`` and the budget allows."""
 
     @classmethod
     def from_config(cls, o: Any) -> "SearchSettings":
@@ -202,18 +206,29 @@ def quality_verdict(best: dict[str, Any], cand: dict[str, Any], tolerance: float
 
 
 def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, rounds: int,
-                 names: tuple[str, str] = ("best", "candidate")) -> tuple[Any, float, dict, dict]:
-    """Build both arms, warm them to the same samples seen, interleave ``rounds`` windows of ``window_samples``, and
-    read both quality figures. Returns (ABResult, the candidate's one-off warm-up s, best quality, candidate quality).
-    Exceptions propagate (the caller records them); both arms are closed either way."""
+                 names: tuple[str, str] = ("best", "candidate"),
+                 extend: Callable[[ABResult], bool] = lambda _r: False) -> tuple[ABResult, float, dict, dict]:
+    """Build both arms, warm them to the same samples seen, interleave ``rounds`` windows of ``window_samples`` —
+    and ``rounds`` more, up to ``s.max_extensions`` times, while ``extend(result so far)`` says the interval is
+    still undecided — then read both quality figures (both arms have seen the same samples). Returns (ABResult, the
+    candidate's one-off warm-up s, best quality, candidate quality). Exceptions propagate (the caller records them);
+    both arms are closed either way."""
     arms: list[ArmHandle] = []
     try:
         arms.append(backend.arm(names[0], best))
         arms.append(backend.arm(names[1], cand))
         arms[0].warmup(s.window_samples)
         warm = arms[1].warmup(s.window_samples)
-        result = interleave([Arm(n, a.step) for n, a in zip(names, arms)], rounds=rounds, warmup=0,
-                            window_samples=s.window_samples, device=backend.device)
+        pair = [Arm(n, a.step) for n, a in zip(names, arms)]
+        result = interleave(pair, rounds=rounds, warmup=0, window_samples=s.window_samples, device=backend.device)
+        for _ in range(s.max_extensions):
+            if not extend(result):
+                break
+            more = interleave(pair, rounds=rounds, warmup=0, window_samples=s.window_samples, device=backend.device)
+            for name, arm in more.arms.items():
+                result.arms[name].windows += [dataclasses.replace(w, round=w.round + result.rounds)
+                                              for w in arm.windows]
+            result = ABResult(result.arms, result.rounds + more.rounds, result.load_start, more.load_end)
         return result, warm, arms[0].quality(), arms[1].quality()
     finally:
         for a in arms:
@@ -226,13 +241,21 @@ def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, ro
 
 
 def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
-                  planned_s: Optional[float], clock: Callable[[], float]) -> Decision:
-    """A/B ``c`` against the current ``best`` (module docstring); never raises but KeyboardInterrupt."""
+                  planned_s: Optional[float], clock: Callable[[], float], left_s: float = math.inf) -> Decision:
+    """A/B ``c`` against the current ``best`` (module docstring); never raises but KeyboardInterrupt. ``left_s``:
+    what is left of the budget (an undecided A/B is extended only while three times its time so far fits)."""
     t0 = clock()
     cand = {**best, **c.overrides}
+
+    def undecided(result: ABResult) -> bool:
+        r = result.ratio("candidate", "best")
+        spent = clock() - t0
+        return (r.low is not None and r.median is not None and r.low < s.min_gain <= r.median
+                and spent < s.arm_timeout_s / 3 and 3 * spent < left_s)
+
     try:
         with time_limit(s.arm_timeout_s):
-            result, warm, q_best, q_cand = measure_pair(backend, best, cand, s, s.rounds)
+            result, warm, q_best, q_cand = measure_pair(backend, best, cand, s, s.rounds, extend=undecided)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # any failure of an arm is a rejected candidate, never a lost search
@@ -300,7 +323,7 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
         while True:
             ctx = backend.context(res.best)
             cands, skipped = propose(levers, ctx, ev)
-            res.not_applicable.update(skipped)
+            res.not_applicable = skipped  # for the current best (an earlier reason may no longer hold)
             fresh = [c for c in cands if (c.key, _key(res.best)) not in tried
                      and any(k not in res.best or res.best[k] != v for k, v in c.overrides.items())  # not a no-op
                      and tries.get((c.lever, c.value), 0) < s.max_tries_per_value]
@@ -329,7 +352,7 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
             tried.add((c.key, _key(res.best)))
             tries[(c.lever, c.value)] = tries.get((c.lever, c.value), 0) + 1
             planned_s = (planned_steps or 0) * (ev.step_ms or 0) / 1e3 or None
-            d = try_candidate(backend, res.best, c, s, planned_s, clock)
+            d = try_candidate(backend, res.best, c, s, planned_s, clock, left_s=left())
             d.evidence_index = len(res.profiles) - 1
             ab_costs.append(d.seconds)
             res.decisions.append(d)
