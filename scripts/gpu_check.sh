@@ -54,7 +54,7 @@ if [ "$DRY_RUN" = 1 ]; then
   TIMEOUT_PCT=${TIMEOUT_PCT:-300}; PRECISION_STEPS=4; BENCH=(--warmup-steps 1 --rounds 1 --window 2 --requests 4 --inference-batch-size 2)
   COMPILE_STEPS=(--steps 2 --rounds 1); RUN_STEPS=4; SYNC_STEPS=6; RO_MODE=default  # no CUDA graphs on a CPU
   OPTIMIZE=(optimize.budget_s=60 optimize.rounds=2 optimize.window_samples=16 optimize.confirm_rounds=2
-            optimize.quality_samples=32 optimize.profile_steps=2 optimize.levers=precision,batching,fast_dropout)
+            optimize.quality_samples=32 optimize.profile_steps=2 "optimize.levers=precision,batching,fast_dropout")
 else
   MODE=gpu
   COMMON=(train.device=cuda train.progress=false train.overwrite=true "train.output_dir=$WORK")
@@ -62,7 +62,7 @@ else
   COMPILE_STEPS=(--steps 8 --rounds 3); RUN_STEPS=40; SYNC_STEPS=30; RO_MODE=reduce-overhead
   # make optimize on bert-base: 90 s of search (compile left out: its warm-up alone would take the step's budget)
   OPTIMIZE=(optimize.budget_s=90 optimize.rounds=4 optimize.window_samples=256 optimize.confirm_rounds=4
-            optimize.levers=precision,batching,token_budget,fast_dropout,fused_adamw,workers)
+            "optimize.levers=precision,batching,token_budget,fast_dropout,fused_adamw,workers")
 fi
 # bench-precision trains bert-base 4 times (fp32 without TF32 is ~22 TFLOP a step at the config's 32k tokens: ~0.4 s on
 # an H200); an 8k-token budget keeps its 4 x 120 steps and evaluations inside the step's budget.
