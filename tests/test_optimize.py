@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -208,7 +209,7 @@ def test_catalogue_levers_propose_from_the_evidence():
     ev = Evidence(step_ms=100.0, padding_share=0.8, compute_share=0.6, memory_share=0.2, launch_share=0.05,
                   data_wait_share=0.01, optimizer_share=0.1, other_share=0.02, dropout_mask_share=0.1)
     got = {lv.name: lv.propose(ctx, ev) for lv in CATALOGUE}
-    assert {c.value for c in got["batching"]} == {"hf-group-by-length", "optimal", "packed"}
+    assert {c.value for c in got["batching"]} == {"optimal", "optimal+batch-max", "packed"}
     packed = next(c for c in got["batching"] if c.value == "packed")
     assert packed.predicted == pytest.approx(amdahl(0.8 * 0.97, 1e9))
     assert got["precision"][0].overrides == {"train.precision": "bf16"}
@@ -243,17 +244,62 @@ def test_candidates_the_evidence_gives_nothing_to_gain_are_not_measured():
                               "reason": "the evidence predicts no gain (< 0.5%)"}]
 
 
+def test_the_batching_lever_weighs_attention_scores_against_padding():
+    """From packed rows, fitted buckets are predicted faster when attention is a large share of the step (each packed
+    row attends C x C, a bucketed sample only B x B) and slower when it is small; layout costs come from the data."""
+    from train.commands.optimize.levers import batching_speedup
+    from train.data.layout_cost import LayoutCost
+
+    packed = LayoutCost(tokens=26.8, scores=3425.0, real_tokens=26.7)
+    buckets = LayoutCost(tokens=30.2, scores=1159.0, real_tokens=26.7)
+    assert batching_speedup(packed, buckets, 0.0) == pytest.approx(26.8 / 30.2)  # tokens alone: packing wins
+    assert batching_speedup(packed, buckets, 0.4) > 1.2 > 1 > batching_speedup(packed, buckets, 0.05)
+    cfg = RunConfig().with_values({"batching.method": "packed", "batching.max_tokens": 4096})
+    ev = Evidence(step_ms=100.0, padding_share=0.003, attention_share=0.4)
+    ctx = LeverContext(cfg=cfg, device_type="cpu", supports_packing=True,
+                       batching_costs={"current": packed, "optimal": buckets, "optimal+batch-max": buckets})
+    best = sorted(next(lv for lv in CATALOGUE if lv.name == "batching").propose(ctx, ev), key=lambda c: -c.predicted)
+    assert best[0].value in ("optimal", "optimal+batch-max") and best[0].predicted > 1.2
+    assert best[0].overrides["batching.method"] == "optimal" and "attention 40.0%" in best[0].evidence
+    ctx.batching_costs = {}  # without layout costs: the padding share alone (nothing to gain from 0.3 %)
+    assert all(c.predicted < 1.005 for c in CATALOGUE[1].propose(ctx, ev))
+
+
+def test_layout_costs_of_each_batching_method(tiny_cfg):
+    from train.data import prepare_data
+    from train.data.layout_cost import layout_cost
+    from train.setup import replan
+
+    cfg = tiny_cfg("batching.max_tokens=256")
+    bundle = prepare_data(cfg, None, notice=lambda _m: None)
+    lengths = bundle.splits["train"].lengths
+    costs = {}
+    for name, over in (("pad-to-max", {"batching.method": "pad-to-max"}), ("optimal", {}),
+                       ("batch-max", {"batching.pad_to": "batch-max"}), ("packed", {"batching.method": "packed"}),
+                       ("hf", {"batching.method": "hf-group-by-length"})):
+        c = cfg.with_values(over)
+        costs[name] = layout_cost(c, lengths, replan(c, bundle).bounds)
+    real = float(np.mean(np.minimum(lengths, 32)))
+    assert costs["pad-to-max"].tokens == 32 and costs["pad-to-max"].scores == 32 * 32
+    assert all(c.real_tokens == pytest.approx(real) for c in costs.values())
+    assert real <= costs["packed"].tokens < costs["batch-max"].tokens <= costs["optimal"].tokens < 32
+    assert costs["packed"].scores == pytest.approx(costs["packed"].tokens * 32)  # every row attends 32 x 32
+    assert costs["optimal"].scores < costs["packed"].scores  # short samples: buckets attend less than packed rows
+    assert real < costs["hf"].tokens < 32 and costs["hf"].scores < 32 * 32
+
+
 def test_the_grid_crosses_every_crossable_lever():
     from train.commands.optimize.grid import grid_points, name_of
 
     base = RunConfig().with_values({"batching.batch_size": 32, "data.max_len": 128})
     pts = grid_points(base, native_bf16=True, supports_packing=True, fused=True, workers=1)
-    # precision 2 x batching (pad-to-max, hf, optimal x 3 budgets, packed x 3 budgets) x dropout 2 x fused 2 x workers 2
-    assert len(pts) == 2 * 8 * 2 * 2 * 2
+    # precision 2 x batching (pad-to-max, hf, optimal and optimal+batch-max and packed x 3 budgets) x dropout 2
+    # x fused 2 x workers 2
+    assert len(pts) == 2 * 11 * 2 * 2 * 2
     assert len({name_of(p) for p in pts}) == len(pts)
     assert {p["batching.max_tokens"] for p in pts if p["batching.method"] == "packed"} == {None, 4096, 8192}
     small = grid_points(base, native_bf16=False, supports_packing=False, fused=False, workers=0)
-    assert len(small) == 1 * 5 * 2 * 1 * 1 and {p["train.precision"] for p in small} == {"fp32"}
+    assert len(small) == 1 * 8 * 2 * 1 * 1 and {p["train.precision"] for p in small} == {"fp32"}
 
 
 def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
@@ -271,3 +317,69 @@ def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
     rounds = [w.round for w in result.arms["candidate"].windows]
     assert rounds == list(range(9))
     assert len(result.ratio("candidate", "best").per_round) == 9
+
+
+def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monkeypatch, tiny_cfg, tmp_path):
+    """A combination that is lucky in the screening's few windows (fast only at first) must not be called the best:
+    the finalists are re-measured against each other; a combination that learns worse (the quality guard against
+    the config as given) is no finalist however fast; the search's result is judged against the final's best."""
+    import train.commands.optimize.backend as backend_mod
+    from train.commands.optimize import grid as grid_mod
+    from train.config import dump_config
+
+    rates = {"lucky": (400.0, 100.0), "steady": (150.0, 150.0), "slow": (90.0, 90.0), "optimized": (147.0, 147.0),
+             "harmful": (900.0, 900.0), "baseline": (50.0, 50.0)}
+    losses = {"harmful": 9.0, "slow": 2.05}
+
+    class Handle:
+        def __init__(self, name: str) -> None:
+            self.name, (self.fast, self.slow) = name, rates[name]
+            self.windows = 0.0
+
+        def warmup(self, samples: int) -> float:
+            return 0.0
+
+        def step(self) -> dict:
+            self.windows += 1 / 4  # a window of 32 samples is 4 steps of 8
+            rate = self.fast if self.windows <= 3 else self.slow  # the lucky arm: fast for the screening's 3 windows
+            return {"samples": 8, "seconds": 8 / rate}
+
+        def quality(self) -> dict:
+            return {"loss": losses.get(self.name, 2.0), "nonfinite_steps": 0}
+
+    class Backend:
+        def __init__(self, *_a, **_k) -> None:
+            pass
+
+        def context(self, _settings):
+            return LeverContext(cfg=None, device_type="cpu")
+
+        def arm(self, name: str, point: dict) -> Handle:
+            return Handle(name if name in ("optimized", "baseline") else point["label"])
+
+    points = [{"train.precision": "fp32", "batching.method": m, "batching.max_tokens": None,
+               "model.fast_dropout": "false", "optim.fused": False, "data.num_workers": 0, "label": label}
+              for m, label in (("pad-to-max", "slow"), ("optimal", "lucky"), ("hf-group-by-length", "steady"),
+                               ("packed", "harmful"))]
+    monkeypatch.setattr(backend_mod, "RunBackend", Backend)
+    monkeypatch.setattr(grid_mod, "grid_points", lambda *a, **k: points)
+    cfg = tiny_cfg("optimize.window_samples=32", "optimize.grid_rounds=3", "optimize.grid_finalists=2",
+                   "optimize.confirm_rounds=4")
+    opt_dir = tmp_path / "opt"
+    opt_dir.mkdir()
+    (opt_dir / "optimized.yaml").write_text(dump_config(cfg))
+    (opt_dir / "optimize.json").write_text(json.dumps({"seconds": 3.0}))
+    g = grid_mod.run_grid(cfg, str(opt_dir / "optimized.yaml"), notice=lambda _m: None)
+    screening = [r["name"] for r in g["screening"]["rows"]]
+    assert screening[0].startswith("fp32/packed/") and screening[1].startswith("fp32/optimal/")  # harmful, lucky
+    assert g["rejected_by_quality_guard"] == [screening[0]] and g["fastest_of_the_screening"] == screening[0]
+    assert g["best"].startswith("fp32/hf-group-by-length/")  # the final says otherwise than the screening
+    assert [r["name"] for r in g["final"]["rows"]][0] == g["best"] and len(g["final"]["rows"]) == 3
+    assert not any(r["name"].startswith("fp32/packed/") for r in g["final"]["rows"])
+    o = g["optimized"]
+    assert o["vs_best"]["median"] == pytest.approx(147 / 150) and o["share_verdict"] == "reached"
+    assert o["search_seconds"] == 3.0 and o["search_share_of_grid_time"] == pytest.approx(3.0 / g["seconds"])
+    assert o["quality_guard"]["passes"] and g["quality_reference"]["loss"] == 2.0
+    md = (tmp_path / "runs" / "t" / "optimize-grid" / "grid.md").read_text()
+    assert "**reached**" in md and "## Final: 3 combinations, 4 interleaved rounds" in md
+    assert "**fails**: held-out loss 9.0000" in md and "1 combination(s) learn worse" in md

@@ -55,16 +55,22 @@ def _report(run_dir: Path) -> dict:
     return json.loads((run_dir / "report.json").read_text())
 
 
-def test_sigterm_during_a_periodic_evaluation_abandons_it_checkpoints_and_exits_0(base) -> None:
+def _sigterm_in_evaluation(base, run_id: str, phase: str) -> tuple[subprocess.CompletedProcess, Path, dict]:
+    """SIGTERM a tiny run (no periodic checkpoints, 30 s shutdown timeout) paused in ``phase``: it must exit 0 within
+    30 s without a traceback; returns the process, its run directory and its report."""
     wndb, root = base
-    args = tiny_overrides(wndb, root, "train.run_id=periodic", "train.checkpoint_every=null",
+    args = tiny_overrides(wndb, root, f"train.run_id={run_id}", "train.checkpoint_every=null",
                           "train.shutdown_timeout_s=30")
-    proc, secs = _signal_in("periodic evaluation", args, root)
+    proc, secs = _signal_in(phase, args, root)
     assert proc.returncode == 0, proc.stderr
     assert secs < 30 and "Traceback" not in proc.stderr
+    run_dir = root / "runs" / run_id
+    return proc, run_dir, _report(run_dir)
+
+
+def test_sigterm_during_a_periodic_evaluation_abandons_it_checkpoints_and_exits_0(base) -> None:
+    proc, run_dir, report = _sigterm_in_evaluation(base, "periodic", "periodic evaluation")
     assert "SIGTERM during the periodic evaluation: evaluation abandoned" in proc.stdout
-    run_dir = root / "runs" / "periodic"
-    report = _report(run_dir)
     assert report["status"] == "interrupted"
     info = report["interrupted"]
     assert info["step"] == 10 and info["evaluation_abandoned"] == "periodic evaluation at step 10"
@@ -73,14 +79,8 @@ def test_sigterm_during_a_periodic_evaluation_abandons_it_checkpoints_and_exits_
 
 
 def test_sigterm_during_the_final_evaluation_keeps_the_trained_state_and_resume_evaluates(base) -> None:
-    wndb, root = base
-    args = tiny_overrides(wndb, root, "train.run_id=final", "train.checkpoint_every=null",
-                          "train.shutdown_timeout_s=30")
-    proc, secs = _signal_in("final evaluation", args, root)
-    assert proc.returncode == 0, proc.stderr
-    assert secs < 30 and "evaluation abandoned" in proc.stdout
-    run_dir = root / "runs" / "final"
-    report = _report(run_dir)
+    proc, run_dir, report = _sigterm_in_evaluation(base, "final", "final evaluation")
+    assert "evaluation abandoned" in proc.stdout
     info = report["interrupted"]
     assert report["status"] == "interrupted" and info["step"] == 30 == info["total_steps"]
     assert info["checkpoint"] == str(run_dir / "checkpoint.pt") and (run_dir / "checkpoint.pt").is_file()

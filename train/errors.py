@@ -103,6 +103,13 @@ def allowed(default: Any, *, ge: Optional[float] = None, gt: Optional[float] = N
     return dataclasses.field(default=default, metadata={"allowed": Allowed(ge, gt, le, lt, choices)})
 
 
+def comma_list(text: Optional[str]) -> Optional[list[str]]:
+    """The names of a comma-separated setting (``"a, b,,c"`` → ``["a", "b", "c"]``); None stays None (= all)."""
+    if text is None:
+        return None
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 def check_fields(obj: Any, section: str) -> None:
     """Check every field of the dataclass ``obj`` that declares :func:`allowed` values.
 

@@ -229,6 +229,9 @@ def cmd_optimize_grid(args: argparse.Namespace, t_start: float) -> int:
     print(f"optimize-grid: {g['points']} combinations in {g['seconds']:.0f} s; best {g['best']} "
           f"{g['best_samples_per_s']:.1f} samples/s; {g['out_dir']}/grid.md")
     if g["optimized"]:
-        r = g["optimized"]["vs_best"]
-        print(f"optimize-grid: optimized = {r['median']:.3f}x [{r['low']:.3f}, {r['high']:.3f}] of the grid's best")
+        o = g["optimized"]
+        r, share = o["vs_best"], o["search_share_of_grid_time"]
+        print(f"optimize-grid: optimized = {r['median']:.3f}x [{r['low']:.3f}, {r['high']:.3f}] of the grid's best "
+              f"(>= {o['target_share']:.0%}: {o['share_verdict']}); the search took "
+              + ("an unknown time" if share is None else f"{share:.0%} of the grid's time"))
     return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from train.errors import Frozen, UserError, allowed, check_fields
+from train.errors import Frozen, UserError, allowed, check_fields, comma_list
 
 
 @dataclass
@@ -51,9 +51,7 @@ class BenchConfig(Frozen):
 
     def config_names(self) -> Optional[list[str]]:
         """The configurations named in ``configs`` (None: all)."""
-        if self.configs is None:
-            return None
-        return [n.strip() for n in self.configs.split(",") if n.strip()]
+        return comma_list(self.configs)
 
 
 @dataclass

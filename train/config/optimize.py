@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from train.errors import Frozen, UserError, allowed, check_fields
+from train.errors import Frozen, UserError, allowed, check_fields, comma_list
 
 
 @dataclass
@@ -45,7 +45,10 @@ class OptimizeConfig(Frozen):
     max_budget_factor: int = allowed(4, ge=1)
     """The token-budget lever tries budgets up to this multiple of the current one (bounded, OOM-safe probe)."""
     grid_rounds: int = allowed(3, ge=2)
-    """``optimize-grid``: interleaved rounds over every combination (each arm once per round)."""
+    """``optimize-grid``: interleaved rounds over every combination (each arm once per round): the screening."""
+    grid_finalists: int = allowed(4, ge=1)
+    """``optimize-grid``: the fastest combinations of the screening re-measured against each other (and the
+    ``--optimized`` arm) over ``confirm_rounds`` interleaved rounds; the grid's best is the final's."""
 
     def __post_init__(self) -> None:
         check_fields(self, "optimize")
@@ -54,6 +57,4 @@ class OptimizeConfig(Frozen):
 
     def lever_names(self) -> Optional[list[str]]:
         """The levers named in ``levers`` (None: all)."""
-        if self.levers is None:
-            return None
-        return [n.strip() for n in self.levers.split(",") if n.strip()]
+        return comma_list(self.levers)

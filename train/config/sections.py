@@ -66,7 +66,7 @@ class BatchingConfig(Frozen):
     """Bucket boundaries: ``optimal`` (minimum-padding DP), ``quantile``, ``kmeans``; or no buckets:
     ``pad-to-max`` (every batch padded to ``data.max_len``), ``random`` (random batches padded to the batch max),
     ``hf-group-by-length`` (Hugging Face's megabatch length grouping, padded to the batch max; a baseline);
-    ``packed``: whole samples back to back in rows of ``pack_len`` tokens (best-fit decreasing; per-sample positions,
+    ``packed``: whole samples back to back in rows of ``pack_len`` tokens (least-slack rows; per-sample positions,
     block-diagonal attention: every sample's logits are its unpacked logits), one shape for the whole run;
     ``auto``: ``packed`` or ``optimal``, whichever trains more samples/s on this device, model and data (measured
     once, cached; train/data/batching_auto.py), ``optimal`` for a model that cannot pack."""

@@ -263,9 +263,10 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
         layout = pack_layout(cfg, bundle.splits[split].lengths)
         packed = PackedBatchSampler(bundle.splits[split].lengths, layout.capacity, layout.rows, seed=cfg.train.seed,
                                     window=b.pack_window, drop_last=b.drop_last, world_size=world_size, rank=rank)
+        compiled = cfg.compile.enabled == "true" or (cfg.compile.enabled == "auto" and device.type == "cuda")
         return DataLoader(RowDataset(bundle.splits[split]), batch_sampler=packed,
-                          collate_fn=PackCollate(bundle.pad_id, layout.capacity, layout.rows,
-                                                 layout.max_seqs).collate_items,
+                          collate_fn=PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs,
+                                                 static_rows=compiled).collate_items,
                           num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
                           persistent_workers=cfg.data.num_workers > 0, generator=generator)
     batches: BucketBatchSampler | LengthGroupedBatchSampler | ShardedBatchSampler

@@ -4,13 +4,15 @@ Each row of ``capacity`` tokens holds whole samples back to back; positions rest
 every sample, and attention is block-diagonal (a token attends only to tokens of its own sample;
 padding attends to padding), so every sample's logits are what they would be alone
 (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination", arXiv:2107.02027;
-the same idea as Hugging Face's ``DataCollatorWithFlattening``). Rows are filled by best-fit
-decreasing bin packing; a batch is a fixed number of rows, so a run sees one shape
+the same idea as Hugging Face's ``DataCollatorWithFlattening``). Rows are filled one at a time, least slack
+first (:func:`pack_rows`); a batch is a fixed number of rows, so a run sees one sequence length and, unless the
+epoch's last batch is short and nothing is compiled (:class:`PackCollate` ``static_rows``), one shape
 ``[rows_per_batch, capacity]``.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager as ContextManager
@@ -25,12 +27,17 @@ from train.data.collate import IGNORE_LABEL
 
 
 def pack_rows(lengths: Sequence[int], capacity: int, seed: int = 0, epoch: int = 0) -> list[list[int]]:
-    """Best-fit decreasing: sample indices grouped into rows whose lengths sum to ≤ ``capacity``.
+    """Sample indices grouped into rows whose lengths sum to ≤ ``capacity``, one row at a time, least slack first.
 
-    Longest samples first (ties in a seeded random order, so rows differ per (seed, epoch)); each
-    goes into the open row with the least room that still fits it, else a new row. Every index
-    appears exactly once; a sample longer than ``capacity`` gets a row of its own (the collate
-    truncates and counts it).
+    The method is a cheap form of Minimum Bin Slack (Gupta & Ho 1999, "A new heuristic algorithm for the
+    one-dimensional bin-packing problem"): a row opens with the longest sample left, then, while room is left, takes a
+    sample that fills the room exactly, else the pair of samples (the larger one as long as possible) that fills it
+    exactly, else the longest sample that still leaves room for the shortest one left, else the longest that fits.
+    Unlike best-fit decreasing, which places the long samples first and runs out of short ones to fill the gaps they
+    leave, it keeps the mix of lengths for the last rows (on WordNet glosses at 128 tokens: 0.997 of the tokens real
+    against best-fit decreasing's 0.990). Samples of one length are taken in a seeded random order, so rows differ
+    per (seed, epoch). Every index appears exactly once; a sample longer than ``capacity`` gets a row of its own (the
+    collate truncates and counts it). Cost: O(rows × distinct lengths).
 
     Raises:
         ValueError: ``capacity`` < 1.
@@ -38,21 +45,49 @@ def pack_rows(lengths: Sequence[int], capacity: int, seed: int = 0, epoch: int =
     if capacity < 1:
         raise ValueError("capacity must be ≥ 1")
     lens = np.minimum(np.asarray(lengths, dtype=np.int64), capacity)
-    perm = np.random.default_rng([seed, epoch]).permutation(len(lens))
-    order = perm[np.argsort(-lens[perm], kind="stable")]
-    by_room: list[list[int]] = [[] for _ in range(capacity + 1)]  # by_room[r]: open rows with r free tokens
+    by_len: dict[int, list[int]] = {}
+    for i in np.random.default_rng([seed, epoch]).permutation(len(lens)).tolist():
+        by_len.setdefault(int(lens[i]), []).append(i)
+    sizes = sorted(by_len)  # the distinct lengths with samples left, ascending
+
+    def take(length: int) -> int:
+        left = by_len[length]
+        i = left.pop()
+        if not left:
+            del by_len[length]
+            del sizes[bisect.bisect_left(sizes, length)]
+        return i
+
+    def exact_pair(room: int, below: int) -> Optional[int]:
+        """The longest L of ``sizes[:below]`` with L ≥ room − L and room − L also left (two samples if equal)."""
+        for k in range(below - 1, -1, -1):
+            length, rest = sizes[k], room - sizes[k]
+            if length < rest:
+                return None
+            if rest in by_len and (rest != length or len(by_len[length]) > 1):
+                return length
+        return None
+
     rows: list[list[int]] = []
-    for i in order.tolist():
-        need = int(lens[i])
-        for room in range(need, capacity + 1):
-            if by_room[room]:
-                row = by_room[room].pop()
+    while sizes:
+        first = sizes[-1]
+        row, room = [take(first)], capacity - first
+        while room and sizes:
+            if room in by_len:
+                row.append(take(room))
                 break
-        else:
-            row, room = len(rows), capacity
-            rows.append([])
-        rows[row].append(i)
-        by_room[room - need].append(row)
+            below = bisect.bisect_left(sizes, room)  # sizes[:below] are the lengths shorter than the room
+            if below == 0:
+                break
+            pair = exact_pair(room, below)
+            if pair is not None:
+                row += [take(pair), take(room - pair)]
+                break
+            k = bisect.bisect_right(sizes, room - sizes[0]) - 1  # the longest that leaves room for the shortest
+            length = sizes[k] if k >= 0 else sizes[below - 1]
+            row.append(take(length))
+            room -= length
+        rows.append(row)
     return rows
 
 
@@ -66,8 +101,8 @@ def packed_batches(lengths: Sequence[int], capacity: int, rows_per_batch: int, s
 
 
 class PackedBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Packed training batches: each batch is ``rows`` rows of ``capacity`` tokens, rows filled by best-fit
-    decreasing over a shuffled window of ``window`` samples at a time (bounded memory and packing cost).
+    """Packed training batches: each batch is ``rows`` rows of ``capacity`` tokens, rows filled by :func:`pack_rows`
+    over a shuffled window of ``window`` samples at a time (bounded memory and packing cost).
 
     Deterministic per (seed, epoch); rank-aware like ``DistributedSampler``: rank r gets batches r, r + w, …, and
     every sample lands in exactly one batch of one rank per epoch, except, counted in ``dropped_samples`` /
@@ -168,12 +203,15 @@ class PackCollate:
     per sample), ``seq_index`` LongTensor[R, C] (the sample's number in ``labels``, −1 on padding),
     ``attention_mask`` BoolTensor[R, C] (True = real token), ``labels`` LongTensor[N] (N = ``max_seqs`` when
     given: the slots after the batch's samples hold :data:`IGNORE_LABEL`), ``samples`` int, ``real_tokens``
-    int, ``truncated`` int (samples longer than C, cut keeping their last token). Missing rows of a
-    short last batch are all padding, so the shape never changes.
+    int, ``truncated`` int (samples longer than C, cut keeping their last token). With ``static_rows`` (for a
+    compiled model: one graph) the missing rows of a short last batch are all padding, so the shape never changes;
+    without it such a batch has only its own rows (R' < R: an eager step computes no empty rows).
     """
 
-    def __init__(self, pad_id: int, capacity: int, rows_per_batch: int, max_seqs: Optional[int] = None) -> None:
+    def __init__(self, pad_id: int, capacity: int, rows_per_batch: int, max_seqs: Optional[int] = None,
+                 static_rows: bool = True) -> None:
         self.pad_id, self.capacity, self.rows, self.max_seqs = pad_id, capacity, rows_per_batch, max_seqs
+        self.static_rows = static_rows
 
     def collate_items(self, items: list[tuple[int, np.ndarray, int]]) -> dict:
         """The DataLoader's collate for :class:`PackedBatchSampler` + :class:`RowDataset`: items ``(row, ids,
@@ -188,10 +226,10 @@ class PackCollate:
     def __call__(self, rows: list[list[tuple[np.ndarray, int]]]) -> dict:
         if len(rows) > self.rows:
             raise ValueError(f"{len(rows)} rows in a batch of {self.rows}")
-        c = self.capacity
-        ids = torch.full((self.rows, c), self.pad_id, dtype=torch.long)
-        pos = torch.zeros((self.rows, c), dtype=torch.long)
-        seq = torch.full((self.rows, c), -1, dtype=torch.long)
+        c, n_rows = self.capacity, self.rows if self.static_rows else max(1, len(rows))
+        ids = torch.full((n_rows, c), self.pad_id, dtype=torch.long)
+        pos = torch.zeros((n_rows, c), dtype=torch.long)
+        seq = torch.full((n_rows, c), -1, dtype=torch.long)
         labels, truncated = [], 0
         for r, row in enumerate(rows):
             at = 0

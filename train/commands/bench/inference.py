@@ -5,7 +5,7 @@ A request is the whole path a caller waits for: tokenize → batch → forward �
 requests share forwards in one of two ways (``bench.inference_batching``):
 
 * ``packed`` (the default for models that support packing): the requests are packed back to back into rows
-  (best-fit decreasing, :func:`~train.data.packing.pack_rows`) as long as the bucket bound of the call's longest
+  (least-slack rows, :func:`~train.data.packing.pack_rows`) as long as the bucket bound of the call's longest
   request, positions restarting per request and attention block-diagonal, so each request's logits are its
   unpacked logits — **one forward per call**, almost no padding. A single request is one row of its bucket bound.
 * ``bucket``: **grouped by length**, one forward per bucket present, each padded to its bound (static shapes),

@@ -69,7 +69,7 @@ def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
     facts = machine_facts(start.device)
     meta = {"config": config_path or "the built-in defaults", "device": device_name(start.device),
             "budget_s": cfg.optimize.budget_s,
-            "load": f"{facts.get('load_1min')} at start", "notes": notes, "torch": torch.__version__,
+            "load": facts.get("load_1min"), "notes": notes, "torch": torch.__version__,
             "optimized_yaml": str(out_dir / "optimized.yaml"), "levers": [lv.name for lv in levers],
             "min_gain": cfg.optimize.min_gain, "quality_tolerance": cfg.optimize.quality_tolerance,
             "planned_steps": backend.planned_steps()}

@@ -15,6 +15,7 @@ from torch import nn
 from train.commands.optimize.levers import Evidence, LeverContext
 from train.compat import fused_adamw_supported
 from train.config import RunConfig
+from train.data.layout_cost import layout_cost
 from train.evaluation import evaluate
 from train.precision import PrecisionPolicy, cpu_native_bf16
 from train.profiling.attribution import COMPUTE, LAUNCH, MEMORY, build_summary
@@ -27,6 +28,20 @@ from train.tools.env import device_name
 DROPOUT_MASK_OPS = ("aten::bernoulli_", "aten::bernoulli", "aten::native_dropout", "aten::dropout", "aten::rand",
                     "aten::uniform_", "aten::ge", "aten::native_dropout_backward")
 """Ops whose share of the step is the dropout-mask evidence (nn.Dropout's mask and FastDropout's)."""
+
+ATTENTION_OPS = ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_softmax_backward_data",
+                 "aten::_masked_softmax", "aten::_masked_softmax_backward")
+"""Ops of the eager attention (scores and weighted sum: the encoders' linear layers run ``mm``/``addmm``); fused
+attention kernels are matched by name (``scaled_dot_product``, ``flash_attention``, ``efficient_attention``), and any
+op on a [..., S, S] tensor of 3 or more dimensions (the masks, dropout on the probabilities) counts too."""
+
+
+def is_attention_op(name: str, input_shapes: list) -> bool:
+    """True for an op of the attention's S × S work (:data:`ATTENTION_OPS`)."""
+    if name in ATTENTION_OPS or any(k in name for k in ("scaled_dot_product", "flash_attention",
+                                                        "efficient_attention")):
+        return True
+    return any(isinstance(s, (list, tuple)) and len(s) >= 3 and s[-1] == s[-2] and s[-1] > 1 for s in input_shapes)
 
 
 class RunArm:
@@ -83,6 +98,7 @@ class RunBackend:
         self._quality: Optional[list[dict]] = None
         self._caps: Optional[tuple[bool, int]] = None
         self._roofline: dict[str, dict] = {}
+        self._costs: dict[str, Any] = {}
         b = base.batching
         self.base_budget = b.max_tokens or b.batch_size * base.data.max_len
 
@@ -136,7 +152,22 @@ class RunBackend:
                             native_bf16=cpu_native_bf16(), cuda_bf16=cuda and torch.cuda.is_bf16_supported(),
                             fused_adamw=fused_adamw_supported(self.device), torch_threads=self.default_threads,
                             planned_steps=self.planned_steps(), batch_shapes=len(replan(cfg, self.bundle).bounds),
-                            base_budget=self.base_budget)
+                            base_budget=self.base_budget, batching_costs=self.batching_costs(cfg, packing))
+
+    def batching_costs(self, cfg: RunConfig, packing: bool) -> dict[str, Any]:
+        """The :class:`~train.data.layout_cost.LayoutCost` on the training lengths of ``cfg`` (``"current"``) and of
+        each batching value the lever may propose (cached per setting)."""
+        from train.commands.optimize.levers import BATCHING, batching_settings
+
+        configs = {"current": cfg} | {v: cfg.with_values(batching_settings(cfg, v)) for v in BATCHING
+                                      if v != "packed" or packing}
+        out = {}
+        for name, c in configs.items():
+            key = repr(c.batching) + repr(c.data)
+            if key not in self._costs:
+                self._costs[key] = layout_cost(c, self.bundle.splits["train"].lengths, replan(c, self.bundle).bounds)
+            out[name] = self._costs[key]
+        return out
 
     def profile(self, settings: dict[str, Any], index: int) -> Evidence:
         """A short torch.profiler window on ``settings`` (2 untimed steps, then ``optimize.profile_steps`` captured)
@@ -181,12 +212,14 @@ class RunBackend:
         write_summary(out, summary)
         by, shares = summary["share_by_verdict"], summary["breakdown_share"]
         mask_us = sum(r.self_us(dev.type) for r in w.ops if r.name in DROPOUT_MASK_OPS)
+        attention_us = sum(r.self_us(dev.type) for r in w.ops if is_attention_op(r.name, r.input_shapes or []))
         table = summary["table"]
         ev = Evidence(step_ms=summary["step_time_ms"], padding_share=summary["context"]["padding_share"],
                       compute_share=by.get(COMPUTE, 0.0), memory_share=by.get(MEMORY, 0.0),
                       launch_share=by.get(LAUNCH, 0.0), data_wait_share=shares.get("data_wait"),
                       optimizer_share=shares.get("optimizer"), other_share=shares.get("other"),
                       dropout_mask_share=mask_us / total_us if total_us else None,
+                      attention_share=attention_us / total_us if total_us else None,
                       top_op=table[0]["op"] if table else None,
                       top_memory_op=next((r["op"] for r in table if r["verdict"] == MEMORY), None))
         if w.timer_ms and samples:

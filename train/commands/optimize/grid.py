@@ -1,9 +1,17 @@
 """``python -m train optimize-grid``: the exhaustive grid that ``make optimize``'s search is judged against — every
-combination of the search's levers that can be crossed in one process (precision × batching × token budget × fast
+combination of the search's levers that can be crossed in one process (precision × batching — pad-to-max,
+hf-group-by-length, fitted buckets padded to their bounds or to the batch maximum, packing — × token budget × fast
 dropout × fused AdamW), measured with the same A/B primitive: all combinations interleaved,
-``optimize.grid_rounds`` rounds of ``optimize.window_samples`` samples each.
-``--optimized runs/<id>/optimize/optimized.yaml`` adds the search's result as one more arm, so its ratio to the
-grid's best is paired and has an interval.
+``optimize.grid_rounds`` rounds of ``optimize.window_samples`` samples each (the screening), then the
+``optimize.grid_finalists`` fastest combinations re-measured against each other over ``optimize.confirm_rounds``
+interleaved rounds (the final: successive halving, as in Jamieson & Talwalkar 2016, so the best is picked, and its
+ratios measured, from enough paired rounds rather than from 3 windows among 33 arms).
+Every combination then passes the search's quality guard or is no finalist: its held-out loss after the same
+samples (the screening trains every arm equally) within ``optimize.quality_tolerance`` of the config as given (one
+more arm, ``baseline``), no non-finite step — the grid's best must learn as well, as the search's result must.
+``--optimized runs/<id>/optimize/optimized.yaml`` adds the search's result as one more arm of both stages, so its
+ratio to the grid's best is paired and has an interval; the search's own time (its ``optimize.json`` beside the
+yaml) is compared with the grid's.
 
 Writes ``runs/<id>/optimize-grid/grid.{json,md}``. Levers that cannot be crossed in one process interleaved with the
 others (DataLoader workers: a process pool per arm; CPU threads: process-wide; compilation: minutes per arm on a
@@ -19,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from train.commands.optimize.outputs import _r as _ratio
 from train.config import RunConfig, load_config
 from train.errors import UserError, atomic_write_text
 
@@ -35,11 +44,13 @@ def grid_points(base: RunConfig, native_bf16: bool, supports_packing: bool, fuse
     workers crossed too, 0 and that many — a process pool per arm: mind the memory)."""
     precisions = ["fp32"] + (["bf16"] if native_bf16 or cuda else []) + (["fp16"] if cuda else [])
     budget0 = base.batching.batch_size * base.data.max_len
-    batching: list[dict[str, Any]] = [{"batching.method": "pad-to-max", "batching.max_tokens": None},
-                                      {"batching.method": "hf-group-by-length", "batching.max_tokens": None}]
-    for method in ["optimal"] + (["packed"] if supports_packing else []):
+    batching: list[dict[str, Any]] = [
+        {"batching.method": "pad-to-max", "batching.pad_to": "bound", "batching.max_tokens": None},
+        {"batching.method": "hf-group-by-length", "batching.pad_to": "bound", "batching.max_tokens": None}]
+    for method, pad_to in [("optimal", "bound"), ("optimal", "batch-max")] + (
+            [("packed", "bound")] if supports_packing else []):
         for budget in (None, budget0, 2 * budget0):
-            batching.append({"batching.method": method, "batching.max_tokens": budget})
+            batching.append({"batching.method": method, "batching.pad_to": pad_to, "batching.max_tokens": budget})
     out = []
     for p, b, drop, fz, nw in itertools.product(precisions, batching, ("false", "true"),
                                                 (False, True) if fused else (False,),
@@ -50,7 +61,8 @@ def grid_points(base: RunConfig, native_bf16: bool, supports_packing: bool, fuse
 
 def name_of(point: dict[str, Any]) -> str:
     b = point["batching.max_tokens"]
-    return (f"{point['train.precision']}/{point['batching.method']}/{'batch' if b is None else b}/"
+    method = point["batching.method"] + ("+batch-max" if point.get("batching.pad_to") == "batch-max" else "")
+    return (f"{point['train.precision']}/{method}/{'batch' if b is None else b}/"
             f"drop-{'fast' if point['model.fast_dropout'] == 'true' else 'nn'}/"
             f"{'fused' if point['optim.fused'] else 'adamw'}/w{point['data.num_workers']}")
 
@@ -64,7 +76,9 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     """
     import torch
 
+    from train.commands.optimize import baseline_settings
     from train.commands.optimize.backend import RunBackend
+    from train.commands.optimize.search import quality_verdict
     from train.compat import fused_adamw_supported
     from train.data import prepare_data
     from train.perf.ab import Arm, interleave
@@ -81,37 +95,64 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     ctx = backend.context({})
     points = grid_points(start.cfg, cpu_native_bf16(), ctx.supports_packing, fused_adamw_supported(start.device),
                          start.device.type == "cuda", workers=0)
-    named = {name_of(p): p for p in points}
+    named: dict[str, dict[str, Any]] = {name_of(p): p for p in points}
+    named["baseline"] = baseline_settings(start.cfg, start.policy.mode)[0]
     if extra is not None:
-        keys = ("train.precision", "batching.method", "batching.max_tokens", "model.fast_dropout", "optim.fused",
-                "data.num_workers", "train.num_threads", "compile.enabled", "compile.mode")
+        keys = ("train.precision", "batching.method", "batching.pad_to", "batching.max_tokens", "model.fast_dropout",
+                "optim.fused", "data.num_workers", "train.num_threads", "compile.enabled", "compile.mode")
         named["optimized"] = {k: getattr(getattr(extra, k.split(".")[0]), k.split(".")[1]) for k in keys}
     t0 = time.perf_counter()
     o = start.cfg.optimize
-    arms, handles = [], []
-    with progress_bar(len(named) * (1 + o.grid_rounds), "optimize-grid", cfg.train.progress) as bar:
+    arms: dict[str, Arm] = {}
+    handles: dict[str, Any] = {}
+    n_final = min(o.grid_finalists, len(points)) + (extra is not None)
+    total = len(named) * (2 + o.grid_rounds) + n_final * o.confirm_rounds
+    with progress_bar(total, "optimize-grid", cfg.train.progress) as bar:
         for name, point in named.items():
-            h = backend.arm(name, point)
+            handles[name] = h = backend.arm(name, point)
             h.warmup(o.window_samples)
-            handles.append(h)
-            arms.append(Arm(name, h.step))
+            arms[name] = Arm(name, h.step)
             bar.update(1)
-        result = interleave(arms, rounds=o.grid_rounds, window_samples=o.window_samples, warmup=0,
+        screen = interleave(list(arms.values()), rounds=o.grid_rounds, window_samples=o.window_samples, warmup=0,
                             device=start.device, on_round=lambda _r: bar.update(len(arms)))
+        quality = {}
+        for name, h in handles.items():  # every arm has now trained the same samples (± one batch per window)
+            quality[name] = h.quality()
+            bar.update(1)
+        verdicts = {n: quality_verdict(quality["baseline"], q, o.quality_tolerance) for n, q in quality.items()}
+        screen_s = time.perf_counter() - t0
+        medians = {n: screen.arms[n].median("samples") for n in named}
+        ranked = sorted((n for n in named if n not in ("optimized", "baseline")), key=lambda n: -(medians[n] or 0))
+        learn_as_well = [n for n in ranked if verdicts[n][0]]
+        finalists = (learn_as_well or ranked)[:o.grid_finalists] + (["optimized"] if extra is not None else [])
+        final = interleave([arms[n] for n in finalists], rounds=o.confirm_rounds, window_samples=o.window_samples,
+                           warmup=0, device=start.device, on_round=lambda _r: bar.update(len(finalists)))
     seconds = time.perf_counter() - t0
-    medians = {n: result.arms[n].median("samples") for n in named}
-    ranked = sorted((n for n in named if n != "optimized"), key=lambda n: -(medians[n] or 0))
-    best = ranked[0]
+    final_medians = {n: final.arms[n].median("samples") for n in finalists}
+    best = max((n for n in finalists if n != "optimized"), key=lambda n: final_medians[n] or 0)
     rows = [{"name": n, "settings": named[n], "samples_per_s": medians[n],
-             "vs_best": result.ratio(n, best).as_dict() if n != best else None} for n in ranked]
+             "vs_best": screen.ratio(n, best).as_dict() if n != best else None, "quality": quality[n],
+             "quality_guard": {"passes": verdicts[n][0], "why": verdicts[n][1]}} for n in ranked + ["baseline"]]
+    final_rows = [{"name": n, "samples_per_s": final_medians[n],
+                   "vs_best": final.ratio(n, best).as_dict() if n != best else None}
+                  for n in sorted(finalists, key=lambda n: -(final_medians[n] or 0))]
     out: dict[str, Any] = {
-        "best": best, "best_samples_per_s": medians[best], "points": len(ranked), "seconds": seconds,
-        "rounds": o.grid_rounds, "window_samples": o.window_samples, "rows": rows, "left_out": LEFT_OUT,
-        "device": device_name(start.device), "load_1min": [result.load_start, result.load_end],
+        "best": best, "best_samples_per_s": final_medians[best], "points": len(ranked), "seconds": seconds,
+        "fastest_of_the_screening": ranked[0], "quality_reference": {"settings": named["baseline"],
+                                                                     **quality["baseline"]},
+        "quality_tolerance": o.quality_tolerance,
+        "rejected_by_quality_guard": [n for n in ranked if not verdicts[n][0]],
+        "screening": {"rounds": o.grid_rounds, "seconds": screen_s, "rows": rows,
+                      "load_1min": [screen.load_start, screen.load_end]},
+        "final": {"rounds": o.confirm_rounds, "seconds": seconds - screen_s, "rows": final_rows,
+                  "load_1min": [final.load_start, final.load_end]},
+        "window_samples": o.window_samples, "left_out": LEFT_OUT,
+        "device": device_name(start.device), "load_1min": [screen.load_start, final.load_end],
         "machine": machine_facts(start.device), "torch": torch.__version__, "config": config_path,
-        "optimized": None if extra is None else {"config": optimized, "settings": named["optimized"],
-                                                 "samples_per_s": medians["optimized"],
-                                                 "vs_best": result.ratio("optimized", best).as_dict()},
+        "optimized": None if extra is None else {
+            **optimized_vs_best(optimized, named["optimized"], final, best, final_medians["optimized"], seconds),
+            "quality": quality["optimized"], "quality_guard": {"passes": verdicts["optimized"][0],
+                                                               "why": verdicts["optimized"][1]}},
     }
     atomic_write_text(out_dir / "grid.json", json.dumps(out, indent=2, default=str) + "\n")
     atomic_write_text(out_dir / "grid.md", render(out))
@@ -119,21 +160,74 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     return out
 
 
+def optimized_vs_best(path: str, settings: dict[str, Any], final: Any, best: str, samples_per_s: Optional[float],
+                      grid_s: float, share: float = 0.95) -> dict[str, Any]:
+    """The search's result against the grid's best (both from the final stage): the ratio with its interval, whether
+    it reaches ``share`` of the best (``reached``: the interval's lower bound ≥ share; ``not shown``: only the
+    median; ``not reached``: the median below), and the search's time (its optimize.json) as a share of the grid's."""
+    from pathlib import Path
+
+    r = final.ratio("optimized", best)
+    verdict = ("not measured" if r.median is None else "reached" if r.clears(share)
+               else "not shown" if r.median >= share else "not reached")
+    search_s: Optional[float] = None
+    why: Optional[str] = None
+    report = Path(path).with_name("optimize.json")
+    try:
+        search_s = float(json.loads(report.read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = f"{report}: {type(e).__name__}"
+    return {"config": path, "settings": settings, "samples_per_s": samples_per_s, "vs_best": r.as_dict(),
+            "target_share": share, "share_verdict": verdict, "search_seconds": search_s,
+            "search_seconds_unavailable_reason": why,
+            "search_share_of_grid_time": None if search_s is None else search_s / grid_s}
+
+
 def render(g: dict[str, Any]) -> str:
     lines = [f"# optimize-grid: {g['points']} combinations in {g['seconds']:.0f} s ({g['device']}, load "
              f"{g['load_1min']})", "", f"Best: **{g['best']}** at {g['best_samples_per_s']:.1f} samples/s.", ""]
-    if g["optimized"]:
-        r = g["optimized"]["vs_best"]
-        lines += [f"`make optimize`'s result ({g['optimized']['config']}): {g['optimized']['samples_per_s']:.1f} "
-                  f"samples/s = {r['median']:.3f}x [{r['low']:.3f}, {r['high']:.3f}] of the grid's best "
-                  f"({r['verdict']}).", ""]
-    lines += ["| combination | samples/s | vs best [95% interval] |", "|---|---|---|"]
-    for row in g["rows"]:
-        r = row["vs_best"]
-        lines.append(f"| {row['name']} | {row['samples_per_s']:.1f} | "
-                     + ("best" if r is None else f"{r['median']:.3f} [{r['low']:.3f}, {r['high']:.3f}]") + " |")
+    opt = g["optimized"]
+    if opt:
+        r = opt["vs_best"]
+        share = opt["search_share_of_grid_time"]
+        lines += [f"`make optimize`'s result ({opt['config']}): {_sps(opt['samples_per_s'])} samples/s = {_ratio(r)} "
+                  f"of the grid's best in the final stage ({r['verdict']}); >= {opt['target_share']:.0%} of the "
+                  f"best: **{opt['share_verdict']}**. The search took "
+                  + (f"{opt['search_seconds']:.0f} s = {share:.0%} of this grid's {g['seconds']:.0f} s."
+                     if share is not None else f"an unknown time ({opt['search_seconds_unavailable_reason']})."), ""]
+    ref = g["quality_reference"]
+    lines += [f"Quality guard (as `make optimize`'s): every combination's held-out loss after the same samples, "
+              f"against the config as given (`baseline`, {_loss(ref.get('loss'))}) + "
+              f"{100 * g['quality_tolerance']:g}%; "
+              f"{len(g['rejected_by_quality_guard'])} combination(s) learn worse and are not finalists"
+              + (f" (the screening's fastest, {g['fastest_of_the_screening']}, among them)"
+                 if g["fastest_of_the_screening"] in g["rejected_by_quality_guard"] else "") + ".", ""]
+    st = g["final"]
+    lines += [f"## Final: {len(st['rows'])} combinations, {st['rounds']} interleaved rounds, {st['seconds']:.0f} s", "",
+              "| combination | samples/s | vs best [95% interval] |", "|---|---|---|"]
+    lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | "
+              + ("best" if row["vs_best"] is None else _ratio(row["vs_best"])) + " |" for row in st["rows"]]
+    st = g["screening"]
+    lines += ["", f"## Screening: {len(st['rows'])} combinations, {st['rounds']} interleaved rounds, "
+                  f"{st['seconds']:.0f} s", "",
+              "| combination | samples/s | vs the best [95% interval] | held-out loss | quality guard |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | "
+              + ("best" if row["vs_best"] is None else _ratio(row["vs_best"]))
+              + f" | {_loss(row['quality'].get('loss'))} | "
+              + ("passes" if row["quality_guard"]["passes"] else f"**fails**: {row['quality_guard']['why']}") + " |"
+              for row in st["rows"]]
+    lines.append("")
     lines += ["", "Left out of the grid: " + "; ".join(f"{k} ({v})" for k, v in g["left_out"].items()), ""]
     return "\n".join(lines)
+
+
+def _loss(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x:.4f}"
+
+
+def _sps(x: Optional[float]) -> str:
+    return "—" if x is None else f"{x:.1f}"
 
 
 def check_optimized(path: Optional[str]) -> None:

@@ -38,6 +38,7 @@ class Evidence:
     optimizer_share: Optional[float] = None
     other_share: Optional[float] = None
     dropout_mask_share: Optional[float] = None
+    attention_share: Optional[float] = None
     top_memory_op: Optional[str] = None
     top_op: Optional[str] = None
     peak_memory_bytes: Optional[int] = None
@@ -65,6 +66,9 @@ class LeverContext:
     planned_steps: Optional[int] = None
     batch_shapes: int = 1
     base_budget: Optional[int] = None  # the baseline's token budget (bounds the token-budget lever)
+    batching_costs: dict[str, Any] = field(default_factory=dict)
+    """``"current"`` and each value of :data:`BATCHING` → its :class:`~train.data.layout_cost.LayoutCost` on this data;
+    empty: the batching lever falls back to the padding share alone."""
 
 
 @dataclass
@@ -133,28 +137,58 @@ def _precision(ctx: LeverContext, ev: Evidence) -> Proposal:
                       f"compute- and memory-bound ops {_pct(dense)} of the step; the CPU has native bf16", NUMERICS)]
 
 
-_PADDING = {"hf-group-by-length": 0.7, "optimal": 0.85, "packed": 0.97}
-"""Share of the padding each batching method is expected to remove (ranks them only)."""
+BATCHING = {"optimal": ({"batching.method": "optimal", "batching.pad_to": "bound"}, 0.85),
+            "optimal+batch-max": ({"batching.method": "optimal", "batching.pad_to": "batch-max"}, 0.9),
+            "packed": ({"batching.method": "packed"}, 0.97)}
+"""The batching lever's values: fitted buckets padded to their bounds (static shapes), the same buckets padded to each
+batch's longest sample (dynamic padding), packing; with the share of the padding each is expected to remove (the
+ranking without layout costs). Every one takes a token budget; ``hf-group-by-length`` (a fixed batch size) stays a
+baseline to start from."""
+
+
+def batching_settings(cfg: Any, value: str) -> dict[str, Any]:
+    """The overrides of batching value ``value`` on ``cfg`` (packing keeps a fixed batch's size as rows)."""
+    over = dict(BATCHING[value][0])
+    if value == "packed" and cfg.batching.max_tokens is None:
+        over["batching.max_tokens"] = None
+    return over
+
+
+def batching_speedup(current: Any, candidate: Any, attention_share: float) -> float:
+    """Predicted speedup of a batching method over the current one from their layout costs
+    (:class:`~train.data.layout_cost.LayoutCost`): Amdahl's law with two parts, the attention's S × S work
+    (``attention_share`` of the step) scaling with the scores per sample, everything else with the tokens processed
+    per sample: ``1 / ((1 − a) · tokens_m / tokens_c + a · scores_m / scores_c)``."""
+    a = min(1.0, max(0.0, attention_share))
+    per_token = candidate.tokens / current.tokens if current.tokens else 1.0
+    per_score = candidate.scores / current.scores if current.scores else 1.0
+    return 1.0 / ((1 - a) * per_token + a * per_score)
 
 
 def _batching(ctx: LeverContext, ev: Evidence) -> Proposal:
-    method = ctx.cfg.batching.method
+    b = ctx.cfg.batching
     pad = ev.padding_share
     if pad is None:
         return "the profile measured no padding share"
+    now = ctx.batching_costs.get("current")
     out = []
-    for value, removed in _PADDING.items():
-        if value == method or (value == "packed" and not ctx.supports_packing):
+    for value, (settings, removed) in BATCHING.items():
+        if all(getattr(b, k.split(".")[1]) == v for k, v in settings.items()) or (
+                value == "packed" and not ctx.supports_packing):
             continue
-        # a method that removes less padding than the current one is still a candidate: packed rows pay
-        # block-diagonal attention over whole rows, buckets do not (measured: on a 2-core AVX2 CPU fitted buckets
-        # trained the tiny model faster than packing); its prediction is small, so it ranks late
-        over = {"batching.method": value}
-        if value == "packed" and ctx.cfg.batching.max_tokens is None:
-            over["batching.max_tokens"] = None
-        out.append(Candidate("batching", value, over, amdahl(pad * removed, 1e9),
-                             f"padding {_pct(pad)} of the processed tokens", SAMPLE_ORDER))
-    return out or f"no other batching method for this model (batching.method={method})"
+        cost = ctx.batching_costs.get(value)
+        if now is not None and cost is not None and ev.attention_share is not None:
+            # packed rows pay C x C attention per row, buckets B x B per sample: on short samples and a large
+            # attention share, fitted buckets can beat packing (measured: 1.38x on the tiny model, 2-core CPU)
+            gain = batching_speedup(now, cost, ev.attention_share)
+            words = (f"tokens processed per sample {now.tokens:.1f} -> {cost.tokens:.1f}, attention scores "
+                     f"{now.scores:.0f} -> {cost.scores:.0f} (attention {_pct(ev.attention_share)} of the step; "
+                     f"padding {_pct(pad)})")
+        else:
+            gain = amdahl(pad * removed, 1e9)
+            words = f"padding {_pct(pad)} of the processed tokens"
+        out.append(Candidate("batching", value, batching_settings(ctx.cfg, value), gain, words, SAMPLE_ORDER))
+    return out or f"no other batching method for this model (batching.method={b.method})"
 
 
 def _budget_methods() -> tuple[str, ...]:
@@ -255,7 +289,8 @@ CATALOGUE: tuple[Lever, ...] = (
     Lever("precision", "train.precision (bf16 / fp16 with a loss scaler / fp32)", "bf16 where the device has native "
           "bf16; fp16 on CUDA", "compute- and memory-bound share", NUMERICS, _precision),
     Lever("batching", "batching.method (dynamic padding, fitted buckets, packing) and its attention path",
-          "packing where the model runs packed rows", "padding share", SAMPLE_ORDER, _batching),
+          "packing where the model runs packed rows", "attention share, with each method's tokens and attention "
+          "scores per sample on this data (padding share alone without them)", SAMPLE_ORDER, _batching),
     Lever("token_budget", "batching.max_tokens: tokens per step, doubled up to optimize.max_budget_factor while "
           "memory fits", "bucketed or packed batching", "per-step overhead share, memory headroom", TRAINING,
           _token_budget),

@@ -25,20 +25,26 @@ def _pct(x: Optional[float]) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
 
+def _load(x: Any) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) else "unknown (no /proc/loadavg)"
+
+
 def render_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
     """optimize.md from optimize.json's dict."""
     lines = [f"# make optimize — {meta.get('config')}", "",
              f"Status: **{res['status']}** after {res['seconds']:.0f} s (budget {meta.get('budget_s'):g} s) on "
-             f"{meta.get('device')}; load {meta.get('load')}. Baseline: the config as given"
+             f"{meta.get('device')}; 1-minute load {_load(meta.get('load'))} at the start. Baseline: the config as "
+             "given"
              + (f" ({', '.join(f'{k}={v}' for k, v in res['baseline'].items())})" if res["baseline"] else "") + ".",
              "", "## Profiles (the evidence)", "",
              "| # | settings | step ms | padding | compute | memory | launch | data wait | optimizer | dropout mask |"
-             " top op |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             " attention | top op |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(res["profiles"]):
         s = ", ".join(f"{k}={v}" for k, v in p["settings"].items()) or "baseline"
         lines.append(f"| {i} | {s} | {p['step_ms']:.1f} | {_pct(p['padding_share'])} | {_pct(p['compute_share'])} | "
                      f"{_pct(p['memory_share'])} | {_pct(p['launch_share'])} | {_pct(p['data_wait_share'])} | "
-                     f"{_pct(p['optimizer_share'])} | {_pct(p['dropout_mask_share'])} | {p['top_op']} |")
+                     f"{_pct(p['optimizer_share'])} | {_pct(p['dropout_mask_share'])} | "
+                     f"{_pct(p.get('attention_share'))} | {p['top_op']} |")
     lines += ["", "## Decisions, in order", "",
               "| # | lever | evidence (profile) | predicted | measured (interval) | may change | decision | why |",
               "|---|---|---|---|---|---|---|---|"]
