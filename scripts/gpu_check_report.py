@@ -137,7 +137,7 @@ def _optimize(work: Path) -> tuple[Optional[dict], str]:
     conf = (r.get("confirmation") or {}).get("ratio") or {}
     end = (f"optimized vs baseline {_f(conf.get('median'), '.2f')}x [{_f(conf.get('low'), '.2f')}, "
            f"{_f(conf.get('high'), '.2f')}]" if conf else "no end-to-end confirmation (nothing kept)")
-    return r, (f"{r.get('status')} in {_f(r.get('seconds'), '.0f')} s; {len(r.get('decisions', []))} A/Bs; kept "
+    return r, (f"{r.get('status')} after {_f(r.get('seconds'), '.0f')} s; {len(r.get('decisions', []))} A/Bs; kept "
                f"{', '.join(kept) or 'nothing'}; {end}")
 
 

@@ -211,10 +211,12 @@ def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
 def cmd_optimize(args: argparse.Namespace, t_start: float) -> int:
     from train.commands.optimize import run_optimize
 
-    res = run_optimize(load_cfg(args), config_path=args.config)
+    cfg = load_cfg(args)
+    res = run_optimize(cfg, config_path=args.config)
     conf = (res.get("confirmation") or {}).get("ratio")
     kept = [f"{d['lever']}={d['value']}" for d in res["decisions"] if d["accepted"]]
-    print(f"optimize: {res['status']} in {res['seconds']:.0f} s; kept {', '.join(kept) or 'nothing'}; "
+    status = {"budget": f"stopped by optimize.budget_s={cfg.optimize.budget_s:g}"}.get(res["status"], res["status"])
+    print(f"optimize: {status} after {res['seconds']:.0f} s; kept {', '.join(kept) or 'nothing'}; "
           + (f"optimized vs baseline {conf['median']:.2f}x [{conf['low']:.2f}, {conf['high']:.2f}]" if conf and
              conf.get("low") is not None else "no end-to-end confirmation"))
     print(f"optimize: {res['out_dir']}/optimize.md; train it with: make train CONFIG={res['out_dir']}/optimized.yaml")

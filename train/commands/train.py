@@ -165,11 +165,11 @@ def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: O
                 shutdown.phase = name  # named by a signal that arrives now (nothing to checkpoint yet)
                 phase()
         except (Interrupted, UserError) as exc:
-            if fresh and ctx.is_main and r.run_dir is not None:  # nothing trained: no run to keep
+            if ctx.is_main and r.run_dir is not None:  # an in-process caller may go on: release the run
                 unlock_run_dir(r.run_dir)
-                shutil.rmtree(r.run_dir, ignore_errors=True)
-                if isinstance(exc, Interrupted):
-                    exc.args = (f"{exc.args[0]}; removed {r.run_dir}",)
+                if fresh:  # nothing trained: no run to keep
+                    shutil.rmtree(r.run_dir, ignore_errors=True)
+                    exc.args = (f"{exc.args[0]}; removed {r.run_dir}",) if isinstance(exc, Interrupted) else exc.args
             raise
         except _Complete as done:
             return {**done.args[0], "nothing_trained": True}  # its one line is said; cmd_train prints no summary
