@@ -119,11 +119,12 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         for name, h in handles.items():  # every arm has now trained the same samples (± one batch per window)
             quality[name] = h.quality()
             bar.update(1)
-        verdicts = {n: quality_verdict(quality["baseline"], q, o.quality_tolerance) for n, q in quality.items()}
+        guard = {n: dict(zip(("passes", "why"), quality_verdict(quality["baseline"], q, o.quality_tolerance)))
+                 for n, q in quality.items()}
         screen_s = time.perf_counter() - t0
         medians = {n: screen.arms[n].median("samples") for n in named}
         ranked = sorted((n for n in named if n not in ("optimized", "baseline")), key=lambda n: -(medians[n] or 0))
-        learn_as_well = [n for n in ranked if verdicts[n][0]]
+        learn_as_well = [n for n in ranked if guard[n]["passes"]]
         finalists = (learn_as_well or ranked)[:o.grid_finalists] + (["optimized"] if extra is not None else [])
         final = interleave([arms[n] for n in finalists], rounds=o.confirm_rounds, window_samples=o.window_samples,
                            warmup=0, device=start.device, on_round=lambda _r: bar.update(len(finalists)))
@@ -132,7 +133,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     best = max((n for n in finalists if n != "optimized"), key=lambda n: final_medians[n] or 0)
     rows = [{"name": n, "settings": named[n], "samples_per_s": medians[n],
              "vs_best": screen.ratio(n, best).as_dict() if n != best else None, "quality": quality[n],
-             "quality_guard": {"passes": verdicts[n][0], "why": verdicts[n][1]}} for n in ranked + ["baseline"]]
+             "quality_guard": guard[n]} for n in ranked + ["baseline"]]
     final_rows = [{"name": n, "samples_per_s": final_medians[n],
                    "vs_best": final.ratio(n, best).as_dict() if n != best else None}
                   for n in sorted(finalists, key=lambda n: -(final_medians[n] or 0))]
@@ -141,7 +142,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         "fastest_of_the_screening": ranked[0], "quality_reference": {"settings": named["baseline"],
                                                                      **quality["baseline"]},
         "quality_tolerance": o.quality_tolerance,
-        "rejected_by_quality_guard": [n for n in ranked if not verdicts[n][0]],
+        "rejected_by_quality_guard": [n for n in ranked if not guard[n]["passes"]],
         "screening": {"rounds": o.grid_rounds, "seconds": screen_s, "rows": rows,
                       "load_1min": [screen.load_start, screen.load_end]},
         "final": {"rounds": o.confirm_rounds, "seconds": seconds - screen_s, "rows": final_rows,
@@ -151,8 +152,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         "machine": machine_facts(start.device), "torch": torch.__version__, "config": config_path,
         "optimized": None if extra is None else {
             **optimized_vs_best(optimized, named["optimized"], final, best, final_medians["optimized"], seconds),
-            "quality": quality["optimized"], "quality_guard": {"passes": verdicts["optimized"][0],
-                                                               "why": verdicts["optimized"][1]}},
+            "quality": quality["optimized"], "quality_guard": guard["optimized"]},
     }
     atomic_write_text(out_dir / "grid.json", json.dumps(out, indent=2, default=str) + "\n")
     atomic_write_text(out_dir / "grid.md", render(out))
