@@ -53,11 +53,13 @@ class FakeArm:
                 speed *= v
         time.sleep(BASE_MS / speed / 1e3)
         self.seen += 8
+        if self.s.get("fake.tokens_per_sample"):  # a batching that holds other samples per step: count the tokens
+            return {"samples": 8, "real_tokens": 8 * self.s["fake.tokens_per_sample"]}
         return {"samples": 8}
 
     def quality(self) -> dict[str, Any]:
         loss = 1.0 * (3.0 if self.s.get("fake.harmful") else 1.0)
-        return {"loss": loss, "nonfinite_steps": 5 if self.s.get("fake.nan") else 0}
+        return {"loss": loss, "nonfinite_steps": 5 if self.s.get("fake.nan") else 0, "samples_seen": self.seen}
 
     def close(self) -> None:
         pass
@@ -80,6 +82,9 @@ class FakeBackend:
     def arm(self, name: str, settings: dict[str, Any]) -> FakeArm:
         self.built.append(dict(settings))
         return FakeArm(settings)
+
+    def schedule(self, settings: dict[str, Any]) -> dict[str, Any]:
+        return {}
 
 
 def lever(name: str, overrides: dict[str, Any], predicted: float, may_change: str = NUMERICS) -> Lever:
@@ -234,6 +239,15 @@ def test_token_budget_doubles_up_to_the_bound():
     assert tb.propose(ctx, Evidence())[0].overrides == {"batching.max_tokens": 16384}
     ctx.cfg = cfg.with_values({"batching.max_tokens": 16384})
     assert "max_budget_factor" in tb.propose(ctx, Evidence())
+    # from a fixed batch of 32 samples of 30 padded tokens (960 per step): the smallest budget of the ladder with at
+    # least 1.5x the tokens per step, predicted from the per-step overhead spread over 2048 / 960 the tokens
+    from train.data.layout_cost import LayoutCost
+
+    ctx.cfg = cfg.with_values({"batching.max_tokens": None, "batching.batch_size": 32, "data.max_len": 128})
+    ctx.batching_costs = {"current": LayoutCost(tokens=30.0, scores=900.0, real_tokens=27.0, samples_per_step=32.0)}
+    c, c2 = tb.propose(ctx, Evidence(optimizer_share=0.2))  # the next two rungs
+    assert c.overrides == {"batching.max_tokens": 2048} and c.predicted == pytest.approx(amdahl(0.2, 2048 / 960))
+    assert c2.overrides == {"batching.max_tokens": 4096} and c2.predicted > c.predicted
 
 
 def test_candidates_the_evidence_gives_nothing_to_gain_are_not_measured():
@@ -286,6 +300,61 @@ def test_layout_costs_of_each_batching_method(tiny_cfg):
     assert costs["packed"].scores == pytest.approx(costs["packed"].tokens * 32)  # every row attends 32 x 32
     assert costs["optimal"].scores < costs["packed"].scores  # short samples: buckets attend less than packed rows
     assert real < costs["hf"].tokens < 32 and costs["hf"].scores < 32 * 32
+    # samples per optimizer step: a budget of 256 tokens holds 8 samples padded to 32, more of the shorter buckets;
+    # a fixed batch size holds batch_size (its last batch may be short)
+    assert costs["pad-to-max"].samples_per_step == pytest.approx(8, rel=0.05)
+    assert costs["optimal"].samples_per_step > 9
+    assert costs["hf"].samples_per_step == pytest.approx(cfg.batching.batch_size, rel=0.05)
+
+
+def test_a_lever_that_changes_the_samples_per_step_keeps_the_schedule_in_samples():
+    """A token budget k times the samples per step: k times fewer steps, warm-up and evaluations over the same
+    samples, and the square-root learning-rate rule (or linear, or none)."""
+    from train.commands.optimize.levers import schedule_in_samples
+
+    base = RunConfig().with_values({"train.max_steps": 600, "train.eval_every": 200, "train.checkpoint_every": None,
+                                    "optim.lr": 2e-3})
+    got = schedule_in_samples(base, 4.0, "sqrt")
+    assert got == {"optim.lr": 4e-3, "train.max_steps": 150, "train.eval_every": 50, "train.checkpoint_every": None}
+    assert schedule_in_samples(base, 4.0, "linear")["optim.lr"] == 8e-3
+    assert schedule_in_samples(base, 4.0, "none")["optim.lr"] == 2e-3
+    assert schedule_in_samples(base, 1.01, "sqrt") == {"optim.lr": 2e-3, "train.max_steps": 600,
+                                                       "train.eval_every": 200, "train.checkpoint_every": None}
+    with pytest.raises(ValueError):
+        schedule_in_samples(base, 0.0, "sqrt")
+
+
+def test_the_search_adds_the_schedule_a_candidate_needs_and_says_so():
+    class Scheduled(FakeBackend):
+        def schedule(self, s):
+            return {"optim.lr": 0.004, "train.max_steps": 150} if "fake.speed" in s else {}
+
+    backend = Scheduled()
+    res = search(backend, (lever("budget", {"fake.speed": 2.0}, 1.9),), {}, settings(), notice=lambda _m: None)
+    d = res.decisions[0]
+    assert d.accepted and res.best == {"fake.speed": 2.0, "optim.lr": 0.004, "train.max_steps": 150}
+    assert "the schedule kept in samples: optim.lr 0.001 -> 0.004, train.max_steps None -> 150" in d.candidate.evidence
+    assert {"fake.speed": 2.0, "optim.lr": 0.004, "train.max_steps": 150} in backend.built
+
+
+def test_the_real_backend_scales_the_schedule_by_the_measured_samples_per_step(tiny_cfg, tmp_path):
+    from train.commands.optimize.backend import RunBackend
+    from train.data import prepare_data
+
+    cfg = tiny_cfg("batching.method=optimal", "train.max_steps=400", "train.eval_every=100",
+                   "train.checkpoint_every=null")
+    bundle = prepare_data(cfg, None, notice=lambda _m: None)
+    backend = RunBackend(cfg, bundle, torch.device("cpu"), tmp_path / "o", notice=lambda _m: None)
+    assert backend.schedule({"train.precision": "bf16"}) == {}  # the same samples per step
+    assert set(backend.schedule({"batching.max_tokens": 2048})) == {"train.max_steps", "train.eval_every"}  # lr kept
+    cfg = cfg.with_values({"optimize.lr_scaling": "sqrt"})
+    backend = RunBackend(cfg, bundle, torch.device("cpu"), tmp_path / "o", notice=lambda _m: None)
+    got = backend.schedule({"batching.max_tokens": 2048})
+    k = 400 / got["train.max_steps"]
+    assert k > 3 and got["optim.lr"] == pytest.approx(5e-3 * k ** 0.5, rel=0.02)
+    assert abs(got["train.eval_every"] - 100 / k) <= 1
+    # already on that schedule: nothing more to set
+    assert backend.schedule({"batching.max_tokens": 2048, **got}) == {}
 
 
 def test_the_grid_crosses_every_crossable_lever():
@@ -293,13 +362,13 @@ def test_the_grid_crosses_every_crossable_lever():
 
     base = RunConfig().with_values({"batching.batch_size": 32, "data.max_len": 128})
     pts = grid_points(base, native_bf16=True, supports_packing=True, fused=True, workers=1)
-    # precision 2 x batching (pad-to-max, hf, optimal and optimal+batch-max and packed x 3 budgets) x dropout 2
+    # precision 2 x batching (pad-to-max, hf, optimal and optimal+batch-max and packed x 4 budgets) x dropout 2
     # x fused 2 x workers 2
-    assert len(pts) == 2 * 11 * 2 * 2 * 2
+    assert len(pts) == 2 * 14 * 2 * 2 * 2
     assert len({name_of(p) for p in pts}) == len(pts)
-    assert {p["batching.max_tokens"] for p in pts if p["batching.method"] == "packed"} == {None, 4096, 8192}
+    assert {p["batching.max_tokens"] for p in pts if p["batching.method"] == "packed"} == {None, 2048, 4096, 8192}
     small = grid_points(base, native_bf16=False, supports_packing=False, fused=False, workers=0)
-    assert len(small) == 1 * 8 * 2 * 1 * 1 and {p["train.precision"] for p in small} == {"fp32"}
+    assert len(small) == 1 * 10 * 2 * 1 * 1 and {p["train.precision"] for p in small} == {"fp32"}
 
 
 def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
@@ -317,6 +386,30 @@ def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
     rounds = [w.round for w in result.arms["candidate"].windows]
     assert rounds == list(range(9))
     assert len(result.ratio("candidate", "best").per_round) == 9
+    # the quality verdict is read after the first 3 rounds, whatever the extensions: (1 + rounds) windows of 24
+    s = settings(rounds=3)
+    assert qa["samples_seen"] == qb["samples_seen"] == s.quality_samples_seen() == 96
+
+
+def test_the_grid_holds_a_token_budget_to_the_same_combination_at_the_batch_size():
+    from train.commands.optimize.grid import name_of, quality_guard
+
+    def point(budget):
+        return {"train.precision": "bf16", "batching.method": "optimal", "batching.pad_to": "bound",
+                "batching.max_tokens": budget, "model.fast_dropout": "false", "optim.fused": False,
+                "data.num_workers": 0}
+
+    named = {name_of(point(b)): point(b) for b in (None, 4096)} | {"baseline": {}}
+    twin, big = name_of(point(None)), name_of(point(4096))
+    # the budget learns as well as the config as given, not as well as its own batch-size twin: the search rejects it
+    q = {"baseline": {"loss": 3.2}, twin: {"loss": 2.65}, big: {"loss": 3.1}}
+    g = quality_guard(named, q, 0.05)
+    assert g[twin]["passes"] and g["baseline"]["passes"] and not g[big]["passes"]
+    assert f"({twin} (the batch size it grows from)'s 2.6500 + 5%)" in g[big]["why"]
+    g = quality_guard(named, {**q, big: {"loss": 2.7}}, 0.05)
+    assert g[big]["passes"]
+    g = quality_guard(named, {**q, twin: {"loss": 3.5}, big: {"loss": 3.5}}, 0.05)  # the twin itself learns worse
+    assert not g[big]["passes"] and g[big]["why"].startswith(f"at its batch size ({twin}): held-out loss 3.5000")
 
 
 def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monkeypatch, tiny_cfg, tmp_path):
@@ -345,7 +438,7 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
             return {"samples": 8, "seconds": 8 / rate}
 
         def quality(self) -> dict:
-            return {"loss": losses.get(self.name, 2.0), "nonfinite_steps": 0}
+            return {"loss": losses.get(self.name, 2.0), "nonfinite_steps": 0, "samples_seen": 32 * (1 + self.windows)}
 
     class Backend:
         def __init__(self, *_a, **_k) -> None:
@@ -353,6 +446,9 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
 
         def context(self, _settings):
             return LeverContext(cfg=None, device_type="cpu")
+
+        def schedule(self, _settings):
+            return {}
 
         def arm(self, name: str, point: dict) -> Handle:
             return Handle(name if name in ("optimized", "baseline") else point["label"])
@@ -374,12 +470,32 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     assert screening[0].startswith("fp32/packed/") and screening[1].startswith("fp32/optimal/")  # harmful, lucky
     assert g["rejected_by_quality_guard"] == [screening[0]] and g["fastest_of_the_screening"] == screening[0]
     assert g["best"].startswith("fp32/hf-group-by-length/")  # the final says otherwise than the screening
-    assert [r["name"] for r in g["final"]["rows"]][0] == g["best"] and len(g["final"]["rows"]) == 3
+    # every verdict after the samples the search's are taken after: (1 + optimize.rounds) windows, not the screening's
+    assert g["quality_samples_seen"] == (1 + cfg.optimize.rounds) * 32 > (1 + 3) * 32
+    assert all(r["quality"]["samples_seen"] >= g["quality_samples_seen"] for r in g["screening"]["rows"])
+    # the final: the search's result against each of the 2 finalists alone (two arms interleaved, its own A/B)
+    assert [r["name"] for r in g["final"]["rows"]][0] == g["best"] and len(g["final"]["rows"]) == 2
+    assert g["final"]["paired_with_optimized"]
+    assert all(r["vs_optimized"]["b"] == "optimized" for r in g["final"]["rows"])
     assert not any(r["name"].startswith("fp32/packed/") for r in g["final"]["rows"])
     o = g["optimized"]
     assert o["vs_best"]["median"] == pytest.approx(147 / 150) and o["share_verdict"] == "reached"
     assert o["search_seconds"] == 3.0 and o["search_share_of_grid_time"] == pytest.approx(3.0 / g["seconds"])
     assert o["quality_guard"]["passes"] and g["quality_reference"]["loss"] == 2.0
     md = (tmp_path / "runs" / "t" / "optimize-grid" / "grid.md").read_text()
-    assert "**reached**" in md and "## Final: 3 combinations, 4 interleaved rounds" in md
+    assert "**reached**" in md and "## Final: the search's result against each of 2 finalists, two arms" in md
     assert "**fails**: held-out loss 9.0000" in md and "1 combination(s) learn worse" in md
+
+
+def test_arms_are_compared_by_real_tokens_per_second_where_they_count_them():
+    """A window that ends at a sample count favours an arm whose windows came out of short samples; the real tokens
+    are the work: an arm as fast per step with 8 samples of 10 tokens against 8 of 20 is no faster."""
+    from train.commands.optimize.judging import throughput_metric
+    from train.perf.ab import ABResult, ArmResult, Window
+
+    res = search(FakeBackend(), (lever("short", {"fake.tokens_per_sample": 10}, 1.9),),
+                 {"fake.tokens_per_sample": 20}, settings(), notice=lambda _m: None)
+    d = res.decisions[0]
+    assert d.ratio["metric"] == "real_tokens" and d.ratio["high"] < 1.0 and not d.accepted
+    counted = ABResult({"a": ArmResult("a", [Window(0, 1.0, 1, {"samples": 8})])}, 1, None, None)
+    assert throughput_metric(counted) == "samples"

@@ -1,6 +1,6 @@
 """What a batching method makes the model compute per training sample, from the lengths alone (no step is run).
 
-Two numbers per method, both per training sample over one epoch's plan:
+Two numbers per method, both per training sample over one epoch's plan (and the samples per optimizer step):
 
 * ``tokens``: positions the model processes (real + padding) — what the per-token work (every linear layer, the
   embeddings, the norms) scales with;
@@ -25,11 +25,14 @@ import numpy as np
 @dataclass(frozen=True)
 class LayoutCost:
     """Per training sample: ``tokens`` processed (float, tokens) and attention ``scores`` (float, S² summed over the
-    sequences attended, per head and layer); ``real_tokens`` the sample's own tokens, for the token efficiency."""
+    sequences attended, per head and layer); ``real_tokens`` the sample's own tokens, for the token efficiency;
+    ``samples_per_step``: training samples per batch, averaged over the epoch's batches (what a token budget changes,
+    and with it the optimizer steps per sample)."""
 
     tokens: float
     scores: float
     real_tokens: float
+    samples_per_step: float = 0.0
 
     @property
     def token_efficiency(self) -> float:
@@ -63,9 +66,11 @@ def layout_cost(cfg, lengths: Sequence[int], bounds: Sequence[int], sample_limit
     lengths = np.minimum(lengths, cfg.data.max_len)
     real = float(lengths.mean())
     if b.method == "packed":
-        c = pack_layout(cfg, lengths).capacity
+        layout = pack_layout(cfg, lengths)
+        c = layout.capacity
         rows = len(pack_rows(lengths, c, seed=cfg.train.seed))
-        return LayoutCost(tokens=rows * c / n, scores=rows * c * c / n, real_tokens=real)
+        return LayoutCost(tokens=rows * c / n, scores=rows * c * c / n, real_tokens=real,
+                          samples_per_step=n / -(-rows // layout.rows))
     if b.method in ("hf-group-by-length", "random"):
         if b.method == "random":
             order = np.random.default_rng(cfg.train.seed).permutation(n)
@@ -75,17 +80,19 @@ def layout_cost(cfg, lengths: Sequence[int], bounds: Sequence[int], sample_limit
         longest = np.array([lengths[list(x)].max() for x in batches], dtype=np.float64)
         sizes = np.array([len(x) for x in batches], dtype=np.float64)
         return LayoutCost(tokens=float((sizes * longest).sum() / n), scores=float((sizes * longest ** 2).sum() / n),
-                          real_tokens=real)
+                          real_tokens=real, samples_per_step=n / len(batches))
     bound = np.asarray(sorted(bounds), dtype=np.float64)
     which = np.minimum(np.searchsorted(bound, lengths), len(bound) - 1)
     padded = bound[which]
+    sizes = [max(1, b.max_tokens // int(limit)) if b.max_tokens else b.batch_size for limit in bound]
+    steps = sum(-(-int(np.count_nonzero(which == k)) // size) for k, size in enumerate(sizes))
     if b.pad_to == "batch-max":  # each bucket's samples in random batches (as the bucket sampler draws them)
         rng, longest = np.random.default_rng(cfg.train.seed), np.empty(n, dtype=np.float64)
-        for k, limit in enumerate(bound):
+        for k, size in enumerate(sizes):
             members = rng.permutation(np.flatnonzero(which == k))
-            size = max(1, b.max_tokens // int(limit)) if b.max_tokens else b.batch_size
             for i in range(0, len(members), size):
                 chunk = members[i:i + size]
                 longest[chunk] = lengths[chunk].max()
         padded = longest
-    return LayoutCost(tokens=float(padded.mean()), scores=float((padded ** 2).mean()), real_tokens=real)
+    return LayoutCost(tokens=float(padded.mean()), scores=float((padded ** 2).mean()), real_tokens=real,
+                      samples_per_step=n / max(1, steps))

@@ -161,13 +161,31 @@ class RunBackend:
 
         configs = {"current": cfg} | {v: cfg.with_values(batching_settings(cfg, v)) for v in BATCHING
                                       if v != "packed" or packing}
-        out = {}
-        for name, c in configs.items():
-            key = repr(c.batching) + repr(c.data)
-            if key not in self._costs:
-                self._costs[key] = layout_cost(c, self.bundle.splits["train"].lengths, replan(c, self.bundle).bounds)
-            out[name] = self._costs[key]
-        return out
+        return {name: self._cost(c) for name, c in configs.items()}
+
+    def _cost(self, cfg: RunConfig) -> Any:
+        key = repr(cfg.batching) + repr(cfg.data) + repr(cfg.train.seed)
+        if key not in self._costs:
+            self._costs[key] = layout_cost(cfg, self.bundle.splits["train"].lengths, replan(cfg, self.bundle).bounds)
+        return self._costs[key]
+
+    def real_tokens_per_sample(self) -> float:
+        """The training split's mean tokens per sample after truncation to ``data.max_len`` (converts real tokens per
+        second into samples per second: every configuration trains the same samples)."""
+        return self._cost(self.base).real_tokens
+
+    def schedule(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The overrides that keep ``settings``' run on the schedule of the config as given, in samples
+        (:func:`~train.commands.optimize.levers.schedule_in_samples`, ``optimize.lr_scaling``): only those that differ
+        from what ``settings`` already say. ``k`` is the ratio of the two plans' samples per optimizer step."""
+        from train.commands.optimize.levers import SCHEDULE_KEYS, schedule_in_samples
+
+        cfg = self.cfg(settings)
+        base_sps, sps = self._cost(self.base).samples_per_step, self._cost(cfg).samples_per_step
+        want = schedule_in_samples(self.base, sps / base_sps if base_sps and sps else 1.0,
+                                   self.base.optimize.lr_scaling)
+        return {k: v for k, v in want.items()
+                if k in SCHEDULE_KEYS and getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) != v}
 
     def profile(self, settings: dict[str, Any], index: int) -> Evidence:
         """A short torch.profiler window on ``settings`` (2 untimed steps, then ``optimize.profile_steps`` captured)

@@ -3,12 +3,18 @@ combination of the search's levers that can be crossed in one process (precision
 hf-group-by-length, fitted buckets padded to their bounds or to the batch maximum, packing — × token budget × fast
 dropout × fused AdamW), measured with the same A/B primitive: all combinations interleaved,
 ``optimize.grid_rounds`` rounds of ``optimize.window_samples`` samples each (the screening), then the
-``optimize.grid_finalists`` fastest combinations re-measured against each other over ``optimize.confirm_rounds``
-interleaved rounds (the final: successive halving, as in Jamieson & Talwalkar 2016, so the best is picked, and its
-ratios measured, from enough paired rounds rather than from 3 windows among 33 arms).
-Every combination then passes the search's quality guard or is no finalist: its held-out loss after the same
-samples (the screening trains every arm equally) within ``optimize.quality_tolerance`` of the config as given (one
-more arm, ``baseline``), no non-finite step — the grid's best must learn as well, as the search's result must.
+``optimize.grid_finalists`` fastest combinations re-measured over ``optimize.confirm_rounds`` interleaved rounds (the
+final: successive halving, as in Jamieson & Talwalkar 2016, so the best is picked, and its ratios measured, from
+enough paired rounds rather than from 3 windows among a hundred arms) — with ``--optimized``, each finalist against
+the search's result alone, two arms interleaved as in the search's A/Bs (measured: with five arms interleaved,
+packed rows of 4096 tokens read 1.20x the search's result; alone against it 0.92x [0.75, 0.99], and 0.98x in whole
+``make train`` runs).
+Every combination then passes the search's quality guard or is no finalist (:func:`quality_guard`): each arm trains
+untimed up to the samples the search takes its verdicts after (``(1 + optimize.rounds) × optimize.window_samples``),
+and its held-out loss must lie within ``optimize.quality_tolerance`` of its reference's — the config as given (one
+more arm, ``baseline``), or, with a token budget, the same combination at the config's batch size — with no
+non-finite step: the grid's best must learn as well, as the search's result must. Combinations run on the config's
+schedule in samples, as the search's candidates do (``optimize.lr_scaling``).
 ``--optimized runs/<id>/optimize/optimized.yaml`` adds the search's result as one more arm of both stages, so its
 ratio to the grid's best is paired and has an interval; the search's own time (its ``optimize.json`` beside the
 yaml) is compared with the grid's.
@@ -27,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from train.commands.optimize.outputs import _r as _ratio
+from train.commands.optimize.outputs import format_ratio as _ratio
 from train.config import RunConfig, load_config
 from train.errors import UserError, atomic_write_text
 
@@ -49,7 +55,7 @@ def grid_points(base: RunConfig, native_bf16: bool, supports_packing: bool, fuse
         {"batching.method": "hf-group-by-length", "batching.pad_to": "bound", "batching.max_tokens": None}]
     for method, pad_to in [("optimal", "bound"), ("optimal", "batch-max")] + (
             [("packed", "bound")] if supports_packing else []):
-        for budget in (None, budget0, 2 * budget0):
+        for budget in (None, budget0 // 2, budget0, 2 * budget0):  # the token-budget lever's values (budget_ladder)
             batching.append({"batching.method": method, "batching.pad_to": pad_to, "batching.max_tokens": budget})
     out = []
     for p, b, drop, fz, nw in itertools.product(precisions, batching, ("false", "true"),
@@ -57,6 +63,30 @@ def grid_points(base: RunConfig, native_bf16: bool, supports_packing: bool, fuse
                                                 (0, workers) if workers else (0,)):
         out.append({"train.precision": p, **b, "model.fast_dropout": drop, "optim.fused": fz, "data.num_workers": nw})
     return out
+
+
+def quality_guard(named: dict[str, dict[str, Any]], quality: dict[str, dict], tolerance: float) -> dict[str, dict]:
+    """Each arm's quality verdict ``{passes, why}`` by the search's rule (:func:`~train.commands.optimize.search.
+    quality_verdict`, every arm after the same samples), against the reference the search would have held it to: a
+    combination with a token budget against the same combination at the config's batch size (the token-budget lever
+    is tried from there), which must itself pass; every other arm against the config as given (``baseline``)."""
+    from train.commands.optimize.judging import quality_verdict
+
+    def verdict(name: str) -> dict[str, Any]:
+        point = named[name]
+        twin = None
+        if name not in ("baseline", "optimized") and point.get("batching.max_tokens") is not None:
+            twin = name_of({**point, "batching.max_tokens": None})
+        if twin not in quality:
+            return dict(zip(("passes", "why"), quality_verdict(quality["baseline"], quality[name], tolerance,
+                                                                "the config as given")))
+        first = verdict(twin)
+        if not first["passes"]:
+            return {"passes": False, "why": f"at its batch size ({twin}): {first['why']}"}
+        return dict(zip(("passes", "why"), quality_verdict(quality[twin], quality[name], tolerance,
+                                                            f"{twin} (the batch size it grows from)")))
+
+    return {n: verdict(n) for n in quality}
 
 
 def name_of(point: dict[str, Any]) -> str:
@@ -78,7 +108,9 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
 
     from train.commands.optimize import baseline_settings
     from train.commands.optimize.backend import RunBackend
-    from train.commands.optimize.search import quality_verdict
+    from train.commands.optimize.judging import throughput_metric
+    from train.commands.optimize.levers import SCHEDULE_KEYS
+    from train.commands.optimize.search import SearchSettings
     from train.compat import fused_adamw_supported
     from train.data import prepare_data
     from train.perf.ab import Arm, interleave
@@ -95,11 +127,13 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     ctx = backend.context({})
     points = grid_points(start.cfg, cpu_native_bf16(), ctx.supports_packing, fused_adamw_supported(start.device),
                          start.device.type == "cuda", workers=0)
-    named: dict[str, dict[str, Any]] = {name_of(p): p for p in points}
+    # each combination on the config's schedule in samples, as the search's candidates are (optimize.lr_scaling)
+    named: dict[str, dict[str, Any]] = {name_of(p): {**p, **backend.schedule(p)} for p in points}
     named["baseline"] = baseline_settings(start.cfg, start.policy.mode)[0]
     if extra is not None:
         keys = ("train.precision", "batching.method", "batching.pad_to", "batching.max_tokens", "model.fast_dropout",
-                "optim.fused", "data.num_workers", "train.num_threads", "compile.enabled", "compile.mode")
+                "optim.fused", "data.num_workers", "train.num_threads", "compile.enabled", "compile.mode",
+                *SCHEDULE_KEYS)
         named["optimized"] = {k: getattr(getattr(extra, k.split(".")[0]), k.split(".")[1]) for k in keys}
     t0 = time.perf_counter()
     o = start.cfg.optimize
@@ -107,51 +141,85 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     handles: dict[str, Any] = {}
     n_final = min(o.grid_finalists, len(points)) + (extra is not None)
     total = len(named) * (2 + o.grid_rounds) + n_final * o.confirm_rounds
+    seen = dict.fromkeys(named, o.window_samples)  # each arm's training samples (the warm-up: at least a window)
+
+    def counted(name: str, step: Callable[[], dict]) -> Callable[[], dict]:
+        def run() -> dict:
+            got = step()
+            seen[name] += int(got["samples"])
+            return got
+        return run
+
+    quality_after = SearchSettings.from_config(o).quality_samples_seen()
     with progress_bar(total, "optimize-grid", cfg.train.progress) as bar:
         for name, point in named.items():
             handles[name] = h = backend.arm(name, point)
             h.warmup(o.window_samples)
-            arms[name] = Arm(name, h.step)
+            arms[name] = Arm(name, counted(name, h.step))
             bar.update(1)
         screen = interleave(list(arms.values()), rounds=o.grid_rounds, window_samples=o.window_samples, warmup=0,
                             device=start.device, on_round=lambda _r: bar.update(len(arms)))
         quality = {}
-        for name, h in handles.items():  # every arm has now trained the same samples (± one batch per window)
+        for name, h in handles.items():  # untimed steps up to the samples the search's verdicts are taken after
+            while seen[name] < quality_after:
+                arms[name].step()
             quality[name] = h.quality()
             bar.update(1)
-        guard = {n: dict(zip(("passes", "why"), quality_verdict(quality["baseline"], q, o.quality_tolerance)))
-                 for n, q in quality.items()}
+        guard = quality_guard(named, quality, o.quality_tolerance)
         screen_s = time.perf_counter() - t0
-        medians = {n: screen.arms[n].median("samples") for n in named}
+        metric = throughput_metric(screen)  # real tokens per second, reported as samples per second (÷ per sample)
+        per_sample = backend.real_tokens_per_sample() if metric == "real_tokens" else 1.0
+
+        def rate(result: Any, name: str) -> Optional[float]:
+            m = result.arms[name].median(metric)
+            return None if m is None else m / per_sample
+
+        medians = {n: rate(screen, n) for n in named}
         ranked = sorted((n for n in named if n not in ("optimized", "baseline")), key=lambda n: -(medians[n] or 0))
         learn_as_well = [n for n in ranked if guard[n]["passes"]]
-        finalists = (learn_as_well or ranked)[:o.grid_finalists] + (["optimized"] if extra is not None else [])
-        final = interleave([arms[n] for n in finalists], rounds=o.confirm_rounds, window_samples=o.window_samples,
-                           warmup=0, device=start.device, on_round=lambda _r: bar.update(len(finalists)))
+        finalists = (learn_as_well or ranked)[:o.grid_finalists]
+        if extra is None:  # the finalists against each other
+            final = interleave([arms[n] for n in finalists], rounds=o.confirm_rounds, window_samples=o.window_samples,
+                               warmup=0, device=start.device, on_round=lambda _r: bar.update(len(finalists)))
+            pairs = {n: final for n in finalists}
+        else:  # the search's result against each finalist, two arms at a time: the search's own A/B
+            pairs = {n: interleave([arms["optimized"], arms[n]], rounds=o.confirm_rounds,
+                                   window_samples=o.window_samples, warmup=0, device=start.device,
+                                   on_round=lambda _r: bar.update(2)) for n in finalists}
+            final = pairs[finalists[0]]
     seconds = time.perf_counter() - t0
-    final_medians = {n: final.arms[n].median("samples") for n in finalists}
-    best = max((n for n in finalists if n != "optimized"), key=lambda n: final_medians[n] or 0)
+    final_medians = {n: rate(pairs[n], n) for n in finalists}
+    if extra is None:
+        best = max(finalists, key=lambda n: final_medians[n] or 0)
+        vs = {n: final.ratio(n, best, metric).as_dict() if n != best else None for n in finalists}
+    else:
+        vs = {n: pairs[n].ratio(n, "optimized", metric).as_dict() for n in finalists}
+        best = max(finalists, key=lambda n: vs[n]["median"] or 0)  # the most faster than the search's result
+        rates_opt = [r for n in finalists for r in pairs[n].arms["optimized"].rates(metric)]
+        final_medians["optimized"] = float(sorted(rates_opt)[len(rates_opt) // 2]) / per_sample if rates_opt else None
     rows = [{"name": n, "settings": named[n], "samples_per_s": medians[n],
-             "vs_best": screen.ratio(n, best).as_dict() if n != best else None, "quality": quality[n],
+             "vs_best": screen.ratio(n, best, metric).as_dict() if n != best else None, "quality": quality[n],
              "quality_guard": guard[n]} for n in ranked + ["baseline"]]
-    final_rows = [{"name": n, "samples_per_s": final_medians[n],
-                   "vs_best": final.ratio(n, best).as_dict() if n != best else None}
+    final_rows = [{"name": n, "samples_per_s": final_medians[n], "vs_best": vs[n] if extra is None else None,
+                   "vs_optimized": vs[n] if extra is not None else None}
                   for n in sorted(finalists, key=lambda n: -(final_medians[n] or 0))]
     out: dict[str, Any] = {
         "best": best, "best_samples_per_s": final_medians[best], "points": len(ranked), "seconds": seconds,
         "fastest_of_the_screening": ranked[0], "quality_reference": {"settings": named["baseline"],
                                                                      **quality["baseline"]},
-        "quality_tolerance": o.quality_tolerance,
+        "quality_tolerance": o.quality_tolerance, "quality_samples_seen": quality_after,
         "rejected_by_quality_guard": [n for n in ranked if not guard[n]["passes"]],
         "screening": {"rounds": o.grid_rounds, "seconds": screen_s, "rows": rows,
                       "load_1min": [screen.load_start, screen.load_end]},
         "final": {"rounds": o.confirm_rounds, "seconds": seconds - screen_s, "rows": final_rows,
-                  "load_1min": [final.load_start, final.load_end]},
-        "window_samples": o.window_samples, "left_out": LEFT_OUT,
+                  "paired_with_optimized": extra is not None, "load_1min": [final.load_start, final.load_end]},
+        "window_samples": o.window_samples, "metric": metric, "real_tokens_per_sample": per_sample,
+        "left_out": LEFT_OUT,
         "device": device_name(start.device), "load_1min": [screen.load_start, final.load_end],
         "machine": machine_facts(start.device), "torch": torch.__version__, "config": config_path,
         "optimized": None if extra is None else {
-            **optimized_vs_best(optimized, named["optimized"], final, best, final_medians["optimized"], seconds),
+            **optimized_vs_best(optimized, named["optimized"], pairs[best], best, final_medians["optimized"], seconds,
+                                metric=metric),
             "quality": quality["optimized"], "quality_guard": guard["optimized"]},
     }
     atomic_write_text(out_dir / "grid.json", json.dumps(out, indent=2, default=str) + "\n")
@@ -161,13 +229,13 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
 
 
 def optimized_vs_best(path: str, settings: dict[str, Any], final: Any, best: str, samples_per_s: Optional[float],
-                      grid_s: float, share: float = 0.95) -> dict[str, Any]:
+                      grid_s: float, share: float = 0.95, metric: str = "samples") -> dict[str, Any]:
     """The search's result against the grid's best (both from the final stage): the ratio with its interval, whether
     it reaches ``share`` of the best (``reached``: the interval's lower bound ≥ share; ``not shown``: only the
     median; ``not reached``: the median below), and the search's time (its optimize.json) as a share of the grid's."""
     from pathlib import Path
 
-    r = final.ratio("optimized", best)
+    r = final.ratio("optimized", best, metric)
     verdict = ("not measured" if r.median is None else "reached" if r.clears(share)
                else "not shown" if r.median >= share else "not reached")
     search_s: Optional[float] = None
@@ -196,17 +264,25 @@ def render(g: dict[str, Any]) -> str:
                   + (f"{opt['search_seconds']:.0f} s = {share:.0%} of this grid's {g['seconds']:.0f} s."
                      if share is not None else f"an unknown time ({opt['search_seconds_unavailable_reason']})."), ""]
     ref = g["quality_reference"]
-    lines += [f"Quality guard (as `make optimize`'s): every combination's held-out loss after the same samples, "
-              f"against the config as given (`baseline`, {_loss(ref.get('loss'))}) + "
-              f"{100 * g['quality_tolerance']:g}%; "
+    lines += [f"Quality guard (as `make optimize`'s): every combination's held-out loss after "
+              f"{g.get('quality_samples_seen')} samples, against the config as given (`baseline`, "
+              f"{_loss(ref.get('loss'))}) or, with a token budget, the same combination at the config's batch size; "
+              f"+ {100 * g['quality_tolerance']:g}%; "
               f"{len(g['rejected_by_quality_guard'])} combination(s) learn worse and are not finalists"
               + (f" (the screening's fastest, {g['fastest_of_the_screening']}, among them)"
                  if g["fastest_of_the_screening"] in g["rejected_by_quality_guard"] else "") + ".", ""]
     st = g["final"]
-    lines += [f"## Final: {len(st['rows'])} combinations, {st['rounds']} interleaved rounds, {st['seconds']:.0f} s", "",
-              "| combination | samples/s | vs best [95% interval] |", "|---|---|---|"]
-    lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | "
-              + ("best" if row["vs_best"] is None else _ratio(row["vs_best"])) + " |" for row in st["rows"]]
+    if st.get("paired_with_optimized"):
+        lines += [f"## Final: the search's result against each of {len(st['rows'])} finalists, two arms interleaved "
+                  f"({st['rounds']} rounds each, the search's own A/B), {st['seconds']:.0f} s", "",
+                  "| combination | samples/s | it vs optimized [95% interval] |", "|---|---|---|"]
+        lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | {_ratio(row['vs_optimized'])} |"
+                  for row in st["rows"]]
+    else:
+        lines += [f"## Final: {len(st['rows'])} combinations, {st['rounds']} interleaved rounds, {st['seconds']:.0f} s",
+                  "", "| combination | samples/s | vs best [95% interval] |", "|---|---|---|"]
+        lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | "
+                  + ("best" if row["vs_best"] is None else _ratio(row["vs_best"])) + " |" for row in st["rows"]]
     st = g["screening"]
     lines += ["", f"## Screening: {len(st['rows'])} combinations, {st['rounds']} interleaved rounds, "
                   f"{st['seconds']:.0f} s", "",

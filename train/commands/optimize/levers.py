@@ -14,6 +14,7 @@ per sample) or ``rng stream`` (other random masks). Everything but ``exact`` goe
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,29 +192,84 @@ def _batching(ctx: LeverContext, ev: Evidence) -> Proposal:
     return out or f"no other batching method for this model (batching.method={b.method})"
 
 
+SCHEDULE_KEYS = ("optim.lr", "train.max_steps", "train.eval_every", "train.checkpoint_every")
+"""What :func:`schedule_in_samples` sets: the settings counted in optimizer steps, and the peak learning rate."""
+LR_EXPONENT = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
+
+
+def schedule_in_samples(base: Any, k: float, rule: str) -> dict[str, Any]:
+    """The settings of ``base`` (the config as given) for a candidate that takes ``k`` times its samples per optimizer
+    step: every setting counted in steps (``train.max_steps``, ``eval_every``, ``checkpoint_every``; null stays null)
+    divided by ``k`` (the step count rounded, the intervals rounded up; at least 1), so the run trains the same samples,
+    warms its learning rate up over the same samples and evaluates as often; the peak ``optim.lr`` times ``k ** e`` with
+    ``e`` = 0.5 for ``rule="sqrt"`` (the square-root scaling rule for adaptive optimizers: Malladi et al., "On the SDEs
+    and Scaling Rules for Adaptive Gradient Algorithms", NeurIPS 2022), 1 for ``linear`` (Goyal et al. 2017, SGD), 0 for
+    ``none``. ``k`` within 2 % of 1: ``base``'s own values. Returns all of :data:`SCHEDULE_KEYS`.
+
+    Raises:
+        ValueError: ``k`` ≤ 0 or an unknown ``rule``.
+    """
+    if not k > 0 or rule not in LR_EXPONENT:
+        raise ValueError(f"schedule_in_samples: k={k!r} must be > 0 and rule={rule!r} one of {list(LR_EXPONENT)}")
+    if abs(k - 1) <= 0.02:
+        k = 1.0
+
+    def steps(n: Optional[int]) -> Optional[int]:
+        return None if n is None else max(1, round(n / k))
+
+    def every(n: Optional[int]) -> Optional[int]:  # rounded up: no extra evaluation just before the final one
+        return None if n is None else max(1, math.ceil(n / k - 1e-9))
+
+    t = base.train
+    return {"optim.lr": float(f"{base.optim.lr * k ** LR_EXPONENT[rule]:.4g}"), "train.max_steps": steps(t.max_steps),
+            "train.eval_every": every(t.eval_every), "train.checkpoint_every": every(t.checkpoint_every)}
+
+
 def _budget_methods() -> tuple[str, ...]:
     return ("optimal", "quantile", "kmeans", "packed")
+
+
+def budget_ladder(base_budget: int, max_factor: int) -> list[int]:
+    """The token budgets the token-budget lever and ``optimize-grid`` choose from: ``base_budget`` (the config's
+    ``batch_size × max_len``) times powers of two, from an eighth up to ``max_factor`` times (tokens per step)."""
+    out, v = [], max(1, base_budget // 8)
+    while v <= base_budget * max_factor:
+        out.append(v)
+        v *= 2
+    return out
 
 
 def _token_budget(ctx: LeverContext, ev: Evidence) -> Proposal:
     b, max_len = ctx.cfg.batching, ctx.cfg.data.max_len
     if b.method not in _budget_methods():
         return f"batching.method={b.method} takes a fixed batch size (a token budget needs buckets or packing)"
-    current = b.max_tokens
-    start = current or b.batch_size * max_len
+    now = ctx.batching_costs.get("current")
+    if b.max_tokens:
+        tokens_now = float(b.max_tokens)
+    elif now is not None and now.samples_per_step:
+        tokens_now = now.samples_per_step * now.tokens  # the fixed batch's padded tokens per step
+    else:
+        tokens_now = float(b.batch_size * max_len)
     per_step = (ev.launch_share or 0) + (ev.other_share or 0) + (ev.optimizer_share or 0)
     head = None
     if ev.peak_memory_bytes and ev.memory_total_bytes:
         head = 1 - ev.peak_memory_bytes / ev.memory_total_bytes
-    limit = (ctx.base_budget or start) * ctx.cfg.optimize.max_budget_factor
-    value = start if current is None else current * 2
-    if value > limit:
-        return (f"batching.max_tokens={current} is already optimize.max_budget_factor="
-                f"{ctx.cfg.optimize.max_budget_factor}x the first budget")
-    words = (f"per-step overhead (launch-bound, optimizer, other) {_pct(per_step)} of the step"
-             + (f"; {100 * head:.0f}% of device memory free" if head is not None else ""))
-    gain = amdahl(per_step, 2.0) if current else amdahl(per_step, 1.5)
-    return [Candidate("token_budget", str(value), {"batching.max_tokens": int(value)}, gain, words, TRAINING)]
+    base = ctx.base_budget or b.batch_size * max_len
+    factor = ctx.cfg.optimize.max_budget_factor
+    bigger = [v for v in budget_ladder(base, factor) if v >= 1.5 * tokens_now]
+    if not bigger:
+        return (f"batching.max_tokens={b.max_tokens or round(tokens_now)} tokens per step: the next budget would pass "
+                f"optimize.max_budget_factor={factor}x the config's {base}")
+    out = []
+    for value in bigger[:2]:  # the next two rungs: a budget that learns worse may have a smaller one that does not
+        k = value / tokens_now
+        words = (f"per-step overhead (launch-bound, optimizer, other) {_pct(per_step)} of the step, spread over "
+                 f"{k:.1f}x the tokens per step ({tokens_now:.0f} -> {value})"
+                 + (f"; {100 * head:.0f}% of device memory free" if head is not None else ""))
+        # the overhead is paid once per step: per sample it shrinks by k (Amdahl on the per-step share)
+        out.append(Candidate("token_budget", str(value), {"batching.max_tokens": int(value)}, amdahl(per_step, k),
+                             words, TRAINING))
+    return out
 
 
 def _fast_dropout(ctx: LeverContext, ev: Evidence) -> Proposal:
@@ -291,9 +347,10 @@ CATALOGUE: tuple[Lever, ...] = (
     Lever("batching", "batching.method (dynamic padding, fitted buckets, packing) and its attention path",
           "packing where the model runs packed rows", "attention share, with each method's tokens and attention "
           "scores per sample on this data (padding share alone without them)", SAMPLE_ORDER, _batching),
-    Lever("token_budget", "batching.max_tokens: tokens per step, doubled up to optimize.max_budget_factor while "
-          "memory fits", "bucketed or packed batching", "per-step overhead share, memory headroom", TRAINING,
-          _token_budget),
+    Lever("token_budget", "batching.max_tokens: tokens per step, the next power-of-two multiple of the config's "
+          "batch_size x max_len at least 1.5x the current tokens per step, up to optimize.max_budget_factor while "
+          "memory fits; the schedule kept in samples (optimize.lr_scaling)", "bucketed or packed batching",
+          "per-step overhead share, memory headroom", TRAINING, _token_budget),
     Lever("fast_dropout", "model.fast_dropout: dropout masks drawn as float32 uniforms", "models with nn.Dropout",
           "dropout-mask op share", RNG, _fast_dropout),
     Lever("fused_adamw", "optim.fused: AdamW's fused kernel", "CUDA; CPU from torch 2.4", "optimizer share",

@@ -13,7 +13,8 @@ from train.config import RunConfig, dump_config
 from train.errors import atomic_path, atomic_write_text
 
 
-def _r(d: Optional[dict]) -> str:
+def format_ratio(d: Optional[dict]) -> str:
+    """A ratio dict as ``1.234x [1.100, 1.400]`` (``—`` when not measured, ``(one round)`` without an interval)."""
     if not d or d.get("median") is None:
         return "—"
     if d.get("low") is None:
@@ -45,12 +46,17 @@ def render_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
                      f"{_pct(p['memory_share'])} | {_pct(p['launch_share'])} | {_pct(p['data_wait_share'])} | "
                      f"{_pct(p['optimizer_share'])} | {_pct(p['dropout_mask_share'])} | "
                      f"{_pct(p.get('attention_share'))} | {p['top_op']} |")
-    lines += ["", "## Decisions, in order", "",
-              "| # | lever | evidence (profile) | predicted | measured (interval) | may change | decision | why |",
+    metric = next((d["ratio"].get("metric") for d in res["decisions"] if d.get("ratio")), None)
+    lines += ["", "## Decisions, in order", ""]
+    if metric == "real_tokens":
+        lines += ["Measured ratios are of real tokens per second (every configuration trains the same samples; "
+                  "docs/optimize.md says why not samples per window); quality verdicts after the same samples.", ""]
+    lines += ["| # | lever | evidence (profile) | predicted | measured (interval) | may change | decision | why |",
               "|---|---|---|---|---|---|---|---|"]
     for i, d in enumerate(res["decisions"], 1):
         lines.append(f"| {i} | {d['lever']}={d['value']} | {d['evidence']} (#{d['profile']}) | {d['predicted']:.2f}x | "
-                     f"{_r(d['ratio'])} | {d['may_change']} | {'**accepted**' if d['accepted'] else 'rejected'} | "
+                     f"{format_ratio(d['ratio'])} | {d['may_change']} | "
+                     f"{'**accepted**' if d['accepted'] else 'rejected'} | "
                      f"{d['reason']} |")
     if res["not_tried"]:
         lines += ["", "## Not tried", ""] + [f"- {n['lever']}={n['value']} (predicted {n['predicted']:.2f}x): "
@@ -64,11 +70,11 @@ def render_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
         lines.append("No lever was accepted: the baseline is the best configuration found.")
     else:
         lines += ["| step | ratio | cumulative (product of intervals) |", "|---|---|---|", "| baseline | 1 | 1 |"]
-        lines += [f"| + {s['lever']} | {_r({'median': s['ratio'], 'low': s['low'], 'high': s['high']})} | "
+        lines += [f"| + {s['lever']} | {format_ratio({'median': s['ratio'], 'low': s['low'], 'high': s['high']})} | "
                   f"{s['cumulative']:.3f}x [{s['cumulative_low']:.3f}, {s['cumulative_high']:.3f}] |"
                   for s in w["steps"]]
         conf = res.get("confirmation") or {}
-        lines.append(f"| **confirmed: optimized vs baseline, interleaved** | {_r(conf.get('ratio'))} | "
+        lines.append(f"| **confirmed: optimized vs baseline, interleaved** | {format_ratio(conf.get('ratio'))} | "
                      + ("adds up (within the product)" if w["adds_up"] else
                         "does not add up: the levers interact" if w["adds_up"] is False else
                         conf.get("unavailable_reason", "not measured")) + " |")

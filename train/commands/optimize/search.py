@@ -24,8 +24,9 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from train.commands.optimize.judging import amortise, quality_verdict, throughput_metric
 from train.commands.optimize.levers import EXACT, Candidate, Evidence, Lever, LeverContext
-from train.perf.ab import ABResult, Arm, Ratio, interleave
+from train.perf.ab import ABResult, Arm, interleave
 
 NO_GAIN = 1.005
 """Candidates whose predicted speedup is below this are not measured: the profile shows nothing for them to gain."""
@@ -48,6 +49,10 @@ class Backend(Protocol):
     def context(self, settings: dict[str, Any]) -> LeverContext: ...
     def profile(self, settings: dict[str, Any], index: int) -> Evidence: ...
     def arm(self, name: str, settings: dict[str, Any]) -> ArmHandle: ...
+    def schedule(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The step-counted settings and learning rate ``settings`` need to train on the config's schedule in samples
+        (``optimize.lr_scaling``); {} when they already do."""
+        ...
 
 
 class ArmTimeout(Exception):
@@ -124,6 +129,11 @@ class SearchSettings:
     """An undecided A/B (median at or above ``min_gain``, lower bound below it) gets ``rounds`` more rounds, at most
     this many times, while the candidate's time stays within a third of ``arm_timeout_s`` and the budget allows."""
 
+    def quality_samples_seen(self) -> int:
+        """The training samples every quality verdict is taken after, in the search and in ``optimize-grid``: the
+        warm-up window and ``rounds`` timed windows of ``window_samples`` (± one batch per window)."""
+        return (1 + self.rounds) * self.window_samples
+
     @classmethod
     def from_config(cls, o: Any) -> "SearchSettings":
         return cls(o.budget_s, o.rounds, o.window_samples, o.min_gain, o.quality_tolerance, o.arm_timeout_s,
@@ -171,48 +181,15 @@ class SearchResult:
                 "confirmation": self.confirmation, "waterfall": self.waterfall()}
 
 
-def amortise(ratio: Ratio, warmup_s: float, planned_s: Optional[float]) -> dict[str, Any]:
-    """A steady-state ratio with a one-off cost ``warmup_s`` paid once over a run that takes ``planned_s`` at the
-    current best's speed: ``planned_s / (planned_s / r + warmup_s)`` for the median and each interval bound (the map is
-    increasing in ``r``). ``planned_s`` None or 0: the steady ratio."""
-    d = ratio.as_dict()
-    if not warmup_s or not planned_s:
-        return d
-
-    def f(r: Optional[float]) -> Optional[float]:
-        return None if r is None or r <= 0 else planned_s / (planned_s / r + warmup_s)
-
-    d.update(median=f(d["median"]), low=f(d["low"]), high=f(d["high"]), amortised_over_s=planned_s,
-             warmup_s=warmup_s)
-    d["verdict"] = ("faster" if d["low"] and d["low"] > 1 else
-                    "slower" if d["high"] and d["high"] < 1 else "no measurable difference")
-    return d
-
-
-def quality_verdict(best: dict[str, Any], cand: dict[str, Any], tolerance: float) -> tuple[bool, str]:
-    """(passes, why): no non-finite step, a finite held-out loss, and that loss ≤ the best's × (1 + ``tolerance``)."""
-    if cand.get("nonfinite_steps"):
-        return False, f"{cand['nonfinite_steps']} non-finite step(s) (skipped by the numerics guard)"
-    loss, ref = cand.get("loss"), best.get("loss")
-    if loss is None or not math.isfinite(loss):
-        return False, f"held-out loss is {loss}"
-    if ref is None or not math.isfinite(ref):
-        return True, f"held-out loss {loss:.4f} (the current best's is {ref}: no comparison)"
-    limit = ref * (1 + tolerance)
-    if loss > limit:
-        return False, (f"held-out loss {loss:.4f} > {limit:.4f} (the current best's {ref:.4f} + "
-                       f"{100 * tolerance:g}%) after the same samples")
-    return True, f"held-out loss {loss:.4f} vs {ref:.4f} (tolerance +{100 * tolerance:g}%)"
-
-
 def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, rounds: int,
                  names: tuple[str, str] = ("best", "candidate"),
                  extend: Callable[[ABResult], bool] = lambda _r: False) -> tuple[ABResult, float, dict, dict]:
-    """Build both arms, warm them to the same samples seen, interleave ``rounds`` windows of ``window_samples`` —
-    and ``rounds`` more, up to ``s.max_extensions`` times, while ``extend(result so far)`` says the interval is
-    still undecided — then read both quality figures (both arms have seen the same samples). Returns (ABResult, the
-    candidate's one-off warm-up s, best quality, candidate quality). Exceptions propagate (the caller records them);
-    both arms are closed either way."""
+    """Build both arms, warm them to the same samples seen, interleave ``rounds`` windows of ``window_samples``, read
+    both quality figures — both arms have then seen :meth:`SearchSettings.quality_samples_seen` samples when
+    ``rounds`` is ``s.rounds``, whatever else the A/B does — and interleave ``rounds`` more, up to ``s.max_extensions``
+    times, while ``extend(result so far)`` says the interval is still undecided. Returns (ABResult, the candidate's
+    one-off warm-up s, best quality, candidate quality). Exceptions propagate (the caller records them); both arms are
+    closed either way."""
     arms: list[ArmHandle] = []
     try:
         arms.append(backend.arm(names[0], best))
@@ -221,6 +198,7 @@ def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, ro
         warm = arms[1].warmup(s.window_samples)
         pair = [Arm(n, a.step) for n, a in zip(names, arms)]
         result = interleave(pair, rounds=rounds, warmup=0, window_samples=s.window_samples, device=backend.device)
+        q_best, q_cand = arms[0].quality(), arms[1].quality()
         for _ in range(s.max_extensions):
             if not extend(result):
                 break
@@ -229,7 +207,7 @@ def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, ro
                 result.arms[name].windows += [dataclasses.replace(w, round=w.round + result.rounds)
                                               for w in arm.windows]
             result = ABResult(result.arms, result.rounds + more.rounds, result.load_start, more.load_end)
-        return result, warm, arms[0].quality(), arms[1].quality()
+        return result, warm, q_best, q_cand
     finally:
         for a in arms:
             with contextlib.suppress(Exception):
@@ -248,7 +226,7 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
     cand = {**best, **c.overrides}
 
     def undecided(result: ABResult) -> bool:
-        r = result.ratio("candidate", "best")
+        r = result.ratio("candidate", "best", throughput_metric(result))
         spent = clock() - t0
         return (r.low is not None and r.median is not None and r.low < s.min_gain <= r.median
                 and spent < s.arm_timeout_s / 3 and 3 * spent < left_s)
@@ -260,7 +238,7 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         raise
     except Exception as exc:  # any failure of an arm is a rejected candidate, never a lost search
         return Decision(c, False, failure_reason(exc), seconds=clock() - t0)
-    steady = result.ratio("candidate", "best")
+    steady = result.ratio("candidate", "best", throughput_metric(result))
     ratio = amortise(steady, warm, planned_s) if c.warmup_s_estimate or warm > 1.0 else steady.as_dict()
     quality = {"best": q_best, "candidate": q_cand}
     d = Decision(c, False, "", ratio=ratio, steady_ratio=steady.as_dict(), quality=quality, warmup_s=warm or None,
@@ -285,6 +263,21 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
     d.accepted = True
     d.reason = f"{ratio['median']:.3f}x [{low:.3f}, {ratio['high']:.3f}] clears {s.min_gain:g}; {quality['verdict']}"
     return d
+
+
+def with_schedule(backend: Backend, ctx: LeverContext, best: dict[str, Any], c: Candidate) -> Candidate:
+    """``c`` with the schedule overrides its samples per step need (:meth:`Backend.schedule`), said in its evidence."""
+    extra = {k: v for k, v in backend.schedule({**best, **c.overrides}).items() if k not in c.overrides}
+    if not extra:
+        return c
+
+    def now(key: str) -> Any:
+        section, name = key.split(".")
+        return getattr(getattr(ctx.cfg, section, None), name, None)
+
+    words = ", ".join(f"{k} {now(k)} -> {v}" for k, v in extra.items())
+    return dataclasses.replace(c, overrides={**c.overrides, **extra},
+                               evidence=f"{c.evidence}; other samples per step, the schedule kept in samples: {words}")
 
 
 def propose(levers: tuple[Lever, ...], ctx: LeverContext, ev: Evidence) -> tuple[list[Candidate], dict[str, str]]:
@@ -323,6 +316,7 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
         while True:
             ctx = backend.context(res.best)
             cands, skipped = propose(levers, ctx, ev)
+            cands = [with_schedule(backend, ctx, res.best, c) for c in cands]
             res.not_applicable = skipped  # for the current best (an earlier reason may no longer hold)
             fresh = [c for c in cands if (c.key, _key(res.best)) not in tried
                      and any(k not in res.best or res.best[k] != v for k, v in c.overrides.items())  # not a no-op
@@ -390,7 +384,8 @@ def confirm(backend: Backend, baseline: dict, best: dict, s: SearchSettings,
     except Exception as exc:
         notice(f"optimize: the final confirmation failed: {failure_reason(exc)}")
         return {"ratio": None, "unavailable_reason": failure_reason(exc)}
-    ratio = result.ratio("optimized", "baseline")
+    metric = throughput_metric(result)
+    ratio = result.ratio("optimized", "baseline", metric)
     notice(f"optimize: optimized vs baseline, interleaved: {ratio.describe()}")
-    return {"ratio": ratio.as_dict(), "ab": result.as_dict(), "quality": {"baseline": q_base, "optimized": q_best},
-            "optimized_warmup_s": warm or None}
+    return {"ratio": ratio.as_dict(), "ab": result.as_dict(metric),
+            "quality": {"baseline": q_base, "optimized": q_best}, "optimized_warmup_s": warm or None}
