@@ -424,21 +424,32 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
              "harmful": (900.0, 900.0), "baseline": (50.0, 50.0)}
     losses = {"harmful": 9.0, "slow": 2.05}
 
+    windows: dict[str, float] = {}  # per configuration, across its handles: the lucky one is fast only at first
+    built: list[str] = []
+    alive: set[int] = set()
+
     class Handle:
         def __init__(self, name: str) -> None:
             self.name, (self.fast, self.slow) = name, rates[name]
             self.windows = 0.0
+            built.append(name)
+            alive.add(id(self))
+            self.alive_when_built = len(alive)
 
         def warmup(self, samples: int) -> float:
             return 0.0
 
         def step(self) -> dict:
             self.windows += 1 / 4  # a window of 32 samples is 4 steps of 8
-            rate = self.fast if self.windows <= 3 else self.slow  # the lucky arm: fast for the screening's 3 windows
+            windows[self.name] = windows.get(self.name, 0.0) + 1 / 4
+            rate = self.fast if windows[self.name] <= 3 else self.slow  # lucky: fast for the screening's 3 windows
             return {"samples": 8, "seconds": 8 / rate}
 
         def quality(self) -> dict:
             return {"loss": losses.get(self.name, 2.0), "nonfinite_steps": 0, "samples_seen": 32 * (1 + self.windows)}
+
+        def close(self) -> None:
+            alive.discard(id(self))
 
     class Backend:
         def __init__(self, *_a, **_k) -> None:
@@ -451,7 +462,11 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
             return {}
 
         def arm(self, name: str, point: dict) -> Handle:
-            return Handle(name if name in ("optimized", "baseline") else point["label"])
+            h = Handle(name if name in ("optimized", "baseline") else point["label"])
+            handles.append(h)
+            return h
+
+    handles: list[Handle] = []
 
     points = [{"train.precision": "fp32", "batching.method": m, "batching.max_tokens": None,
                "model.fast_dropout": "false", "optim.fused": False, "data.num_workers": 0, "label": label}
@@ -478,6 +493,10 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     assert g["final"]["paired_with_optimized"]
     assert all(r["vs_optimized"]["b"] == "optimized" for r in g["final"]["rows"])
     assert not any(r["name"].startswith("fp32/packed/") for r in g["final"]["rows"])
+    # the final's arms are fresh, two alive at a time (the screening's 6 closed first), and closed after
+    final_handles = handles[6:]
+    assert [h.name for h in final_handles] == ["optimized", "lucky", "optimized", "steady"]
+    assert [h.alive_when_built for h in final_handles] == [1, 2, 1, 2] and not alive
     o = g["optimized"]
     assert o["vs_best"]["median"] == pytest.approx(147 / 150) and o["share_verdict"] == "reached"
     assert o["search_seconds"] == 3.0 and o["search_share_of_grid_time"] == pytest.approx(3.0 / g["seconds"])

@@ -8,7 +8,9 @@ final: successive halving, as in Jamieson & Talwalkar 2016, so the best is picke
 enough paired rounds rather than from 3 windows among a hundred arms) — with ``--optimized``, each finalist against
 the search's result alone, two arms interleaved as in the search's A/Bs (measured: with five arms interleaved,
 packed rows of 4096 tokens read 1.20x the search's result; alone against it 0.92x [0.75, 0.99], and 0.98x in whole
-``make train`` runs).
+``make train`` runs). The final's arms are built afresh after the screening's are closed, so that no pair is timed
+beside a hundred live models (measured: paired with the search's result in the screening's process, with every
+screening arm alive, the same packed arm read 1.25x [1.22, 1.28]).
 Every combination then passes the search's quality guard or is no finalist (:func:`quality_guard`): each arm trains
 untimed up to the samples the search takes its verdicts after (``(1 + optimize.rounds) × optimize.window_samples``),
 and its held-out loss must lie within ``optimize.quality_tolerance`` of its reference's — the config as given (one
@@ -27,6 +29,7 @@ are left out and listed.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import time
@@ -178,14 +181,30 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         ranked = sorted((n for n in named if n not in ("optimized", "baseline")), key=lambda n: -(medians[n] or 0))
         learn_as_well = [n for n in ranked if guard[n]["passes"]]
         finalists = (learn_as_well or ranked)[:o.grid_finalists]
+        for h in handles.values():  # the final's arms are built afresh, with nothing else alive (module docstring)
+            h.close()
+        handles.clear()
+        arms.clear()
+        gc.collect()
+
+        def measure(group: list[str]) -> Any:
+            fresh = {n: backend.arm(n, named[n]) for n in group}
+            try:
+                for h in fresh.values():
+                    h.warmup(o.window_samples)
+                return interleave([Arm(n, h.step) for n, h in fresh.items()], rounds=o.confirm_rounds,
+                                  window_samples=o.window_samples, warmup=0, device=start.device,
+                                  on_round=lambda _r: bar.update(len(group)))
+            finally:
+                for h in fresh.values():
+                    h.close()
+                gc.collect()
+
         if extra is None:  # the finalists against each other
-            final = interleave([arms[n] for n in finalists], rounds=o.confirm_rounds, window_samples=o.window_samples,
-                               warmup=0, device=start.device, on_round=lambda _r: bar.update(len(finalists)))
+            final = measure(finalists)
             pairs = {n: final for n in finalists}
-        else:  # the search's result against each finalist, two arms at a time: the search's own A/B
-            pairs = {n: interleave([arms["optimized"], arms[n]], rounds=o.confirm_rounds,
-                                   window_samples=o.window_samples, warmup=0, device=start.device,
-                                   on_round=lambda _r: bar.update(2)) for n in finalists}
+        else:  # the search's result against each finalist, two fresh arms at a time: the search's own A/B
+            pairs = {n: measure(["optimized", n]) for n in finalists}
             final = pairs[finalists[0]]
     seconds = time.perf_counter() - t0
     final_medians = {n: rate(pairs[n], n) for n in finalists}
