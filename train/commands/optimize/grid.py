@@ -11,9 +11,9 @@ packed rows of 4096 tokens read 1.20x the search's result; alone against it 0.92
 ``make train`` runs). The final's arms are built afresh after the screening's are closed, as the search's A/Bs
 build theirs. That does not make the final agree with whole runs: in the screening's process, with every
 screening arm alive, packed rows of 4096 tokens read 1.25x [1.22, 1.28] the search's result; on fresh arms after
-the screening's were closed, 1.41x [1.38, 1.46], with the search's result at 276 samples/s against 506 in a whole
-``make train`` run (the suspect: the process's heap after a hundred arms slows the arm of many batch shapes more
-than the one-shape packed arm; a fresh process for the final is the fix, not built).
+the screening's were closed, 1.41x [1.38, 1.46]; in whole ``make train`` runs of the two, 0.89x (the suspect:
+the process's heap after a hundred arms slows the arm of many batch shapes more than the one-shape packed arm; a
+fresh process for the final is the fix, not built).
 Every combination then passes the search's quality guard or is no finalist (:func:`quality_guard`): each arm trains
 untimed up to the samples the search takes its verdicts after (``(1 + optimize.rounds) × optimize.window_samples``),
 and its held-out loss must lie within ``optimize.quality_tolerance`` of its reference's — the config as given (one
