@@ -99,6 +99,11 @@ class RunConfig(Frozen):
         super().freeze()
         return self
 
+    def value(self, key: str) -> Any:
+        """The value of ``"section.key"`` (the form :meth:`with_values` takes). Raises AttributeError: unknown key."""
+        section, _, name = key.partition(".")
+        return getattr(getattr(self, section), name)
+
     def with_values(self, changes: dict[str, Any], where: str = "resolved config") -> "RunConfig":
         """A new config: this one with ``{"section.key": value}`` applied, validated like a config file (a frozen
         config gives a frozen one). How a decision (``auto`` resolved, a drawn run id) changes a run's config.

@@ -185,7 +185,7 @@ class RunBackend:
         want = schedule_in_samples(self.base, sps / base_sps if base_sps and sps else 1.0,
                                    self.base.optimize.lr_scaling)
         return {k: v for k, v in want.items()
-                if k in SCHEDULE_KEYS and getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) != v}
+                if k in SCHEDULE_KEYS and cfg.value(k) != v}
 
     def profile(self, settings: dict[str, Any], index: int) -> Evidence:
         """A short torch.profiler window on ``settings`` (2 untimed steps, then ``optimize.profile_steps`` captured)

@@ -119,7 +119,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     from train.commands.optimize.search import SearchSettings
     from train.compat import fused_adamw_supported
     from train.data import prepare_data
-    from train.perf.ab import Arm, interleave
+    from train.perf.ab import Arm, ArmResult, interleave
     from train.precision import cpu_native_bf16
     from train.setup import start_run
     from train.tools.env import device_name, machine_facts
@@ -140,7 +140,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         keys = ("train.precision", "batching.method", "batching.pad_to", "batching.max_tokens", "model.fast_dropout",
                 "optim.fused", "data.num_workers", "train.num_threads", "compile.enabled", "compile.mode",
                 *SCHEDULE_KEYS)
-        named["optimized"] = {k: getattr(getattr(extra, k.split(".")[0]), k.split(".")[1]) for k in keys}
+        named["optimized"] = {k: extra.value(k) for k in keys}
     t0 = time.perf_counter()
     o = start.cfg.optimize
     arms: dict[str, Arm] = {}
@@ -217,8 +217,9 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     else:
         vs = {n: pairs[n].ratio(n, "optimized", metric).as_dict() for n in finalists}
         best = max(finalists, key=lambda n: vs[n]["median"] or 0)  # the most faster than the search's result
-        rates_opt = [r for n in finalists for r in pairs[n].arms["optimized"].rates(metric)]
-        final_medians["optimized"] = float(sorted(rates_opt)[len(rates_opt) // 2]) / per_sample if rates_opt else None
+        pooled = ArmResult("optimized", [w for n in finalists for w in pairs[n].arms["optimized"].windows])
+        m = pooled.median(metric)  # over every pair's windows of the search's result
+        final_medians["optimized"] = None if m is None else m / per_sample
     rows = [{"name": n, "settings": named[n], "samples_per_s": medians[n],
              "vs_best": screen.ratio(n, best, metric).as_dict() if n != best else None, "quality": quality[n],
              "quality_guard": guard[n]} for n in ranked + ["baseline"]]

@@ -271,11 +271,7 @@ def with_schedule(backend: Backend, ctx: LeverContext, best: dict[str, Any], c: 
     if not extra:
         return c
 
-    def now(key: str) -> Any:
-        section, name = key.split(".")
-        return getattr(getattr(ctx.cfg, section, None), name, None)
-
-    words = ", ".join(f"{k} {now(k)} -> {v}" for k, v in extra.items())
+    words = ", ".join(f"{k} {ctx.cfg.value(k) if ctx.cfg is not None else None} -> {v}" for k, v in extra.items())
     return dataclasses.replace(c, overrides={**c.overrides, **extra},
                                evidence=f"{c.evidence}; other samples per step, the schedule kept in samples: {words}")
 
