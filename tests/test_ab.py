@@ -96,3 +96,22 @@ def test_synchronised_wall_time_when_an_arm_reports_none():
     res = interleave([Arm("sleep", lambda: (time.sleep(0.01), {"samples": 1})[1])], rounds=2, window=2, device=CPU)
     assert all(w.seconds >= 0.02 for w in res.arms["sleep"].windows)
     assert res.load_start is None or res.load_start >= 0
+
+
+def test_a_result_written_as_json_reads_back_with_the_same_ratios():
+    """What a child process measured (optimize-grid's final) comes back through JSON with every window and count."""
+    import json
+
+    from train.perf.ab import ABResult
+
+    fast = iter([{"samples": 8, "real_tokens": 80, "seconds": s} for s in (0.1, 0.2, 0.1, 0.3)])
+    slow = iter([{"samples": 8, "real_tokens": 90, "seconds": s} for s in (0.3, 0.2, 0.5, 0.4)])
+    res = interleave([Arm("a", lambda: next(fast)), Arm("b", lambda: next(slow))], rounds=4, window=1, warmup=0,
+                     device=torch.device("cpu"))
+    back = ABResult.from_dict(json.loads(json.dumps(res.as_dict())))
+    assert back.rounds == 4 and back.load_start == res.load_start
+    assert back.arms["b"].windows[2].counts == {"samples": 8.0, "real_tokens": 90.0}
+    for metric in ("samples", "real_tokens", "steps"):
+        assert back.ratio("a", "b", metric).as_dict() == res.ratio("a", "b", metric).as_dict()
+    with pytest.raises(KeyError):
+        ABResult.from_dict({"rounds": 1})

@@ -22,7 +22,7 @@ from train.commands.optimize.search import (
     search,
     time_limit,
 )
-from train.config import RunConfig
+from train.config import RunConfig, load_config
 from train.perf.ab import Ratio
 
 BASE_MS = 6.0
@@ -169,7 +169,6 @@ def test_interrupt_returns_the_partial_result_and_writes_a_valid_report(tmp_path
     saved = json.loads((tmp_path / "optimize.json").read_text())
     assert saved["status"] == "interrupted" and saved["decisions"][0]["accepted"]
     assert "fast=on" in (tmp_path / "optimize.md").read_text()
-    from train.config import load_config
 
     assert load_config(str(tmp_path / "optimized.yaml")).train.max_steps == 7
 
@@ -418,6 +417,7 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     the config as given) is no finalist however fast; the search's result is judged against the final's best."""
     import train.commands.optimize.backend as backend_mod
     from train.commands.optimize import grid as grid_mod
+    from train.commands.optimize import isolated as isolated_mod
     from train.config import dump_config
 
     rates = {"lucky": (400.0, 100.0), "steady": (150.0, 150.0), "slow": (90.0, 90.0), "optimized": (147.0, 147.0),
@@ -472,9 +472,28 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
                "model.fast_dropout": "false", "optim.fused": False, "data.num_workers": 0, "label": label}
               for m, label in (("pad-to-max", "slow"), ("optimal", "lucky"), ("hf-group-by-length", "steady"),
                                ("packed", "harmful"))]
+    fresh_calls: list[dict] = []
+
+    def in_a_fresh_process(config_path, arms, *, rounds, window_samples, warmup_samples, work_dir, timeout_s):
+        """Stands in for the child process: the fake backend's handles, built only for this A/B."""
+        from train.perf.ab import Arm, interleave
+
+        assert load_config(str(config_path)).train.run_id == "t"  # the grid's own resolved config
+        fresh_calls.append({"arms": list(arms), "rounds": rounds, "work_dir": work_dir})
+        if "slow" in [a.get("label") for a in arms.values()]:
+            raise isolated_mod.IsolatedFailure(f"{work_dir / 'child.log'}: exit code 1: it broke")
+        hs = {n: Backend().arm(n, s) for n, s in arms.items()}
+        try:
+            return interleave([Arm(n, h.step) for n, h in hs.items()], rounds=rounds, window_samples=window_samples,
+                              warmup=0, device=torch.device("cpu"))
+        finally:
+            for h in hs.values():
+                h.close()
+
     monkeypatch.setattr(backend_mod, "RunBackend", Backend)
     monkeypatch.setattr(grid_mod, "grid_points", lambda *a, **k: points)
-    cfg = tiny_cfg("optimize.window_samples=32", "optimize.grid_rounds=3", "optimize.grid_finalists=2",
+    monkeypatch.setattr(isolated_mod, "measure_in_fresh_process", in_a_fresh_process)
+    cfg = tiny_cfg("optimize.window_samples=32", "optimize.grid_rounds=3", "optimize.grid_finalists=3",
                    "optimize.confirm_rounds=4")
     opt_dir = tmp_path / "opt"
     opt_dir.mkdir()
@@ -497,6 +516,11 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     final_handles = handles[6:]
     assert [h.name for h in final_handles] == ["optimized", "lucky", "optimized", "steady"]
     assert [h.alive_when_built for h in final_handles] == [1, 2, 1, 2] and not alive
+    # ... each pair in its own (fake) fresh process and work directory; a pair whose process fails is not measured
+    assert [c["arms"][0] for c in fresh_calls] == ["optimized"] * 3 and all(c["rounds"] == 4 for c in fresh_calls)
+    assert len({c["work_dir"] for c in fresh_calls}) == 3
+    slow = next(n for n in screening if n.startswith("fp32/pad-to-max/"))
+    assert list(g["final"]["failed"]) == [slow] and "it broke" in g["final"]["failed"][slow]
     o = g["optimized"]
     assert o["vs_best"]["median"] == pytest.approx(147 / 150) and o["share_verdict"] == "reached"
     assert o["search_seconds"] == 3.0 and o["search_share_of_grid_time"] == pytest.approx(3.0 / g["seconds"])
@@ -504,6 +528,7 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     md = (tmp_path / "runs" / "t" / "optimize-grid" / "grid.md").read_text()
     assert "**reached**" in md and "## Final: the search's result against each of 2 finalists, two arms" in md
     assert "**fails**: held-out loss 9.0000" in md and "1 combination(s) learn worse" in md
+    assert f"- {slow}: not measured (" in md and "Each A/B of the final ran in a new process" in md
 
 
 def test_arms_are_compared_by_real_tokens_per_second_where_they_count_them():

@@ -179,6 +179,19 @@ class ABResult:
                              "windows": [{"round": w.round, "seconds": w.seconds, "steps": w.steps, **w.counts}
                                          for w in r.windows]} for n, r in self.arms.items()}}
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ABResult":
+        """The result :meth:`as_dict` wrote (windows' counts and times; a window's ``extra`` is not kept).
+
+        Raises:
+            KeyError, TypeError, ValueError: ``d`` is not what :meth:`as_dict` writes.
+        """
+        fixed = ("round", "seconds", "steps")
+        arms = {n: ArmResult(n, [Window(int(w["round"]), float(w["seconds"]), int(w["steps"]),
+                                        {k: float(v) for k, v in w.items() if k not in fixed})
+                                 for w in a["windows"]]) for n, a in d["arms"].items()}
+        return cls(arms, int(d["rounds"]), d.get("load_1min_start"), d.get("load_1min_end"))
+
 
 def load_1min() -> Optional[float]:
     """The 1-minute load average (None where the OS has none)."""

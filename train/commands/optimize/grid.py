@@ -8,12 +8,10 @@ final: successive halving, as in Jamieson & Talwalkar 2016, so the best is picke
 enough paired rounds rather than from 3 windows among a hundred arms) — with ``--optimized``, each finalist against
 the search's result alone, two arms interleaved as in the search's A/Bs (measured: with five arms interleaved,
 packed rows of 4096 tokens read 1.20x the search's result; alone against it 0.92x [0.75, 0.99], and 0.98x in whole
-``make train`` runs). The final's arms are built afresh after the screening's are closed, as the search's A/Bs
-build theirs. That does not make the final agree with whole runs: in the screening's process, with every
-screening arm alive, packed rows of 4096 tokens read 1.25x [1.22, 1.28] the search's result; on fresh arms after
-the screening's were closed, 1.41x [1.38, 1.46]; in whole ``make train`` runs of the two, 0.89x (the suspect:
-the process's heap after a hundred arms slows the arm of many batch shapes more than the one-shape packed arm; a
-fresh process for the final is the fix, not built).
+``make train`` runs). Each of the final's A/Bs runs in a new process (:mod:`~train.commands.optimize.isolated`):
+arms timed in the screening's process, even built afresh after its hundred arms were closed, did not run at their
+own speed (the search's result at 276 samples/s there, 394.7 in a whole run right after; packed rows of 4096
+tokens 1.41x [1.38, 1.46] it there, 0.89x in whole runs).
 Every combination then passes the search's quality guard or is no finalist (:func:`quality_guard`): each arm trains
 untimed up to the samples the search takes its verdicts after (``(1 + optimize.rounds) × optimize.window_samples``),
 and its held-out loss must lie within ``optimize.quality_tolerance`` of its reference's — the config as given (one
@@ -112,7 +110,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     """
     import torch
 
-    from train.commands.optimize import baseline_settings
+    from train.commands.optimize import baseline_settings, isolated
     from train.commands.optimize.backend import RunBackend
     from train.commands.optimize.judging import throughput_metric
     from train.commands.optimize.levers import SCHEDULE_KEYS
@@ -145,7 +143,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     o = start.cfg.optimize
     arms: dict[str, Arm] = {}
     handles: dict[str, Any] = {}
-    n_final = min(o.grid_finalists, len(points)) + (extra is not None)
+    n_final = min(o.grid_finalists, len(points)) * (2 if extra is not None else 1)  # arms timed in the final
     total = len(named) * (2 + o.grid_rounds) + n_final * o.confirm_rounds
     seen = dict.fromkeys(named, o.window_samples)  # each arm's training samples (the warm-up: at least a window)
 
@@ -184,31 +182,36 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         ranked = sorted((n for n in named if n not in ("optimized", "baseline")), key=lambda n: -(medians[n] or 0))
         learn_as_well = [n for n in ranked if guard[n]["passes"]]
         finalists = (learn_as_well or ranked)[:o.grid_finalists]
-        for h in handles.values():  # the final's arms are built afresh, with nothing else alive (module docstring)
+        for h in handles.values():  # nothing of the screening stays alive while the final runs
             h.close()
         handles.clear()
         arms.clear()
         gc.collect()
+        failed: dict[str, str] = {}
 
-        def measure(group: list[str]) -> Any:
-            fresh = {n: backend.arm(n, named[n]) for n in group}
+        def measure(group: list[str], index: int) -> Optional[Any]:
+            """The final's A/B of ``group`` in a new process (isolated.py: this one holds the screening's heap)."""
             try:
-                for h in fresh.values():
-                    h.warmup(o.window_samples)
-                return interleave([Arm(n, h.step) for n, h in fresh.items()], rounds=o.confirm_rounds,
-                                  window_samples=o.window_samples, warmup=0, device=start.device,
-                                  on_round=lambda _r: bar.update(len(group)))
+                return isolated.measure_in_fresh_process(
+                    start.run_dir / "config.yaml", {n: named[n] for n in group}, rounds=o.confirm_rounds,
+                    window_samples=o.window_samples, warmup_samples=o.window_samples,
+                    work_dir=out_dir / "final" / str(index), timeout_s=o.arm_timeout_s)
+            except isolated.IsolatedFailure as e:
+                failed.update({n: str(e) for n in group if n != "optimized"})
+                notice(f"optimize-grid: the final of {', '.join(group)} failed: {e}")
+                return None
             finally:
-                for h in fresh.values():
-                    h.close()
-                gc.collect()
+                bar.update(len(group) * o.confirm_rounds)
 
         if extra is None:  # the finalists against each other
-            final = measure(finalists)
-            pairs = {n: final for n in finalists}
-        else:  # the search's result against each finalist, two fresh arms at a time: the search's own A/B
-            pairs = {n: measure(["optimized", n]) for n in finalists}
-            final = pairs[finalists[0]]
+            final = measure(finalists, 0)
+            pairs = {n: final for n in finalists} if final is not None else {}
+        else:  # the search's result against each finalist, two arms at a time: the search's own A/B
+            pairs = {n: r for i, n in enumerate(finalists) if (r := measure(["optimized", n], i)) is not None}
+        finalists = [n for n in finalists if n in pairs]
+        if not finalists:
+            raise UserError(f"optimize-grid: no finalist could be measured: {next(iter(failed.values()))}")
+        final = pairs[finalists[0]]
     seconds = time.perf_counter() - t0
     final_medians = {n: rate(pairs[n], n) for n in finalists}
     if extra is None:
@@ -235,7 +238,8 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         "screening": {"rounds": o.grid_rounds, "seconds": screen_s, "rows": rows,
                       "load_1min": [screen.load_start, screen.load_end]},
         "final": {"rounds": o.confirm_rounds, "seconds": seconds - screen_s, "rows": final_rows,
-                  "paired_with_optimized": extra is not None, "load_1min": [final.load_start, final.load_end]},
+                  "paired_with_optimized": extra is not None, "load_1min": [final.load_start, final.load_end],
+                  "process": "fresh: one new process per A/B (isolated.py)", "failed": failed},
         "window_samples": o.window_samples, "metric": metric, "real_tokens_per_sample": per_sample,
         "left_out": LEFT_OUT,
         "device": device_name(start.device), "load_1min": [screen.load_start, final.load_end],
@@ -306,6 +310,8 @@ def render(g: dict[str, Any]) -> str:
                   "", "| combination | samples/s | vs best [95% interval] |", "|---|---|---|"]
         lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | "
                   + ("best" if row["vs_best"] is None else _ratio(row["vs_best"])) + " |" for row in st["rows"]]
+    lines += [f"- {n}: not measured ({why})" for n, why in st.get("failed", {}).items()]
+    lines += ["", "Each A/B of the final ran in a new process (the screening's holds a hundred arms' heap)."]
     st = g["screening"]
     lines += ["", f"## Screening: {len(st['rows'])} combinations, {st['rounds']} interleaved rounds, "
                   f"{st['seconds']:.0f} s", "",
