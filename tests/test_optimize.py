@@ -59,6 +59,7 @@ class FakeArm:
 
     def quality(self) -> dict[str, Any]:
         loss = 1.0 * (3.0 if self.s.get("fake.harmful") else 1.0)
+        loss *= 1.5 if self.seen < self.s.get("fake.learns_late", 0) else 1.0  # fewer steps: behind early on
         return {"loss": loss, "nonfinite_steps": 5 if self.s.get("fake.nan") else 0, "samples_seen": self.seen}
 
     def close(self) -> None:
@@ -379,8 +380,9 @@ def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
         calls.append(result.rounds)
         return True
 
-    result, _warm, qa, qb = measure_pair(FakeBackend(), {}, {"fake.speed": 1.5}, settings(rounds=3), 3,
-                                         extend=extend)
+    m = measure_pair(FakeBackend(), {}, {"fake.speed": 1.5}, settings(rounds=3), 3, extend=extend)
+    result, qa, qb = m.result, m.quality_best, m.quality_candidate
+    assert m.horizon is None
     assert calls == [3, 6] and result.rounds == 9  # max_extensions=2: two extensions of 3 rounds
     rounds = [w.round for w in result.arms["candidate"].windows]
     assert rounds == list(range(9))
@@ -404,11 +406,48 @@ def test_the_grid_holds_a_token_budget_to_the_same_combination_at_the_batch_size
     q = {"baseline": {"loss": 3.2}, twin: {"loss": 2.65}, big: {"loss": 3.1}}
     g = quality_guard(named, q, 0.05)
     assert g[twin]["passes"] and g["baseline"]["passes"] and not g[big]["passes"]
-    assert f"({twin} (the batch size it grows from)'s 2.6500 + 5%)" in g[big]["why"]
+    assert f"({twin} (the combination it grows from)'s 2.6500 + 5%)" in g[big]["why"]
     g = quality_guard(named, {**q, big: {"loss": 2.7}}, 0.05)
     assert g[big]["passes"]
     g = quality_guard(named, {**q, twin: {"loss": 3.5}, big: {"loss": 3.5}}, 0.05)  # the twin itself learns worse
-    assert not g[big]["passes"] and g[big]["why"].startswith(f"at its batch size ({twin}): held-out loss 3.5000")
+    assert not g[big]["passes"]
+    assert g[big]["why"].startswith(f"grown from {twin}, which learns worse: held-out loss 3.5")
+
+
+def test_the_grid_judges_other_steps_per_sample_late_in_the_run_against_the_combination_they_grow_from():
+    """Packed rows and token budgets take other samples per optimizer step (their schedule's train.max_steps): judged
+    as the search judges them, after the planned run's horizon, both the arm and its twin trained on — on demand,
+    only for the arms asked about; an arm on the config's steps is judged early against the config as given."""
+    from train.commands.optimize.grid import name_of, quality_guard, twin_of
+
+    def point(method, budget, steps=None):
+        return {"train.precision": "bf16", "batching.method": method, "batching.pad_to": "bound",
+                "batching.max_tokens": budget, "model.fast_dropout": "false", "optim.fused": False,
+                "data.num_workers": 0, **({"train.max_steps": steps} if steps else {})}
+
+    pts = [point("optimal", None), point("optimal", 4096, 150), point("packed", None, 300), point("packed", 4096, 140)]
+    named = {name_of(p): p for p in pts} | {"baseline": {}}
+    fitted, budget, packed, packed_budget = (name_of(p) for p in pts)
+    assert twin_of(named, budget) == fitted and twin_of(named, packed) == fitted
+    assert twin_of(named, packed_budget) == packed and twin_of(named, fitted) is None
+    early = {"baseline": {"loss": 3.0}, fitted: {"loss": 2.9}, budget: {"loss": 3.5}, packed: {"loss": 3.4},
+             packed_budget: {"loss": 3.6}}
+    late = {fitted: {"loss": 2.0, "samples_seen": 600}, budget: {"loss": 2.05, "samples_seen": 600},
+            packed: {"loss": 2.02, "samples_seen": 600}, packed_budget: {"loss": 2.5, "samples_seen": 600}}
+    asked: list[str] = []
+
+    def at_horizon(name):
+        asked.append(name)
+        return late[name]
+
+    g = quality_guard(named, early, 0.05, at_horizon, names=[budget], base_steps=600)
+    assert list(g) == [budget] and g[budget]["passes"] and sorted(asked) == sorted([fitted, budget])
+    assert "(at 600 samples: other steps per sample, judged late in the run)" in g[budget]["why"]
+    g = quality_guard(named, early, 0.05, at_horizon, base_steps=600)
+    assert g[fitted]["passes"] and "late" not in g[fitted]["why"]  # the config's steps: early, vs the config
+    assert g[packed]["passes"] and not g[packed_budget]["passes"]  # 2.5 > packed's 2.02 + 5%
+    g = quality_guard(named, early, 0.05, base_steps=600)  # no horizon: everything early
+    assert not g[budget]["passes"] and not g[packed]["passes"]
 
 
 def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monkeypatch, tiny_cfg, tmp_path):
@@ -460,6 +499,9 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
 
         def schedule(self, _settings):
             return {}
+
+        def planned_samples(self):
+            return 10_000  # every fake combination on the config's steps: judged early, nothing trained on
 
         def arm(self, name: str, point: dict) -> Handle:
             h = Handle(name if name in ("optimized", "baseline") else point["label"])
@@ -543,3 +585,39 @@ def test_arms_are_compared_by_real_tokens_per_second_where_they_count_them():
     assert d.ratio["metric"] == "real_tokens" and d.ratio["high"] < 1.0 and not d.accepted
     counted = ABResult({"a": ArmResult("a", [Window(0, 1.0, 1, {"samples": 8})])}, 1, None, None)
     assert throughput_metric(counted) == "samples"
+
+
+def test_a_lever_that_changes_the_steps_per_sample_is_judged_where_the_planned_run_ends():
+    """A token budget takes fewer, larger steps: behind early in training, as good by the run's end. Its quality
+    verdict is taken after optimize.horizon_fraction of the planned samples (both arms trained on, untimed); a lever
+    with the same steps per sample is judged early; without a planned length the early verdict stands, and says so."""
+    late = lever("budget", {"fake.speed": 2.0, "fake.learns_late": 200, "train.max_steps": 5}, 1.9)
+    backend = FakeBackend()
+    res = search(backend, (late,), {}, settings(horizon_samples=240), notice=lambda _m: None)
+    d = res.decisions[0]
+    assert d.accepted and d.quality["candidate"]["loss"] == 1.5  # behind after (1 + rounds) windows
+    h = d.quality["horizon"]
+    assert h["samples"] == 240 and h["candidate"]["loss"] == 1.0 and h["candidate"]["samples_seen"] >= 240
+    assert h["best"]["samples_seen"] >= 240 and "(at 240 samples: the planned run)" in d.reason
+    res = search(FakeBackend(), (late,), {}, settings(), notice=lambda _m: None)  # no planned run length
+    d = res.decisions[0]
+    assert not d.accepted and "horizon" not in d.quality
+    assert d.reason.startswith("quality guard: held-out loss 1.5000") and "(early: no planned run length" in d.reason
+    same_steps = lever("drop", {"fake.speed": 2.0, "fake.learns_late": 200}, 1.9)
+    res = search(FakeBackend(), (same_steps,), {}, settings(horizon_samples=240), notice=lambda _m: None)
+    assert not res.decisions[0].accepted and "horizon" not in res.decisions[0].quality
+    assert "early" not in res.decisions[0].reason  # judged at equal steps: no horizon to wait for
+
+
+def test_the_horizon_shrinks_to_what_fits_the_time_left():
+    from train.commands.optimize.search import horizon_target
+    from train.perf.ab import ABResult, ArmResult, Window
+
+    res = ABResult({"best": ArmResult("best", [Window(0, 1.0, 1, {"samples": 100})]),
+                    "candidate": ArmResult("candidate", [Window(0, 1.0, 1, {"samples": 50})])}, 1, None, None)
+    seen = {"best": 96, "candidate": 100}
+    assert horizon_target(res, seen, 150, 100.0, 24) == (150, "")
+    assert horizon_target(res, seen, 1000, 3.0, 24) == (200, "200 of the planned 1000 samples: what fit the time left")
+    assert horizon_target(res, seen, 1000, 0.5, 24)[0] is None  # 16 more samples: less than a window
+    assert horizon_target(res, seen, 90, 100.0, 24) == (None, "the arms have seen 100 samples, the horizon's 90")
+    assert horizon_target(res, seen, None, 100.0, 24)[0] is None

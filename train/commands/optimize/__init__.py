@@ -72,8 +72,8 @@ def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
             "load": facts.get("load_1min"), "notes": notes, "torch": torch.__version__,
             "optimized_yaml": str(out_dir / "optimized.yaml"), "levers": [lv.name for lv in levers],
             "min_gain": cfg.optimize.min_gain, "quality_tolerance": cfg.optimize.quality_tolerance,
-            "planned_steps": backend.planned_steps()}
-    settings = SearchSettings.from_config(cfg.optimize)
+            "planned_steps": backend.planned_steps(), "planned_samples": backend.planned_samples()}
+    settings = SearchSettings.from_config(cfg.optimize, backend.planned_samples())
     t0 = time.monotonic()
     bar = progress_bar(int(settings.budget_s), "optimize (s of budget)", cfg.train.progress)
 

@@ -144,6 +144,17 @@ class RunBackend:
     def planned_steps(self) -> Optional[int]:
         return self.base.train.max_steps
 
+    def planned_samples(self) -> Optional[int]:
+        """The training samples of the run the config plans: ``train.max_steps`` × its samples per optimizer step
+        (:class:`~train.data.layout_cost.LayoutCost`), or ``train.epochs`` × the training split; None when neither
+        says."""
+        t = self.base.train
+        if t.max_steps:
+            return int(t.max_steps * self._cost(self.base).samples_per_step)
+        if t.epochs:
+            return int(t.epochs * len(self.bundle.splits["train"]))
+        return None
+
     def context(self, settings: dict[str, Any]) -> LeverContext:
         cfg = self.cfg(settings)
         packing, drops = self._capabilities()

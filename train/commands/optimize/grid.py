@@ -69,28 +69,58 @@ def grid_points(base: RunConfig, native_bf16: bool, supports_packing: bool, fuse
     return out
 
 
-def quality_guard(named: dict[str, dict[str, Any]], quality: dict[str, dict], tolerance: float) -> dict[str, dict]:
-    """Each arm's quality verdict ``{passes, why}`` by the search's rule (:func:`~train.commands.optimize.search.
-    quality_verdict`, every arm after the same samples), against the reference the search would have held it to: a
-    combination with a token budget against the same combination at the config's batch size (the token-budget lever
-    is tried from there), which must itself pass; every other arm against the config as given (``baseline``)."""
+def twin_of(named: dict[str, dict[str, Any]], name: str) -> Optional[str]:
+    """The combination ``name`` is grown from, as the search would try it: with a token budget, the same at the
+    config's batch size; packed rows (no budget), the same in fitted buckets; None for any other (or a twin the grid
+    does not hold: the reference is then the config as given)."""
+    point = named[name]
+    if name == "baseline" or "train.precision" not in point:
+        return None
+    if point.get("batching.max_tokens") is not None:
+        twin = {**point, "batching.max_tokens": None}
+    elif point.get("batching.method") == "packed":
+        twin = {**point, "batching.method": "optimal", "batching.pad_to": "bound"}
+    else:
+        return None
+    n = name_of(twin)
+    return n if n in named and n != name else None
+
+
+def quality_guard(named: dict[str, dict[str, Any]], quality: dict[str, dict], tolerance: float,
+                  at_horizon: Optional[Callable[[str], dict]] = None, names: Optional[list[str]] = None,
+                  base_steps: Optional[int] = None) -> dict[str, dict]:
+    """Each arm's quality verdict ``{passes, why}`` by the search's rule (:func:`~train.commands.optimize.judging.
+    quality_verdict`, every arm after the same samples), against the reference the search would have held it to:
+    its :func:`twin_of` — which must itself pass — else the config as given (``baseline``). An arm whose optimizer
+    steps per sample differ from its reference's (``train.max_steps``, ``base_steps`` where unset) is judged, with
+    its reference, on ``at_horizon(name)`` — the quality after ``optimize.horizon_fraction`` of the planned run —
+    when given, as the search judges such a lever. ``names``: the arms to judge (default: every arm in ``quality``;
+    the references they need are judged too)."""
     from train.commands.optimize.judging import quality_verdict
 
-    def verdict(name: str) -> dict[str, Any]:
-        point = named[name]
-        twin = None
-        if name not in ("baseline", "optimized") and point.get("batching.max_tokens") is not None:
-            twin = name_of({**point, "batching.max_tokens": None})
-        if twin not in quality:
-            return dict(zip(("passes", "why"), quality_verdict(quality["baseline"], quality[name], tolerance,
-                                                                "the config as given")))
-        first = verdict(twin)
-        if not first["passes"]:
-            return {"passes": False, "why": f"at its batch size ({twin}): {first['why']}"}
-        return dict(zip(("passes", "why"), quality_verdict(quality[twin], quality[name], tolerance,
-                                                            f"{twin} (the batch size it grows from)")))
+    done: dict[str, dict[str, Any]] = {}
 
-    return {n: verdict(n) for n in quality}
+    def verdict(name: str) -> dict[str, Any]:
+        if name in done:
+            return done[name]
+        twin = twin_of(named, name)
+        ref, words = (twin, f"{twin} (the combination it grows from)") if twin else ("baseline",
+                                                                                      "the config as given")
+        if twin:
+            first = verdict(twin)
+            if not first["passes"]:
+                done[name] = {"passes": False, "why": f"grown from {twin}, which learns worse: {first['why']}"}
+                return done[name]
+        steps = [named[n].get("train.max_steps", base_steps) for n in (name, ref)]
+        late = at_horizon is not None and name != "baseline" and steps[0] != steps[1]
+        q_ref, q = (at_horizon(ref), at_horizon(name)) if late else (quality[ref], quality[name])
+        ok, why = quality_verdict(q_ref, q, tolerance, words)
+        if late:
+            why += f" (at {q.get('samples_seen')} samples: other steps per sample, judged late in the run)"
+        done[name] = {"passes": ok, "why": why}
+        return done[name]
+
+    return {n: verdict(n) for n in (names if names is not None else list(quality))}
 
 
 def name_of(point: dict[str, Any]) -> str:
@@ -169,7 +199,20 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
                 arms[name].step()
             quality[name] = h.quality()
             bar.update(1)
-        guard = quality_guard(named, quality, o.quality_tolerance)
+        horizon = SearchSettings.from_config(o, backend.planned_samples()).horizon_samples
+        late: dict[str, dict] = {}
+
+        def at_horizon(name: str) -> dict:  # trained on, untimed, to the search's horizon (on demand, once)
+            if name not in late:
+                while seen[name] < horizon:
+                    arms[name].step()
+                late[name] = handles[name].quality()
+            return late[name]
+
+        def judge(names: list[str]) -> dict[str, dict]:
+            return quality_guard(named, quality, o.quality_tolerance, at_horizon if horizon else None, names,
+                                 start.cfg.train.max_steps)
+
         screen_s = time.perf_counter() - t0
         metric = throughput_metric(screen)  # real tokens per second, reported as samples per second (÷ per sample)
         per_sample = backend.real_tokens_per_sample() if metric == "real_tokens" else 1.0
@@ -180,8 +223,19 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
 
         medians = {n: rate(screen, n) for n in named}
         ranked = sorted((n for n in named if n not in ("optimized", "baseline")), key=lambda n: -(medians[n] or 0))
-        learn_as_well = [n for n in ranked if guard[n]["passes"]]
+        t_guard = time.perf_counter()
+        guard = judge(["baseline"] + (["optimized"] if extra is not None else []))
+        learn_as_well: list[str] = []
+        for n in ranked:  # judged in the screening's order until enough learn as well (a late verdict trains on)
+            guard.update(judge([n]))
+            if guard[n]["passes"]:
+                learn_as_well.append(n)
+            if len(learn_as_well) == o.grid_finalists:
+                break
+        for n in ranked:
+            guard.setdefault(n, {"passes": None, "why": "not judged: below the finalists in the screening"})
         finalists = (learn_as_well or ranked)[:o.grid_finalists]
+        guard_s = time.perf_counter() - t_guard
         for h in handles.values():  # nothing of the screening stays alive while the final runs
             h.close()
         handles.clear()
@@ -234,10 +288,12 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         "fastest_of_the_screening": ranked[0], "quality_reference": {"settings": named["baseline"],
                                                                      **quality["baseline"]},
         "quality_tolerance": o.quality_tolerance, "quality_samples_seen": quality_after,
-        "rejected_by_quality_guard": [n for n in ranked if not guard[n]["passes"]],
+        "rejected_by_quality_guard": [n for n in ranked if guard[n]["passes"] is False],
+        "quality_horizon_samples": horizon, "judged_at_the_horizon": sorted(late),
         "screening": {"rounds": o.grid_rounds, "seconds": screen_s, "rows": rows,
                       "load_1min": [screen.load_start, screen.load_end]},
-        "final": {"rounds": o.confirm_rounds, "seconds": seconds - screen_s, "rows": final_rows,
+        "guard_seconds": guard_s,
+        "final": {"rounds": o.confirm_rounds, "seconds": seconds - screen_s - guard_s, "rows": final_rows,
                   "paired_with_optimized": extra is not None, "load_1min": [final.load_start, final.load_end],
                   "process": "fresh: one new process per A/B (isolated.py)", "failed": failed},
         "window_samples": o.window_samples, "metric": metric, "real_tokens_per_sample": per_sample,
@@ -291,10 +347,13 @@ def render(g: dict[str, Any]) -> str:
                   + (f"{opt['search_seconds']:.0f} s = {share:.0%} of this grid's {g['seconds']:.0f} s."
                      if share is not None else f"an unknown time ({opt['search_seconds_unavailable_reason']})."), ""]
     ref = g["quality_reference"]
-    lines += [f"Quality guard (as `make optimize`'s): every combination's held-out loss after "
-              f"{g.get('quality_samples_seen')} samples, against the config as given (`baseline`, "
-              f"{_loss(ref.get('loss'))}) or, with a token budget, the same combination at the config's batch size; "
-              f"+ {100 * g['quality_tolerance']:g}%; "
+    late = g.get("judged_at_the_horizon") or []
+    lines += [f"Quality guard (as `make optimize`'s), in the screening's order until {len(g['final']['rows'])} "
+              f"finalists learn as well: the held-out loss after {g.get('quality_samples_seen')} samples, against "
+              f"the config as given (`baseline`, {_loss(ref.get('loss'))}) or the combination it grows from (a token "
+              f"budget: the same at the config's batch size; packed rows: the same in fitted buckets); other steps "
+              f"per sample are judged after {g.get('quality_horizon_samples')} samples instead ({len(late)} arm(s) "
+              f"trained on to there, {g.get('guard_seconds') or 0:.0f} s); + {100 * g['quality_tolerance']:g}%; "
               f"{len(g['rejected_by_quality_guard'])} combination(s) learn worse and are not finalists"
               + (f" (the screening's fastest, {g['fastest_of_the_screening']}, among them)"
                  if g["fastest_of_the_screening"] in g["rejected_by_quality_guard"] else "") + ".", ""]
@@ -320,7 +379,8 @@ def render(g: dict[str, Any]) -> str:
     lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | "
               + ("best" if row["vs_best"] is None else _ratio(row["vs_best"]))
               + f" | {_loss(row['quality'].get('loss'))} | "
-              + ("passes" if row["quality_guard"]["passes"] else f"**fails**: {row['quality_guard']['why']}") + " |"
+              + {True: "passes", None: "not judged"}.get(row["quality_guard"]["passes"],
+                                                          f"**fails**: {row['quality_guard']['why']}") + " |"
               for row in st["rows"]]
     lines.append("")
     lines += ["", "Left out of the grid: " + "; ".join(f"{k} ({v})" for k, v in g["left_out"].items()), ""]

@@ -128,6 +128,9 @@ class SearchSettings:
     max_extensions: int = 2
     """An undecided A/B (median at or above ``min_gain``, lower bound below it) gets ``rounds`` more rounds, at most
     this many times, while the candidate's time stays within a third of ``arm_timeout_s`` and the budget allows."""
+    horizon_samples: Optional[int] = None
+    """Where a candidate that changes the optimizer steps per sample is judged (``optimize.horizon_fraction`` of the
+    planned run's samples); None: after :meth:`quality_samples_seen`, as every other candidate."""
 
     def quality_samples_seen(self) -> int:
         """The training samples every quality verdict is taken after, in the search and in ``optimize-grid``: the
@@ -135,9 +138,24 @@ class SearchSettings:
         return (1 + self.rounds) * self.window_samples
 
     @classmethod
-    def from_config(cls, o: Any) -> "SearchSettings":
+    def from_config(cls, o: Any, planned_samples: Optional[int] = None) -> "SearchSettings":
+        """From the ``optimize`` section; ``planned_samples``: the run's training samples (sets the horizon)."""
+        horizon = None if not planned_samples else max(1, int(o.horizon_fraction * planned_samples))
         return cls(o.budget_s, o.rounds, o.window_samples, o.min_gain, o.quality_tolerance, o.arm_timeout_s,
-                   o.confirm_rounds)
+                   o.confirm_rounds, horizon_samples=horizon)
+
+
+@dataclass
+class PairMeasurement:
+    """What :func:`measure_pair` measured: the A/B, the candidate's one-off warm-up seconds, both arms' quality after
+    :meth:`SearchSettings.quality_samples_seen` samples, and ``horizon`` — ``{"samples": n, <name>: quality, ...}``
+    after both trained on untimed to ``n`` samples — or None."""
+
+    result: ABResult
+    warmup_s: float
+    quality_best: dict
+    quality_candidate: dict
+    horizon: Optional[dict] = None
 
 
 @dataclass
@@ -183,20 +201,31 @@ class SearchResult:
 
 def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, rounds: int,
                  names: tuple[str, str] = ("best", "candidate"),
-                 extend: Callable[[ABResult], bool] = lambda _r: False) -> tuple[ABResult, float, dict, dict]:
+                 extend: Callable[[ABResult], bool] = lambda _r: False,
+                 horizon: Callable[[ABResult, dict[str, int]], Optional[int]] = lambda _r, _seen: None,
+                 ) -> PairMeasurement:
     """Build both arms, warm them to the same samples seen, interleave ``rounds`` windows of ``window_samples``, read
     both quality figures — both arms have then seen :meth:`SearchSettings.quality_samples_seen` samples when
     ``rounds`` is ``s.rounds``, whatever else the A/B does — and interleave ``rounds`` more, up to ``s.max_extensions``
-    times, while ``extend(result so far)`` says the interval is still undecided. Returns (ABResult, the candidate's
-    one-off warm-up s, best quality, candidate quality). Exceptions propagate (the caller records them); both arms are
-    closed either way."""
+    times, while ``extend(result so far)`` says the interval is still undecided; then, when ``horizon(result, samples
+    seen per arm)`` names a sample count, train both arms on, untimed, to it and read both qualities again.
+    Exceptions propagate (the caller records them); both arms are closed either way."""
     arms: list[ArmHandle] = []
+    seen = dict.fromkeys(names, s.window_samples)  # the warm-up: at least a window
+
+    def counted(name: str, step: Callable[[], dict]) -> Callable[[], dict]:
+        def run() -> dict:
+            got = step()
+            seen[name] += int(got["samples"])
+            return got
+        return run
+
     try:
         arms.append(backend.arm(names[0], best))
         arms.append(backend.arm(names[1], cand))
         arms[0].warmup(s.window_samples)
         warm = arms[1].warmup(s.window_samples)
-        pair = [Arm(n, a.step) for n, a in zip(names, arms)]
+        pair = [Arm(n, counted(n, a.step)) for n, a in zip(names, arms)]
         result = interleave(pair, rounds=rounds, warmup=0, window_samples=s.window_samples, device=backend.device)
         q_best, q_cand = arms[0].quality(), arms[1].quality()
         for _ in range(s.max_extensions):
@@ -207,7 +236,14 @@ def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, ro
                 result.arms[name].windows += [dataclasses.replace(w, round=w.round + result.rounds)
                                               for w in arm.windows]
             result = ABResult(result.arms, result.rounds + more.rounds, result.load_start, more.load_end)
-        return result, warm, q_best, q_cand
+        out = PairMeasurement(result, warm, q_best, q_cand)
+        target = horizon(result, dict(seen))
+        if target:
+            for arm in pair:
+                while seen[arm.name] < target:
+                    arm.step()
+            out.horizon = {"samples": target, **{n: a.quality() for n, a in zip(names, arms)}}
+        return out
     finally:
         for a in arms:
             with contextlib.suppress(Exception):
@@ -216,6 +252,26 @@ def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, ro
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def horizon_target(result: ABResult, seen: dict[str, int], want: Optional[int], available_s: float,
+                   min_extra: int) -> tuple[Optional[int], str]:
+    """How far both arms train on for a horizon verdict: ``want`` samples, or fewer where training both to it at
+    their A/B speeds (median samples/s) would not fit ``available_s``; None (with the reason) when nothing is
+    wanted, when the arms are there already, or when less than ``min_extra`` more samples fit."""
+    if not want:
+        return None, "no planned run length to judge at"
+    at = max(seen.values())
+    if want <= at:
+        return None, f"the arms have seen {at} samples, the horizon's {want}"
+    rates = [result.arms[n].median("samples") for n in seen]
+    if not all(rates):
+        return None, "no measured speed to plan the horizon's training by"
+    per_sample_s = sum(1.0 / r for r in rates)  # both arms train the same samples, one after the other
+    fit = at + int(max(0.0, available_s) / per_sample_s)
+    if fit < at + min_extra:
+        return None, f"the horizon's {want} samples did not fit the time left ({available_s:.0f} s)"
+    return (want, "") if fit >= want else (fit, f"{fit} of the planned {want} samples: what fit the time left")
 
 
 def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
@@ -231,16 +287,33 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         return (r.low is not None and r.median is not None and r.low < s.min_gain <= r.median
                 and spent < s.arm_timeout_s / 3 and 3 * spent < left_s)
 
+    changes_steps = "train.max_steps" in c.overrides and c.may_change != EXACT  # other samples per step
+    horizon_note: list[str] = []
+
+    def horizon(result: ABResult, seen: dict[str, int]) -> Optional[int]:
+        r = result.ratio("candidate", "best", throughput_metric(result))
+        if not changes_steps or r.low is None or r.low < s.min_gain:  # only a candidate fast enough to keep
+            return None
+        spent = clock() - t0
+        target, why = horizon_target(result, seen, s.horizon_samples,
+                                     min(0.8 * s.arm_timeout_s - spent, (left_s - spent) / 2), s.window_samples)
+        horizon_note.append(why)
+        return target
+
     try:
         with time_limit(s.arm_timeout_s):
-            result, warm, q_best, q_cand = measure_pair(backend, best, cand, s, s.rounds, extend=undecided)
+            m = measure_pair(backend, best, cand, s, s.rounds, extend=undecided, horizon=horizon)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # any failure of an arm is a rejected candidate, never a lost search
         return Decision(c, False, failure_reason(exc), seconds=clock() - t0)
+    result, warm, q_best, q_cand = m.result, m.warmup_s, m.quality_best, m.quality_candidate
     steady = result.ratio("candidate", "best", throughput_metric(result))
     ratio = amortise(steady, warm, planned_s) if c.warmup_s_estimate or warm > 1.0 else steady.as_dict()
     quality = {"best": q_best, "candidate": q_cand}
+    if m.horizon is not None:  # fewer, larger steps: judged where the planned run ends, not early in training
+        quality["horizon"] = m.horizon
+        q_best, q_cand = m.horizon["best"], m.horizon["candidate"]
     d = Decision(c, False, "", ratio=ratio, steady_ratio=steady.as_dict(), quality=quality, warmup_s=warm or None,
                  seconds=clock() - t0)
     low = ratio["low"]
@@ -254,6 +327,10 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         return d
     if c.may_change != EXACT:
         ok, why = quality_verdict(q_best, q_cand, s.quality_tolerance)
+        if m.horizon is not None:
+            why += f" (at {m.horizon['samples']} samples: {horizon_note[-1] or 'the planned run'})"
+        elif changes_steps and horizon_note:
+            why += f" (early: {horizon_note[-1]})"
         quality["verdict"] = why
         if not ok:
             d.reason = f"quality guard: {why}"
@@ -373,8 +450,8 @@ def confirm(backend: Backend, baseline: dict, best: dict, s: SearchSettings,
     """Baseline vs optimized, interleaved over ``confirm_rounds``: the end-to-end speedup with its interval."""
     try:
         with time_limit(max(s.arm_timeout_s, 60.0) * 2):
-            result, warm, q_base, q_best = measure_pair(backend, baseline, best, s, s.confirm_rounds,
-                                                        names=("baseline", "optimized"))
+            m = measure_pair(backend, baseline, best, s, s.confirm_rounds, names=("baseline", "optimized"))
+            result, warm, q_base, q_best = m.result, m.warmup_s, m.quality_best, m.quality_candidate
     except KeyboardInterrupt:
         raise
     except Exception as exc:
