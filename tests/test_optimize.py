@@ -248,6 +248,17 @@ def test_token_budget_doubles_up_to_the_bound():
     c, c2 = tb.propose(ctx, Evidence(optimizer_share=0.2))  # the next two rungs
     assert c.overrides == {"batching.max_tokens": 2048} and c.predicted == pytest.approx(amdahl(0.2, 2048 / 960))
     assert c2.overrides == {"batching.max_tokens": 4096} and c2.predicted > c.predicted
+    # from a fixed batch padded to its longest sample (the HF Trainer's group_by_length), the budget comes with
+    # fitted buckets padded the same way, its prediction times their layout's (here: less padding, 27 vs 30 tokens)
+    ctx.cfg = ctx.cfg.with_values({"batching.method": "hf-group-by-length"})
+    ctx.batching_costs["optimal+batch-max"] = LayoutCost(tokens=27.0, scores=729.0, real_tokens=27.0,
+                                                         samples_per_step=70.0)
+    c, _ = tb.propose(ctx, Evidence(optimizer_share=0.2, attention_share=0.0))
+    assert c.overrides == {"batching.method": "optimal", "batching.pad_to": "batch-max", "batching.max_tokens": 2048}
+    assert c.predicted == pytest.approx(amdahl(0.2, 2048 / 960) * 30 / 27)
+    assert "batching.method=hf-group-by-length takes a fixed batch size" in c.evidence
+    ctx.cfg = ctx.cfg.with_values({"batching.method": "pad-to-max"})  # there the batching lever comes first
+    assert "takes a fixed batch size" in tb.propose(ctx, Evidence(optimizer_share=0.2))
 
 
 def test_candidates_the_evidence_gives_nothing_to_gain_are_not_measured():

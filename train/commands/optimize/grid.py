@@ -204,9 +204,12 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
 
         def at_horizon(name: str) -> dict:  # trained on, untimed, to the search's horizon (on demand, once)
             if name not in late:
+                t = time.perf_counter()
                 while seen[name] < horizon:
                     arms[name].step()
                 late[name] = handles[name].quality()
+                notice(f"optimize-grid: {name} trained on to {seen[name]} samples for its quality verdict "
+                       f"({time.perf_counter() - t:.0f} s): held-out loss {_loss(late[name].get('loss'))}")
             return late[name]
 
         def judge(names: list[str]) -> dict[str, dict]:
