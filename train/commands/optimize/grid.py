@@ -144,6 +144,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     from train.commands.optimize.backend import RunBackend
     from train.commands.optimize.judging import throughput_metric
     from train.commands.optimize.levers import SCHEDULE_KEYS
+    from train.commands.optimize.pairs import counting
     from train.commands.optimize.search import SearchSettings
     from train.compat import fused_adamw_supported
     from train.data import prepare_data
@@ -177,19 +178,12 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     total = len(named) * (2 + o.grid_rounds) + n_final * o.confirm_rounds
     seen = dict.fromkeys(named, o.window_samples)  # each arm's training samples (the warm-up: at least a window)
 
-    def counted(name: str, step: Callable[[], dict]) -> Callable[[], dict]:
-        def run() -> dict:
-            got = step()
-            seen[name] += int(got["samples"])
-            return got
-        return run
-
     quality_after = SearchSettings.from_config(o).quality_samples_seen()
     with progress_bar(total, "optimize-grid", cfg.train.progress) as bar:
         for name, point in named.items():
             handles[name] = h = backend.arm(name, point)
             h.warmup(o.window_samples)
-            arms[name] = Arm(name, counted(name, h.step))
+            arms[name] = Arm(name, counting(h.step, seen, name))
             bar.update(1)
         screen = interleave(list(arms.values()), rounds=o.grid_rounds, window_samples=o.window_samples, warmup=0,
                             device=start.device, on_round=lambda _r: bar.update(len(arms)))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 import signal
 import threading
@@ -26,7 +25,8 @@ import torch
 
 from train.commands.optimize.judging import amortise, quality_verdict, throughput_metric
 from train.commands.optimize.levers import EXACT, Candidate, Evidence, Lever, LeverContext
-from train.perf.ab import ABResult, Arm, interleave
+from train.commands.optimize.pairs import PairMeasurement, horizon_target, measure_pair  # noqa: F401 (re-exported)
+from train.perf.ab import ABResult
 
 NO_GAIN = 1.005
 """Candidates whose predicted speedup is below this are not measured: the profile shows nothing for them to gain."""
@@ -146,19 +146,6 @@ class SearchSettings:
 
 
 @dataclass
-class PairMeasurement:
-    """What :func:`measure_pair` measured: the A/B, the candidate's one-off warm-up seconds, both arms' quality after
-    :meth:`SearchSettings.quality_samples_seen` samples, and ``horizon`` — ``{"samples": n, <name>: quality, ...}``
-    after both trained on untimed to ``n`` samples — or None."""
-
-    result: ABResult
-    warmup_s: float
-    quality_best: dict
-    quality_candidate: dict
-    horizon: Optional[dict] = None
-
-
-@dataclass
 class SearchResult:
     """Everything the search measured (what optimize.json holds); ``status``: completed / budget / interrupted."""
 
@@ -197,81 +184,6 @@ class SearchResult:
                 "decisions": [d.as_dict() for d in self.decisions], "profiles": self.profiles,
                 "rankings": self.rankings, "not_applicable": self.not_applicable, "not_tried": self.not_tried,
                 "confirmation": self.confirmation, "waterfall": self.waterfall()}
-
-
-def measure_pair(backend: Backend, best: dict, cand: dict, s: SearchSettings, rounds: int,
-                 names: tuple[str, str] = ("best", "candidate"),
-                 extend: Callable[[ABResult], bool] = lambda _r: False,
-                 horizon: Callable[[ABResult, dict[str, int]], Optional[int]] = lambda _r, _seen: None,
-                 ) -> PairMeasurement:
-    """Build both arms, warm them to the same samples seen, interleave ``rounds`` windows of ``window_samples``, read
-    both quality figures — both arms have then seen :meth:`SearchSettings.quality_samples_seen` samples when
-    ``rounds`` is ``s.rounds``, whatever else the A/B does — and interleave ``rounds`` more, up to ``s.max_extensions``
-    times, while ``extend(result so far)`` says the interval is still undecided; then, when ``horizon(result, samples
-    seen per arm)`` names a sample count, train both arms on, untimed, to it and read both qualities again.
-    Exceptions propagate (the caller records them); both arms are closed either way."""
-    arms: list[ArmHandle] = []
-    seen = dict.fromkeys(names, s.window_samples)  # the warm-up: at least a window
-
-    def counted(name: str, step: Callable[[], dict]) -> Callable[[], dict]:
-        def run() -> dict:
-            got = step()
-            seen[name] += int(got["samples"])
-            return got
-        return run
-
-    try:
-        arms.append(backend.arm(names[0], best))
-        arms.append(backend.arm(names[1], cand))
-        arms[0].warmup(s.window_samples)
-        warm = arms[1].warmup(s.window_samples)
-        pair = [Arm(n, counted(n, a.step)) for n, a in zip(names, arms)]
-        result = interleave(pair, rounds=rounds, warmup=0, window_samples=s.window_samples, device=backend.device)
-        q_best, q_cand = arms[0].quality(), arms[1].quality()
-        for _ in range(s.max_extensions):
-            if not extend(result):
-                break
-            more = interleave(pair, rounds=rounds, warmup=0, window_samples=s.window_samples, device=backend.device)
-            for name, arm in more.arms.items():
-                result.arms[name].windows += [dataclasses.replace(w, round=w.round + result.rounds)
-                                              for w in arm.windows]
-            result = ABResult(result.arms, result.rounds + more.rounds, result.load_start, more.load_end)
-        out = PairMeasurement(result, warm, q_best, q_cand)
-        target = horizon(result, dict(seen))
-        if target:
-            for arm in pair:
-                while seen[arm.name] < target:
-                    arm.step()
-            out.horizon = {"samples": target, **{n: a.quality() for n, a in zip(names, arms)}}
-        return out
-    finally:
-        for a in arms:
-            with contextlib.suppress(Exception):
-                a.close()
-        arms.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
-def horizon_target(result: ABResult, seen: dict[str, int], want: Optional[int], available_s: float,
-                   min_extra: int) -> tuple[Optional[int], str]:
-    """How far both arms train on for a horizon verdict: ``want`` samples, or fewer where training both to it at
-    their A/B speeds (median samples/s) would not fit ``available_s``; None (with the reason) when nothing is
-    wanted, when the arms are there already, or when less than ``min_extra`` more samples fit."""
-    if not want:
-        return None, "no planned run length to judge at"
-    at = max(seen.values())
-    if want <= at:
-        return None, f"the arms have seen {at} samples, the horizon's {want}"
-    rates = [result.arms[n].median("samples") for n in seen]
-    if not all(rates):
-        return None, "no measured speed to plan the horizon's training by"
-    per_sample_s = sum(1.0 / r for r in rates)  # both arms train the same samples, one after the other
-    fit = at + int(max(0.0, available_s) / per_sample_s)
-    if fit < at + min_extra:
-        return None, f"the horizon's {want} samples did not fit the time left ({available_s:.0f} s)"
-    return (want, "") if fit >= want else (fit, f"{fit} of the planned {want} samples: what fit the time left")
 
 
 def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
