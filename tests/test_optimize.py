@@ -269,6 +269,39 @@ def test_candidates_the_evidence_gives_nothing_to_gain_are_not_measured():
                               "reason": "the evidence predicts no gain (< 0.5%)"}]
 
 
+def test_near_neutral_candidates_are_measured_last_while_the_budget_lasts():
+    """A candidate predicted within the cost models' error of 1.0 (here 0.99x, really 2x faster) is measured after
+    every promising one when optimize.min_predicted reaches below it, and kept on its A/B; one predicted below the
+    floor never is; with the floor at 1.005 none of them is measured."""
+    levers = (lever("fast", {"fake.speed": 1.5}, 1.9), lever("neutral", {"fake.speed_n": 2.0}, 0.99),
+              lever("slow", {"fake.speed_s": 2.0}, 0.9))
+    res = search(FakeBackend(), levers, {}, settings(min_predicted=0.97), notice=lambda _m: None)
+    assert [d.candidate.lever for d in res.decisions] == ["fast", "neutral"]  # the promising one first
+    neutral = res.decisions[1]
+    assert neutral.accepted and "near-neutral (predicted 0.990x" in neutral.candidate.evidence
+    assert res.best == {"fake.speed": 1.5, "fake.speed_n": 2.0}
+    assert res.not_tried == [{"lever": "slow", "value": "on", "predicted": 0.9,
+                              "reason": "the evidence predicts a slowdown"}]
+    res = search(FakeBackend(), levers, {}, settings(), notice=lambda _m: None)  # the floor at NO_GAIN
+    assert [d.candidate.lever for d in res.decisions] == ["fast"]
+    assert [n["lever"] for n in res.not_tried] == ["neutral", "slow"]
+
+
+def test_near_neutral_candidates_wait_for_the_budget():
+    t = [0.0]
+
+    def clock() -> float:
+        t[0] += 10.0
+        return t[0]
+
+    levers = (lever("a", {"fake.speed": 1.0}, 1.5), lever("b", {"fake.speed2": 1.0}, 1.4),
+              lever("neutral", {"fake.speed_n": 2.0}, 0.99))
+    res = search(FakeBackend(), levers, {}, settings(budget_s=60.0, min_predicted=0.97), clock=clock,
+                 notice=lambda _m: None)
+    assert res.status == "budget" and "neutral" not in [d.candidate.lever for d in res.decisions]
+    assert any(n["lever"] == "neutral" and n["reason"].startswith("budget:") for n in res.not_tried)
+
+
 def test_the_batching_lever_weighs_attention_scores_against_padding():
     """From packed rows, fitted buckets are predicted faster when attention is a large share of the step (each packed
     row attends C x C, a bucketed sample only B x B) and slower when it is small; layout costs come from the data."""
@@ -567,21 +600,53 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     assert not any(r["name"].startswith("fp32/packed/") for r in g["final"]["rows"])
     # the final's arms are fresh, two alive at a time (the screening's 6 closed first), and closed after
     final_handles = handles[6:]
-    assert [h.name for h in final_handles] == ["optimized", "lucky", "optimized", "steady"]
-    assert [h.alive_when_built for h in final_handles] == [1, 2, 1, 2] and not alive
-    # ... each pair in its own (fake) fresh process and work directory; a pair whose process fails is not measured
-    assert [c["arms"][0] for c in fresh_calls] == ["optimized"] * 3 and all(c["rounds"] == 4 for c in fresh_calls)
-    assert len({c["work_dir"] for c in fresh_calls}) == 3
+    assert [h.name for h in final_handles] == ["optimized", "lucky", "optimized", "steady", "optimized", "steady"]
+    assert [h.alive_when_built for h in final_handles] == [1, 2, 1, 2, 1, 2] and not alive
+    # ... each pair in its own (fake) fresh process and work directory; a pair whose process fails is not measured;
+    # the best is measured once more against the search's result after it was picked (the last call)
+    assert [c["arms"][0] for c in fresh_calls] == ["optimized"] * 4 and all(c["rounds"] == 4 for c in fresh_calls)
+    assert len({c["work_dir"] for c in fresh_calls}) == 4 and fresh_calls[-1]["work_dir"].name == "recheck"
     slow = next(n for n in screening if n.startswith("fp32/pad-to-max/"))
     assert list(g["final"]["failed"]) == [slow] and "it broke" in g["final"]["failed"][slow]
     o = g["optimized"]
     assert o["vs_best"]["median"] == pytest.approx(147 / 150) and o["share_verdict"] == "reached"
+    assert o["vs_best_source"] == "recheck" and o["vs_best_at_selection"]["median"] == pytest.approx(147 / 150)
     assert o["search_seconds"] == 3.0 and o["search_share_of_grid_time"] == pytest.approx(3.0 / g["seconds"])
     assert o["quality_guard"]["passes"] and g["quality_reference"]["loss"] == 2.0
     md = (tmp_path / "runs" / "t" / "optimize-grid" / "grid.md").read_text()
+    assert "in one more fresh A/B after the pick" in md
     assert "**reached**" in md and "## Final: the search's result against each of 2 finalists, two arms" in md
     assert "**fails**: held-out loss 9.0000" in md and "1 combination(s) learn worse" in md
     assert f"- {slow}: not measured (" in md and "Each A/B of the final ran in a new process" in md
+
+
+def test_the_search_is_judged_against_the_grids_best_on_windows_its_pick_never_saw(tmp_path):
+    """The grid's best is the largest of several noisy paired ratios, so the A/B it was picked on flatters it (the
+    winner's curse): the search's result is judged on the re-check, an A/B measured after the pick; without one, on
+    the selection, and said so."""
+    from train.commands.optimize.grid_report import optimized_vs_best, render
+    from train.perf.ab import ABResult, ArmResult, Window
+
+    def ab(optimized: list[float], best: list[float]) -> ABResult:
+        arms = {n: ArmResult(n, [Window(i, 1.0, 4, {"samples": r}) for i, r in enumerate(rates)])
+                for n, rates in (("optimized", optimized), ("best", best))}
+        return ABResult(arms=arms, rounds=len(optimized), load_start=None, load_end=None)
+
+    lucky = ab([100.0, 101, 99, 100, 100, 102, 98, 100], [120.0, 122, 119, 121, 120, 118, 121, 120])  # 0.83x
+    again = ab([100.0, 101, 99, 100, 100, 102, 98, 100], [100.0, 100, 100, 101, 99, 100, 100, 100])  # 1.0x
+    (tmp_path / "optimize.json").write_text(json.dumps({"seconds": 30.0}))
+    path = str(tmp_path / "optimized.yaml")
+    o = optimized_vs_best(path, {}, lucky, "best", 100.0, 300.0, recheck=again)
+    assert o["vs_best_source"] == "recheck" and o["share_verdict"] == "reached"
+    assert o["vs_best"]["median"] == pytest.approx(1.0) and o["vs_best_at_selection"]["median"] < 0.85
+    o = optimized_vs_best(path, {}, lucky, "best", 100.0, 300.0, recheck_failed="child.log: exit code 1")
+    assert o["vs_best_source"] == "selection" and o["share_verdict"] == "not reached"
+    g = {"points": 2, "seconds": 300.0, "device": "cpu", "load_1min": [0, 0], "best": "best",
+         "best_samples_per_s": 120.0, "optimized": o, "quality_reference": {"loss": 2.0}, "quality_tolerance": 0.05,
+         "fastest_of_the_screening": "best", "rejected_by_quality_guard": [],
+         "final": {"rows": [], "paired_with_optimized": True, "rounds": 8, "seconds": 10.0},
+         "screening": {"rows": [], "rounds": 3, "seconds": 100.0}, "left_out": {}}
+    assert "the re-check failed: child.log: exit code 1" in render(g)
 
 
 def test_arms_are_compared_by_real_tokens_per_second_where_they_count_them():

@@ -59,6 +59,13 @@ class OptimizeConfig(Frozen):
     larger steps always look worse. Measured on the tiny model (naive-cpu, bf16 fitted buckets): a 4096-token budget's
     held-out loss was +10.5 % the batches of 32's after 2,320 samples, +2.0 % after the planned 19,200. Capped by
     what fits in ``arm_timeout_s`` and half the budget left (the verdict says where it was judged)."""
+    min_predicted: float = allowed(0.97, gt=0, le=1.005)
+    """Candidates whose predicted speedup is below 1.005 (the profile shows no gain) but at or above this are
+    near-neutral: measured after every candidate predicted to gain, while ``budget_s`` lasts; below it, never.
+    The predictions are Amdahl's law on profile shares and layout costs that leave out per-shape effects (cache reuse,
+    allocator, kernel choice per shape): measured on WordNet, fitted buckets padded to their bounds were predicted
+    0.999x against the same padded to the batch maximum and measured 1.058x [1.004, 1.100] (optimize-grid). 1.005
+    measures none of them."""
     grid_rounds: int = allowed(3, ge=2)
     """``optimize-grid``: interleaved rounds over every combination (each arm once per round): the screening."""
     grid_finalists: int = allowed(4, ge=1)

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from train.commands.optimize.outputs import format_ratio as _ratio
+from train.commands.optimize.grid_report import _loss, optimized_vs_best, render
 from train.config import RunConfig, load_config
 from train.errors import UserError, atomic_write_text
 
@@ -175,6 +175,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     arms: dict[str, Arm] = {}
     handles: dict[str, Any] = {}
     n_final = min(o.grid_finalists, len(points)) * (2 if extra is not None else 1)  # arms timed in the final
+    n_final += 2 if extra is not None else 0  # and the re-check of the best against the search's result
     total = len(named) * (2 + o.grid_rounds) + n_final * o.confirm_rounds
     seen = dict.fromkeys(named, o.window_samples)  # each arm's training samples (the warm-up: at least a window)
 
@@ -263,6 +264,18 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         if not finalists:
             raise UserError(f"optimize-grid: no finalist could be measured: {next(iter(failed.values()))}")
         final = pairs[finalists[0]]
+        recheck, recheck_failed = None, None
+        if extra is not None:  # the best is the largest of noisy ratios: its ratio is re-measured after the pick
+            best = max(finalists, key=lambda n: pairs[n].ratio(n, "optimized", metric).median or 0)
+            try:
+                recheck = isolated.measure_in_fresh_process(
+                    start.run_dir / "config.yaml", {n: named[n] for n in ("optimized", best)},
+                    rounds=o.confirm_rounds, window_samples=o.window_samples, warmup_samples=o.window_samples,
+                    work_dir=out_dir / "final" / "recheck", timeout_s=o.arm_timeout_s)
+            except isolated.IsolatedFailure as e:
+                recheck_failed = str(e)
+                notice(f"optimize-grid: the re-check of {best} failed: {e}")
+            bar.update(2 * o.confirm_rounds)
     seconds = time.perf_counter() - t0
     final_medians = {n: rate(pairs[n], n) for n in finalists}
     if extra is None:
@@ -270,7 +283,6 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         vs = {n: final.ratio(n, best, metric).as_dict() if n != best else None for n in finalists}
     else:
         vs = {n: pairs[n].ratio(n, "optimized", metric).as_dict() for n in finalists}
-        best = max(finalists, key=lambda n: vs[n]["median"] or 0)  # the most faster than the search's result
         pooled = ArmResult("optimized", [w for n in finalists for w in pairs[n].arms["optimized"].windows])
         m = pooled.median(metric)  # over every pair's windows of the search's result
         final_medians["optimized"] = None if m is None else m / per_sample
@@ -299,97 +311,13 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         "machine": machine_facts(start.device), "torch": torch.__version__, "config": config_path,
         "optimized": None if extra is None else {
             **optimized_vs_best(optimized, named["optimized"], pairs[best], best, final_medians["optimized"], seconds,
-                                metric=metric),
+                                metric=metric, recheck=recheck, recheck_failed=recheck_failed),
             "quality": quality["optimized"], "quality_guard": guard["optimized"]},
     }
     atomic_write_text(out_dir / "grid.json", json.dumps(out, indent=2, default=str) + "\n")
     atomic_write_text(out_dir / "grid.md", render(out))
     out["out_dir"] = str(out_dir)
     return out
-
-
-def optimized_vs_best(path: str, settings: dict[str, Any], final: Any, best: str, samples_per_s: Optional[float],
-                      grid_s: float, share: float = 0.95, metric: str = "samples") -> dict[str, Any]:
-    """The search's result against the grid's best (both from the final stage): the ratio with its interval, whether
-    it reaches ``share`` of the best (``reached``: the interval's lower bound ≥ share; ``not shown``: only the
-    median; ``not reached``: the median below), and the search's time (its optimize.json) as a share of the grid's."""
-    from pathlib import Path
-
-    r = final.ratio("optimized", best, metric)
-    verdict = ("not measured" if r.median is None else "reached" if r.clears(share)
-               else "not shown" if r.median >= share else "not reached")
-    search_s: Optional[float] = None
-    why: Optional[str] = None
-    report = Path(path).with_name("optimize.json")
-    try:
-        search_s = float(json.loads(report.read_text())["seconds"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        why = f"{report}: {type(e).__name__}"
-    return {"config": path, "settings": settings, "samples_per_s": samples_per_s, "vs_best": r.as_dict(),
-            "target_share": share, "share_verdict": verdict, "search_seconds": search_s,
-            "search_seconds_unavailable_reason": why,
-            "search_share_of_grid_time": None if search_s is None else search_s / grid_s}
-
-
-def render(g: dict[str, Any]) -> str:
-    lines = [f"# optimize-grid: {g['points']} combinations in {g['seconds']:.0f} s ({g['device']}, load "
-             f"{g['load_1min']})", "", f"Best: **{g['best']}** at {g['best_samples_per_s']:.1f} samples/s.", ""]
-    opt = g["optimized"]
-    if opt:
-        r = opt["vs_best"]
-        share = opt["search_share_of_grid_time"]
-        lines += [f"`make optimize`'s result ({opt['config']}): {_sps(opt['samples_per_s'])} samples/s = {_ratio(r)} "
-                  f"of the grid's best in the final stage ({r['verdict']}); >= {opt['target_share']:.0%} of the "
-                  f"best: **{opt['share_verdict']}**. The search took "
-                  + (f"{opt['search_seconds']:.0f} s = {share:.0%} of this grid's {g['seconds']:.0f} s."
-                     if share is not None else f"an unknown time ({opt['search_seconds_unavailable_reason']})."), ""]
-    ref = g["quality_reference"]
-    late = g.get("judged_at_the_horizon") or []
-    lines += [f"Quality guard (as `make optimize`'s), in the screening's order until {len(g['final']['rows'])} "
-              f"finalists learn as well: the held-out loss after {g.get('quality_samples_seen')} samples, against "
-              f"the config as given (`baseline`, {_loss(ref.get('loss'))}) or the combination it grows from (a token "
-              f"budget: the same at the config's batch size; packed rows: the same in fitted buckets); other steps "
-              f"per sample are judged after {g.get('quality_horizon_samples')} samples instead ({len(late)} arm(s) "
-              f"trained on to there, {g.get('guard_seconds') or 0:.0f} s); + {100 * g['quality_tolerance']:g}%; "
-              f"{len(g['rejected_by_quality_guard'])} combination(s) learn worse and are not finalists"
-              + (f" (the screening's fastest, {g['fastest_of_the_screening']}, among them)"
-                 if g["fastest_of_the_screening"] in g["rejected_by_quality_guard"] else "") + ".", ""]
-    st = g["final"]
-    if st.get("paired_with_optimized"):
-        lines += [f"## Final: the search's result against each of {len(st['rows'])} finalists, two arms interleaved "
-                  f"({st['rounds']} rounds each, the search's own A/B), {st['seconds']:.0f} s", "",
-                  "| combination | samples/s | it vs optimized [95% interval] |", "|---|---|---|"]
-        lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | {_ratio(row['vs_optimized'])} |"
-                  for row in st["rows"]]
-    else:
-        lines += [f"## Final: {len(st['rows'])} combinations, {st['rounds']} interleaved rounds, {st['seconds']:.0f} s",
-                  "", "| combination | samples/s | vs best [95% interval] |", "|---|---|---|"]
-        lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | "
-                  + ("best" if row["vs_best"] is None else _ratio(row["vs_best"])) + " |" for row in st["rows"]]
-    lines += [f"- {n}: not measured ({why})" for n, why in st.get("failed", {}).items()]
-    lines += ["", "Each A/B of the final ran in a new process (the screening's holds a hundred arms' heap)."]
-    st = g["screening"]
-    lines += ["", f"## Screening: {len(st['rows'])} combinations, {st['rounds']} interleaved rounds, "
-                  f"{st['seconds']:.0f} s", "",
-              "| combination | samples/s | vs the best [95% interval] | held-out loss | quality guard |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {row['name']} | {_sps(row['samples_per_s'])} | "
-              + ("best" if row["vs_best"] is None else _ratio(row["vs_best"]))
-              + f" | {_loss(row['quality'].get('loss'))} | "
-              + {True: "passes", None: "not judged"}.get(row["quality_guard"]["passes"],
-                                                          f"**fails**: {row['quality_guard']['why']}") + " |"
-              for row in st["rows"]]
-    lines.append("")
-    lines += ["", "Left out of the grid: " + "; ".join(f"{k} ({v})" for k, v in g["left_out"].items()), ""]
-    return "\n".join(lines)
-
-
-def _loss(x: Optional[float]) -> str:
-    return "—" if x is None else f"{x:.4f}"
-
-
-def _sps(x: Optional[float]) -> str:
-    return "—" if x is None else f"{x:.1f}"
 
 
 def check_optimized(path: Optional[str]) -> None:

@@ -29,7 +29,9 @@ from train.commands.optimize.pairs import PairMeasurement, horizon_target, measu
 from train.perf.ab import ABResult
 
 NO_GAIN = 1.005
-"""Candidates whose predicted speedup is below this are not measured: the profile shows nothing for them to gain."""
+"""Candidates predicted at or above this are promising: measured first, most promising first. Those predicted below it
+and at or above ``optimize.min_predicted`` are near-neutral (the cost models cannot tell them from 1.0): measured last,
+while the budget lasts; below ``min_predicted`` a candidate is never measured."""
 
 
 class ArmHandle(Protocol):
@@ -128,6 +130,9 @@ class SearchSettings:
     max_extensions: int = 2
     """An undecided A/B (median at or above ``min_gain``, lower bound below it) gets ``rounds`` more rounds, at most
     this many times, while the candidate's time stays within a third of ``arm_timeout_s`` and the budget allows."""
+    min_predicted: float = NO_GAIN
+    """Candidates predicted below :data:`NO_GAIN` but at or above this are measured after every promising one, while
+    the budget lasts (``optimize.min_predicted``); the default here measures none of them."""
     horizon_samples: Optional[int] = None
     """Where a candidate that changes the optimizer steps per sample is judged (``optimize.horizon_fraction`` of the
     planned run's samples); None: after :meth:`quality_samples_seen`, as every other candidate."""
@@ -142,7 +147,7 @@ class SearchSettings:
         """From the ``optimize`` section; ``planned_samples``: the run's training samples (sets the horizon)."""
         horizon = None if not planned_samples else max(1, int(o.horizon_fraction * planned_samples))
         return cls(o.budget_s, o.rounds, o.window_samples, o.min_gain, o.quality_tolerance, o.arm_timeout_s,
-                   o.confirm_rounds, horizon_samples=horizon)
+                   o.confirm_rounds, min_predicted=o.min_predicted, horizon_samples=horizon)
 
 
 @dataclass
@@ -312,13 +317,17 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
                 res.status = "completed"
                 break
             c = fresh[0]
-            if c.predicted < NO_GAIN:
+            if c.predicted < min(NO_GAIN, s.min_predicted):
                 res.not_tried += [{"lever": x.lever, "value": x.value, "predicted": x.predicted,
                                    "reason": "the evidence predicts a slowdown" if x.predicted < 1 else
                                              f"the evidence predicts no gain (< {100 * (NO_GAIN - 1):g}%)"}
                                   for x in fresh]
                 res.status = "completed"
                 break
+            if c.predicted < NO_GAIN:  # near-neutral: the models cannot tell it from 1.0, so the A/B decides
+                c = dataclasses.replace(c, evidence=f"{c.evidence}; near-neutral (predicted {c.predicted:.3f}x, "
+                                                    f"within optimize.min_predicted={s.min_predicted:g}..{NO_GAIN:g}"
+                                                    "): measured because budget remains")
             typical = sorted(ab_costs)[len(ab_costs) // 2] if ab_costs else 0.0
             need = typical + c.warmup_s_estimate + typical * s.confirm_rounds / max(1, s.rounds)
             if ab_costs and need > left():
