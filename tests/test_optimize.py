@@ -381,6 +381,33 @@ def test_the_search_adds_the_schedule_a_candidate_needs_and_says_so():
     assert {"fake.speed": 2.0, "optim.lr": 0.004, "train.max_steps": 150} in backend.built
 
 
+def test_real_arms_of_one_config_learn_identically_however_they_are_interleaved(tiny_cfg, tmp_path):
+    """Each arm draws its dropout masks from its own stream (common random numbers): two arms of the same config,
+    stepped alternately, reach the same held-out loss; on one shared stream they would not (the second arm's masks
+    would be the first's continuation)."""
+    from train.commands.optimize.backend import RunBackend
+    from train.data import prepare_data
+
+    cfg = tiny_cfg("batching.method=optimal", "model.dropout=0.3", "optimize.quality_samples=64")
+    bundle = prepare_data(cfg, None, notice=lambda _m: None)
+    backend = RunBackend(cfg, bundle, torch.device("cpu"), tmp_path / "o", notice=lambda _m: None)
+    a, b = backend.arm("a", {}), backend.arm("b", {})
+    for _ in range(6):
+        a.step()
+        torch.rand(1000)  # anything else drawing from the global stream in between
+        b.step()
+        b.step() if _ == 0 else None  # and b one step ahead for a while
+        a.step() if _ == 0 else None
+    qa, qb = a.quality(), b.quality()
+    assert qa["samples_seen"] == qb["samples_seen"]
+    assert qa["loss"] == qb["loss"]
+    c = backend.arm("c", {})  # the same config on the shared stream, for contrast: it learns otherwise
+    for _ in range(7):
+        torch.rand(1000)
+        c.run.trainer.step()
+    assert c.quality()["loss"] != qa["loss"]
+
+
 def test_the_real_backend_scales_the_schedule_by_the_measured_samples_per_step(tiny_cfg, tmp_path):
     from train.commands.optimize.backend import RunBackend
     from train.data import prepare_data
