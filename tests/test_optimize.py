@@ -712,6 +712,22 @@ def test_a_lever_that_changes_the_steps_per_sample_is_judged_where_the_planned_r
     assert "early" not in res.decisions[0].reason  # judged at equal steps: no horizon to wait for
 
 
+def test_a_run_counted_in_epochs_judges_other_steps_per_sample_at_the_horizon_too():
+    """With ``train.epochs`` no step-counted setting changes (train.max_steps is null), so the backend's samples per
+    optimizer step say which candidate takes fewer, larger steps: it is judged at the horizon all the same."""
+
+    class PerStep(FakeBackend):
+        def samples_per_step(self, settings):
+            return 32.0 * settings.get("fake.budget", 1)
+
+    budget = lever("budget", {"fake.speed": 2.0, "fake.learns_late": 200, "fake.budget": 4}, 1.9)
+    res = search(PerStep(), (budget,), {}, settings(horizon_samples=240), notice=lambda _m: None)
+    d = res.decisions[0]
+    assert d.candidate.other_steps and d.accepted and d.quality["horizon"]["samples"] == 240
+    res = search(FakeBackend(), (budget,), {}, settings(horizon_samples=240), notice=lambda _m: None)
+    assert not res.decisions[0].accepted  # without samples per step: judged early, behind
+
+
 def test_the_horizon_shrinks_to_what_fits_the_time_left():
     from train.commands.optimize.search import horizon_target
     from train.perf.ab import ABResult, ArmResult, Window

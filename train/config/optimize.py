@@ -53,12 +53,13 @@ class OptimizeConfig(Frozen):
     budget with √k reached test accuracy 0.335 after the same samples, with the same lr 0.475, batches of 32 0.466
     (docs/optimize.md). The quality guard compares learning at equal samples seen either way."""
     horizon_fraction: float = allowed(1.0, gt=0, le=1)
-    """A lever that changes the optimizer steps per sample (a token budget, packing: the candidate's
-    ``train.max_steps`` differs from the current best's) is judged by the quality guard after this share of the
-    planned run's samples, both arms trained on untimed, not after ``(1 + rounds)`` windows: early in training fewer,
-    larger steps always look worse. Measured on the tiny model (naive-cpu, bf16 fitted buckets): a 4096-token budget's
-    held-out loss was +10.5 % the batches of 32's after 2,320 samples, +2.0 % after the planned 19,200. Capped by
-    what fits in ``arm_timeout_s`` and half the budget left (the verdict says where it was judged)."""
+    """A lever that changes the optimizer steps per sample (a token budget, packing: its samples per optimizer step
+    differ from the current best's, the run counted in steps or in epochs) is judged by the quality guard after this
+    share of the planned run's samples, both arms trained on untimed, not after ``(1 + rounds)`` windows: early in
+    training fewer, larger steps always look worse. Measured on the tiny model (naive-cpu, bf16 fitted buckets): a
+    4096-token budget's held-out loss was +10.5 % the batches of 32's after 2,320 samples, +2.0 % after the planned
+    19,200. Capped by what fits in ``arm_timeout_s`` and half the budget left (the verdict says where it was
+    judged)."""
     min_predicted: float = allowed(0.97, gt=0, le=1.005)
     """Candidates whose predicted speedup is below 1.005 (the profile shows no gain) but at or above this are
     near-neutral: measured after every candidate predicted to gain, while ``budget_s`` lasts; below it, never.

@@ -179,6 +179,11 @@ class RunBackend:
             return int(t.epochs * len(self.bundle.splits["train"]))
         return None
 
+    def samples_per_step(self, settings: dict[str, Any]) -> Optional[float]:
+        """The mean samples per optimizer step of ``settings`` on the training lengths
+        (:class:`~train.data.layout_cost.LayoutCost`)."""
+        return self._cost(self.cfg(settings)).samples_per_step
+
     def context(self, settings: dict[str, Any]) -> LeverContext:
         cfg = self.cfg(settings)
         packing, drops = self._capabilities()

@@ -11,7 +11,10 @@ packed rows of 4096 tokens read 1.20x the search's result; alone against it 0.92
 ``make train`` runs). Each of the final's A/Bs runs in a new process (:mod:`~train.commands.optimize.isolated`):
 arms timed in the screening's process, even built afresh after its hundred arms were closed, did not run at their
 own speed (the search's result at 276 samples/s there, 394.7 in a whole run right after; packed rows of 4096
-tokens 1.41x [1.38, 1.46] it there, 0.89x in whole runs).
+tokens 1.41x [1.38, 1.46] it there, 0.89x in whole runs). The best so picked is the largest of several noisy
+ratios (the winner's curse), so it is measured once more against the search's result after the pick, in one more new
+process (the re-check), and the search is judged on that A/B (:func:`~train.commands.optimize.grid_report.
+optimized_vs_best`).
 Every combination then passes the search's quality guard or is no finalist (:func:`quality_guard`): each arm trains
 untimed up to the samples the search takes its verdicts after (``(1 + optimize.rounds) × optimize.window_samples``),
 and its held-out loss must lie within ``optimize.quality_tolerance`` of its reference's — the config as given (one

@@ -76,7 +76,8 @@ class LeverContext:
 class Candidate:
     """One value of one lever to try: ``overrides`` on the current best, the ``predicted`` speedup (Amdahl on the
     evidence) and the ``evidence`` sentence behind it; ``may_change`` (module docstring); ``warmup_s_estimate``:
-    one-off seconds the candidate costs before its steady state (compilation), amortised over the planned run."""
+    one-off seconds the candidate costs before its steady state (compilation), amortised over the planned run;
+    ``other_steps`` (set by the search from the backend's samples per step)."""
 
     lever: str
     value: str
@@ -85,6 +86,8 @@ class Candidate:
     evidence: str
     may_change: str
     warmup_s_estimate: float = 0.0
+    other_steps: bool = False
+    """Its samples per optimizer step differ from the current best's: judged by the quality guard at the horizon."""
 
     @property
     def key(self) -> tuple:

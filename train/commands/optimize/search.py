@@ -56,6 +56,9 @@ class Backend(Protocol):
         (``optimize.lr_scaling``); {} when they already do."""
         ...
 
+    # optional: ``samples_per_step(settings) -> float | None``, the samples per optimizer step of ``settings`` on the
+    # data (:func:`with_schedule` reads it to find a candidate on other steps per sample)
+
 
 class ArmTimeout(Exception):
     """A candidate ran past ``optimize.arm_timeout_s``."""
@@ -204,7 +207,7 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         return (r.low is not None and r.median is not None and r.low < s.min_gain <= r.median
                 and spent < s.arm_timeout_s / 3 and 3 * spent < left_s)
 
-    changes_steps = "train.max_steps" in c.overrides and c.may_change != EXACT  # other samples per step
+    changes_steps = (c.other_steps or "train.max_steps" in c.overrides) and c.may_change != EXACT
     horizon_note: list[str] = []
 
     def horizon(result: ABResult, seen: dict[str, int]) -> Optional[int]:
@@ -260,8 +263,17 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
 
 
 def with_schedule(backend: Backend, ctx: LeverContext, best: dict[str, Any], c: Candidate) -> Candidate:
-    """``c`` with the schedule overrides its samples per step need (:meth:`Backend.schedule`), said in its evidence."""
-    extra = {k: v for k, v in backend.schedule({**best, **c.overrides}).items() if k not in c.overrides}
+    """``c`` with the schedule overrides its samples per step need (:meth:`Backend.schedule`), said in its evidence;
+    ``other_steps`` set when its samples per optimizer step differ from ``best``'s by more than 2 % (the backend's
+    ``samples_per_step``, where it has one) — also when the config counts its run in epochs, where no step-counted
+    setting changes."""
+    cand = {**best, **c.overrides}
+    per_step = getattr(backend, "samples_per_step", None)
+    if per_step is not None and not c.other_steps:
+        now, then = per_step(best), per_step(cand)
+        if now and then and abs(then / now - 1) > 0.02:
+            c = dataclasses.replace(c, other_steps=True)
+    extra = {k: v for k, v in backend.schedule(cand).items() if k not in c.overrides}
     if not extra:
         return c
 
