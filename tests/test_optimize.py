@@ -574,6 +574,9 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
         def planned_samples(self):
             return 10_000  # every fake combination on the config's steps: judged early, nothing trained on
 
+        def samples_per_step(self, point):
+            return 16.0 if point.get("label") == "steady" else 8.0
+
         def arm(self, name: str, point: dict) -> Handle:
             h = Handle(name if name in ("optimized", "baseline") else point["label"])
             handles.append(h)
@@ -592,7 +595,7 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
         from train.perf.ab import Arm, interleave
 
         assert load_config(str(config_path)).train.run_id == "t"  # the grid's own resolved config
-        fresh_calls.append({"arms": list(arms), "rounds": rounds, "work_dir": work_dir})
+        fresh_calls.append({"arms": list(arms), "rounds": rounds, "work_dir": work_dir, "window": window_samples})
         if "slow" in [a.get("label") for a in arms.values()]:
             raise isolated_mod.IsolatedFailure(f"{work_dir / 'child.log'}: exit code 1: it broke")
         hs = {n: Backend().arm(n, s) for n, s in arms.items()}
@@ -633,6 +636,8 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     # the best is measured once more against the search's result after it was picked (the last call)
     assert [c["arms"][0] for c in fresh_calls] == ["optimized"] * 4 and all(c["rounds"] == 4 for c in fresh_calls)
     assert len({c["work_dir"] for c in fresh_calls}) == 4 and fresh_calls[-1]["work_dir"].name == "recheck"
+    # each window holds FINAL_WINDOW_STEPS steps of the pair's arm with the most samples per step (16 for steady)
+    assert [c["window"] for c in fresh_calls] == [16 * 8, 16 * 16, 16 * 8, 16 * 16]
     slow = next(n for n in screening if n.startswith("fp32/pad-to-max/"))
     assert list(g["final"]["failed"]) == [slow] and "it broke" in g["final"]["failed"][slow]
     o = g["optimized"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -49,6 +50,13 @@ LEFT_OUT = {"workers": "a DataLoader process pool per arm: forked from a process
             "threads": "torch's thread count is process-wide (and every core is in use by default)",
             "compile": "one compilation per arm and shape (minutes on a CPU)",
             "allocator": "process-wide, CUDA only"}
+
+
+FINAL_WINDOW_STEPS = 16
+"""The final's and the re-check's timed windows hold at least this many optimizer steps of the pair's arm with the
+most samples per step (``optimize.window_samples`` at the least): a window of a few steps times whichever buckets
+came up. Measured (grid-naive-9): with 384-sample windows — about 3 steps of a 4096-token budget in fitted buckets —
+the re-check's per-round ratios ran from 0.70 to 1.26 and its interval was [0.818, 1.047]."""
 
 
 def grid_points(base: RunConfig, native_bf16: bool, supports_packing: bool, fused: bool, cuda: bool = False,
@@ -244,12 +252,17 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         gc.collect()
         failed: dict[str, str] = {}
 
+        def window(group: list[str]) -> int:  # FINAL_WINDOW_STEPS steps of the arm with the most samples per step
+            per_step = getattr(backend, "samples_per_step", lambda _s: None)
+            most = max((per_step(named[n]) or 0.0) for n in group)
+            return max(o.window_samples, math.ceil(FINAL_WINDOW_STEPS * most))
+
         def measure(group: list[str], index: int) -> Optional[Any]:
             """The final's A/B of ``group`` in a new process (isolated.py: this one holds the screening's heap)."""
             try:
                 return isolated.measure_in_fresh_process(
                     start.run_dir / "config.yaml", {n: named[n] for n in group}, rounds=o.confirm_rounds,
-                    window_samples=o.window_samples, warmup_samples=o.window_samples,
+                    window_samples=window(group), warmup_samples=o.window_samples,
                     work_dir=out_dir / "final" / str(index), timeout_s=o.arm_timeout_s)
             except isolated.IsolatedFailure as e:
                 failed.update({n: str(e) for n in group if n != "optimized"})
@@ -273,7 +286,8 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
             try:
                 recheck = isolated.measure_in_fresh_process(
                     start.run_dir / "config.yaml", {n: named[n] for n in ("optimized", best)},
-                    rounds=o.confirm_rounds, window_samples=o.window_samples, warmup_samples=o.window_samples,
+                    rounds=o.confirm_rounds, window_samples=window(["optimized", best]),
+                    warmup_samples=o.window_samples,
                     work_dir=out_dir / "final" / "recheck", timeout_s=o.arm_timeout_s)
             except isolated.IsolatedFailure as e:
                 recheck_failed = str(e)
