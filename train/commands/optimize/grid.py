@@ -257,13 +257,18 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
             most = max((per_step(named[n]) or 0.0) for n in group)
             return max(o.window_samples, math.ceil(FINAL_WINDOW_STEPS * most))
 
+        def fresh(group: list[str], work: str) -> Any:
+            """An A/B of ``group`` in a new process (isolated.py: this one holds the screening's heap), in
+            ``final/<work>``; raises IsolatedFailure."""
+            return isolated.measure_in_fresh_process(
+                start.run_dir / "config.yaml", {n: named[n] for n in group}, rounds=o.confirm_rounds,
+                window_samples=window(group), warmup_samples=o.window_samples, work_dir=out_dir / "final" / work,
+                timeout_s=o.arm_timeout_s)
+
         def measure(group: list[str], index: int) -> Optional[Any]:
-            """The final's A/B of ``group`` in a new process (isolated.py: this one holds the screening's heap)."""
+            """The final's A/B of ``group`` (:func:`fresh`); a failure leaves its finalists not measured."""
             try:
-                return isolated.measure_in_fresh_process(
-                    start.run_dir / "config.yaml", {n: named[n] for n in group}, rounds=o.confirm_rounds,
-                    window_samples=window(group), warmup_samples=o.window_samples,
-                    work_dir=out_dir / "final" / str(index), timeout_s=o.arm_timeout_s)
+                return fresh(group, str(index))
             except isolated.IsolatedFailure as e:
                 failed.update({n: str(e) for n in group if n != "optimized"})
                 notice(f"optimize-grid: the final of {', '.join(group)} failed: {e}")
@@ -284,11 +289,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         if extra is not None:  # the best is the largest of noisy ratios: its ratio is re-measured after the pick
             best = max(finalists, key=lambda n: pairs[n].ratio(n, "optimized", metric).median or 0)
             try:
-                recheck = isolated.measure_in_fresh_process(
-                    start.run_dir / "config.yaml", {n: named[n] for n in ("optimized", best)},
-                    rounds=o.confirm_rounds, window_samples=window(["optimized", best]),
-                    warmup_samples=o.window_samples,
-                    work_dir=out_dir / "final" / "recheck", timeout_s=o.arm_timeout_s)
+                recheck = fresh(["optimized", best], "recheck")
             except isolated.IsolatedFailure as e:
                 recheck_failed = str(e)
                 notice(f"optimize-grid: the re-check of {best} failed: {e}")

@@ -104,5 +104,3 @@ def _loss(x: Optional[float]) -> str:
 
 def _sps(x: Optional[float]) -> str:
     return "—" if x is None else f"{x:.1f}"
-
-
