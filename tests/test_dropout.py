@@ -1,5 +1,5 @@
-"""model.fast_dropout (train/models/dropout.py): the same distribution, exact scaling, eval untouched, the swap,
-the measured decision, and exact resume."""
+"""model.fast_dropout (train/models/dropout.py): the same distribution (p to 2^-16), exact scaling, every lane of
+a draw uniform, eval untouched, the swap, the measured decision, and exact resume."""
 
 from __future__ import annotations
 
@@ -16,29 +16,51 @@ from torch import nn
 from tests.conftest import assert_same_final_state, tiny_overrides
 from train.commands.train import run_training
 from train.config import load_config
-from train.models.dropout import FastDropout, decide_fast_dropout, set_fast_dropout, unswappable
+from train.models.dropout import FastDropout, decide_fast_dropout, keep_mask, quantized_p, set_fast_dropout, unswappable
 from train.resume import list_checkpoints
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("p,dtype", [(0.1, torch.float32), (0.3, torch.bfloat16)])
+@pytest.mark.parametrize("p,dtype", [(0.1, torch.float32), (0.3, torch.bfloat16), (0.5, torch.bfloat16)])
 def test_keep_rate_and_scaling_are_dropouts(p, dtype) -> None:
     torch.manual_seed(0)
     n = 200_000
     x = torch.ones(n, dtype=dtype)
     y = FastDropout(p).train()(x)
     assert y.dtype == dtype
+    q = quantized_p(p)
+    assert abs(q - p) <= 2 ** -17 and q * 65536 == round(q * 65536)
     kept = int((y != 0).sum())
-    sigma = math.sqrt(n * p * (1 - p))  # binomial: kept ~ B(n, 1 - p)
-    assert abs(kept - n * (1 - p)) < 5 * sigma, (kept, n * (1 - p))
-    scale = (torch.ones((), dtype=dtype) * (1.0 / (1.0 - p)))
-    assert torch.equal(y[y != 0], torch.full((kept,), float(scale), dtype=dtype)), "kept values scaled by 1 / (1 - p)"
+    sigma = math.sqrt(n * q * (1 - q))  # binomial: kept ~ B(n, 1 - p')
+    assert abs(kept - n * (1 - q)) < 5 * sigma, (kept, n * (1 - q))
+    scale = (torch.ones((), dtype=dtype) * (1.0 / (1.0 - q)))
+    assert torch.equal(y[y != 0], torch.full((kept,), float(scale), dtype=dtype)), "kept values scaled by 1 / (1 - p')"
     m = FastDropout(p).eval()
     assert m(x) is x, "eval mode: identity"
     assert FastDropout(0.0).train()(x) is x
     with pytest.raises(ValueError):
         FastDropout(1.0)
+
+
+def test_every_16_bit_lane_of_a_draw_keeps_at_the_same_rate() -> None:
+    """Four mask elements share one int64 draw: each lane must be uniform over all 2^16 values (int64 ``random_()``
+    without the full range leaves the top lane 15 bits, which keeps it always at p < 0.5)."""
+    torch.manual_seed(1)
+    p, n = 0.1, 400_000
+    lanes = keep_mask(torch.Size([n // 4, 4]), p, CPU).double().mean(0)  # element 4i + j comes from lane j of word i
+    sigma = math.sqrt(p * (1 - p) / (n // 4))
+    assert all(abs(float(r) - (1 - quantized_p(p))) < 5 * sigma for r in lanes), lanes
+    assert keep_mask(torch.Size([3, 5, 7]), p, CPU).shape == (3, 5, 7), "odd sizes: the draw is cut to the shape"
+
+
+def test_expectation_is_the_input_and_gradients_use_the_same_mask() -> None:
+    torch.manual_seed(2)
+    x = torch.full((100_000,), 2.0, requires_grad=True)
+    y = FastDropout(0.1).train()(x)
+    assert abs(float(y.detach().mean()) - 2.0) < 5 * 2.0 * math.sqrt(0.1 / 0.9 / 100_000), "unbiased: E[y] = x"
+    y.sum().backward()
+    assert torch.equal(x.grad != 0, y != 0), "the backward drops what the forward dropped"
 
 
 def test_swap_and_back_and_what_cannot_be_swapped(tiny_cfg) -> None:

@@ -463,6 +463,32 @@ def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
     assert qa["samples_seen"] == qb["samples_seen"] == s.quality_samples_seen() == 96
 
 
+class StepSizedBackend(FakeBackend):
+    """A backend that knows each setting's samples per optimizer step (``fake.per_step``, else 8)."""
+
+    def samples_per_step(self, settings: dict[str, Any]) -> float:
+        return float(settings.get("fake.per_step", 8))
+
+
+@pytest.mark.parametrize("per_step,window,before", [(8, 32, 2), (20, 80, 0), (2, 24, 3)])
+def test_windows_hold_enough_steps_and_the_quality_is_read_at_the_same_samples(per_step, window, before):
+    """Each window holds ``window_steps`` steps of the arm with the most samples per step (``window_samples`` at the
+    least), and the quality is read after ``quality_samples_seen`` samples whatever the window (between rounds, or
+    right after the warm-up when a window is longer than what is left)."""
+    from train.commands.optimize.pairs import measure_pair, quality_point, window_for
+
+    s = settings(rounds=3, window_steps=4)  # quality after (1 + 3) x 24 = 96 samples
+    backend = StepSizedBackend()
+    best, cand = {"fake.per_step": 2}, {"fake.speed": 1.5, "fake.per_step": per_step}
+    assert window_for(backend, (best, cand), s.window_samples, s.window_steps) == window
+    warm, read_after = quality_point(s, s.rounds, window)
+    assert (warm + read_after * window, read_after) == (96, before) and warm >= s.window_samples
+    m = measure_pair(backend, best, cand, s, s.rounds)
+    assert m.quality_best["samples_seen"] == m.quality_candidate["samples_seen"] == s.quality_samples_seen() == 96
+    assert all(w.counts["samples"] >= window for a in m.result.arms.values() for w in a.windows)
+    assert window_for(FakeBackend(), ({}, cand), 24, 4) == 24, "no samples per step known: window_samples"
+
+
 def test_the_grid_holds_a_token_budget_to_the_same_combination_at_the_batch_size():
     from train.commands.optimize.grid import name_of, quality_guard
 

@@ -25,6 +25,17 @@ def hf_attn_implementation() -> str:
     return "eager" if (*torch_version(), patch) < (2, 1, 1) else "sdpa"
 
 
+def is_compiling() -> bool:
+    """True while ``torch.compile`` traces the calling code: ``torch.compiler.is_compiling`` (torch >= 2.3) or
+    ``torch._dynamo.is_compiling`` (2.1)."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return bool(compiler.is_compiling())
+    import torch._dynamo as dynamo
+
+    return bool(dynamo.is_compiling())
+
+
 def make_grad_scaler(device_type: str, enabled: bool = True) -> Any:
     """A GradScaler for ``device_type``: ``torch.amp.GradScaler`` (torch ≥ 2.3) or ``torch.cuda.amp.GradScaler``
     (2.1)."""

@@ -1,12 +1,20 @@
 """``model.fast_dropout``: a cheaper dropout mask for any model, swapped in module by module, measured and said.
 
-``torch.nn.Dropout`` draws its mask with ``bernoulli_`` in the input's dtype; under CPU bf16 autocast that is a
-bf16 ``bernoulli_``, the top op of ``make profile`` on the built-in model (12-15 % of a step). :class:`FastDropout`
-keeps the distribution — each element kept with probability 1 − p and scaled by 1 / (1 − p) (inverted dropout,
-Srivastava et al. 2014) — but draws the mask as float32 uniforms compared with p (``torch.rand(...) >= p``), which
-the CPU vectorises. It draws from the same global torch generator (so checkpoints' RNG snapshot still makes resume
-bit-exact), but consumes it differently: the random stream, and so the training trajectory, is not the same as with
-``nn.Dropout`` — a lever that is checked for quality before it is called a gain.
+``torch.nn.Dropout`` draws its mask with ``bernoulli_`` in the input's dtype, one generator draw per element; under
+CPU bf16 autocast that is a bf16 ``bernoulli_``, the top op of ``make profile`` on the built-in model (12-15 % of a
+step) and on a Hugging Face BERT (23 %). :class:`FastDropout` keeps inverted dropout (Srivastava et al. 2014: each
+element kept with probability 1 - p, scaled by 1 / (1 - p)) but draws the mask from **16-bit uniform integers, four
+to each full-width 64-bit draw** (``random_(-2**63, None)`` on int64, viewed as int16) compared with a threshold: a
+quarter of the generator calls and no float conversion. The keep probability is then a multiple of 2^-16: p is
+rounded to ``p' = round(p * 65536) / 65536`` (|p' - p| <= 2^-17; 0.1 -> 0.100006) and the kept values are scaled by
+1 / (1 - p'), so the output's expectation is still exactly the input. Measured (this module's mask against
+``F.dropout``, forward and backward of a bf16 [64, 42, 256] activation, 2-core Intel Xeon, torch 2.13): 1.39 ms
+against 3.96 ms; the earlier float32-uniform mask (``torch.rand(...) >= p``) took 2.74 ms. Inside a graph traced by
+``torch.compile`` the float32-uniform mask is used instead: the compiler fuses it with the multiply.
+
+It draws from the same global torch generator (so checkpoints' RNG snapshot still makes resume bit-exact), but
+consumes it differently: the random stream, and so the training trajectory, is not the same as with ``nn.Dropout``
+— a lever that is checked for quality before it is called a gain.
 
 Dropout that does not run through an ``nn.Dropout`` module cannot be swapped and is said so: attention-probability
 dropout handed to ``scaled_dot_product_attention`` (``dropout_p``: the built-in encoder, Hugging Face models with the
@@ -19,6 +27,7 @@ cached under ``data.cache_dir/decisions/`` like the other ``auto`` decisions.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
 from typing import Any, Optional
@@ -26,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from train.compat import is_compiling
 from train.perf.ab import Arm, interleave
 from train.tools import decisions
 from train.tools.env import machine_load
@@ -33,10 +43,34 @@ from train.tools.env import machine_load
 DECISION_FORMAT = 1
 
 
-class FastDropout(nn.Module):
-    """Inverted dropout with a float32-uniform mask: ``x * (rand >= p) / (1 - p)`` in training, identity in eval.
+MASK_BITS = 16
+"""Bits of each uniform integer the mask compares: the keep probability is a multiple of 2^-MASK_BITS."""
 
-    Input and output: any shape and floating dtype (the output keeps the input's dtype). ``p`` in [0, 1).
+
+def quantized_p(p: float) -> float:
+    """The drop probability :class:`FastDropout` draws with: ``p`` rounded to a multiple of 2^-16 (at most
+    1 - 2^-16, so something is always kept)."""
+    return min(round(p * (1 << MASK_BITS)), (1 << MASK_BITS) - 1) / (1 << MASK_BITS)
+
+
+def keep_mask(shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
+    """A bool tensor of ``shape`` on ``device``, each element True with probability ``1 - quantized_p(p)``,
+    independently: 16-bit uniform integers, four per full-width int64 draw of the global torch generator, compared
+    with ``quantized_p(p) * 2^16 - 2^15``."""
+    n = math.prod(shape)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), None)
+    threshold = round(quantized_p(p) * (1 << MASK_BITS)) - (1 << (MASK_BITS - 1))
+    return (words.view(torch.int16)[:n] >= threshold).view(shape)
+
+
+class FastDropout(nn.Module):
+    """Inverted dropout with a 16-bit mask (module docstring): ``x * keep / (1 - p')`` in training, identity in eval.
+
+    Input and output: any shape and floating dtype (the output keeps the input's dtype). ``p`` in [0, 1); the drop
+    probability drawn is ``p' = quantized_p(p)`` (|p' - p| <= 2^-17).
+
+    Raises:
+        ValueError: ``p`` outside [0, 1).
     """
 
     def __init__(self, p: float = 0.5) -> None:
@@ -44,12 +78,15 @@ class FastDropout(nn.Module):
         if not 0 <= p < 1:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = float(p)
+        self.scale = 1.0 / (1.0 - quantized_p(self.p))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        keep = torch.rand(x.shape, device=x.device, dtype=torch.float32) >= self.p
-        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+        if is_compiling():  # traced: the compiler fuses a float32-uniform mask into the multiply
+            return x * (torch.rand(x.shape, device=x.device, dtype=torch.float32) >= self.p).to(x.dtype) \
+                * (1.0 / (1.0 - self.p))
+        return x * keep_mask(x.shape, self.p, x.device).to(x.dtype).mul_(self.scale)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
@@ -147,7 +184,7 @@ def decide_fast_dropout(model: nn.Module, requested: str, precision: str, cache_
         fast = m["low"] is not None and m["low"] > 1.0
         interval = "no interval" if m["low"] is None else f"{m['low']:.2f}, {m['high']:.2f}"
         reason = (f"auto: one training step ran {m['speedup']:.2f}x [{interval}] (median of {m['rounds']} paired "
-                  f"rounds) with the float32 mask (median step {m['fast_ms']:.1f} vs {m['torch_ms']:.1f} ms, "
+                  f"rounds) with the 16-bit mask (median step {m['fast_ms']:.1f} vs {m['torch_ms']:.1f} ms, "
                   f"{precision}): "
                   + ("swapped" if fast else "kept nn.Dropout (no measurable gain)"))
         source = "measured"

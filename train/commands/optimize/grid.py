@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 import itertools
 import json
-import math
 import time
 from collections.abc import Callable
 from typing import Any, Optional
@@ -155,7 +154,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     from train.commands.optimize.backend import RunBackend
     from train.commands.optimize.judging import throughput_metric
     from train.commands.optimize.levers import SCHEDULE_KEYS
-    from train.commands.optimize.pairs import counting
+    from train.commands.optimize.pairs import counting, window_for
     from train.commands.optimize.search import SearchSettings
     from train.compat import fused_adamw_supported
     from train.data import prepare_data
@@ -253,9 +252,7 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         failed: dict[str, str] = {}
 
         def window(group: list[str]) -> int:  # FINAL_WINDOW_STEPS steps of the arm with the most samples per step
-            per_step = getattr(backend, "samples_per_step", lambda _s: None)
-            most = max((per_step(named[n]) or 0.0) for n in group)
-            return max(o.window_samples, math.ceil(FINAL_WINDOW_STEPS * most))
+            return window_for(backend, [named[n] for n in group], o.window_samples, FINAL_WINDOW_STEPS)
 
         def fresh(group: list[str], work: str) -> Any:
             """An A/B of ``group`` in a new process (isolated.py: this one holds the screening's heap), in

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -39,31 +40,63 @@ class PairMeasurement:
 
 
 
+def window_for(backend: Any, settings: Any, at_least: int, steps: int) -> int:
+    """Samples per timed window for an A/B of ``settings`` (a sequence of override dicts): ``steps`` optimizer steps
+    of the one with the most samples per step (``backend.samples_per_step``, where it has one), ``at_least``
+    samples at the least. A window of a few steps times whichever buckets came up: with a 4096-token budget (~136
+    samples per step) a 384-sample window held ~3 steps and per-round ratios ran 0.70-1.26."""
+    per_step = getattr(backend, "samples_per_step", None)
+    most = max(((per_step(x) or 0.0) for x in settings), default=0.0) if per_step else 0.0
+    return max(at_least, math.ceil(steps * most))
+
+
+def quality_point(s: Any, rounds: int, window: int) -> tuple[int, int]:
+    """``(warm-up samples, timed rounds before the quality read)`` so that the quality is read after
+    :meth:`SearchSettings.quality_samples_seen` samples, whatever the window: the warm-up is at least
+    ``s.window_samples`` and takes what whole windows leave (384-sample windows: 384 and 5 rounds; 2,176: 2,304 and
+    0 — read right after the warm-up)."""
+    want = s.quality_samples_seen()
+    before = min(rounds, max(0, (want - s.window_samples) // window))
+    return max(s.window_samples, want - before * window), before
+
+
 def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
                  names: tuple[str, str] = ("best", "candidate"),
                  extend: Callable[[ABResult], bool] = lambda _r: False,
                  horizon: Callable[[ABResult, dict[str, int]], Optional[int]] = lambda _r, _seen: None,
                  ) -> PairMeasurement:
-    """Build both arms, warm them to the same samples seen, interleave ``rounds`` windows of ``window_samples``, read
-    both quality figures — both arms have then seen :meth:`SearchSettings.quality_samples_seen` samples when
-    ``rounds`` is ``s.rounds``, whatever else the A/B does — and interleave ``rounds`` more, up to ``s.max_extensions``
-    times, while ``extend(result so far)`` says the interval is still undecided; then, when ``horizon(result, samples
-    seen per arm)`` names a sample count, train both arms on, untimed, to it and read both qualities again.
-    Exceptions propagate (the caller records them); both arms are closed either way."""
+    """Build both arms, warm them untimed to the same samples seen, interleave ``rounds`` windows of
+    :func:`window_for` samples (``s.window_steps`` steps of the arm with the most samples per step,
+    ``s.window_samples`` at the least), read both quality figures when both arms have seen
+    :meth:`SearchSettings.quality_samples_seen` samples (:func:`quality_point`: between two rounds, or after the
+    warm-up), and interleave ``rounds`` more, up to ``s.max_extensions`` times, while ``extend(result so far)`` says
+    the interval is still undecided; then, when ``horizon(result, samples seen per arm)`` names a sample count, train
+    both arms on, untimed, to it and read both qualities again. Exceptions propagate (the caller records them); both
+    arms are closed either way."""
     arms: list[Any] = []
-    seen = dict.fromkeys(names, s.window_samples)  # the warm-up: at least a window
+    window = window_for(backend, (best, cand), s.window_samples, getattr(s, "window_steps", 0))
+    warm_samples, before = quality_point(s, rounds, window)
+    seen = dict.fromkeys(names, warm_samples)
+    quality: list[dict] = []
+
+    def read(r: int = -1) -> None:
+        if r == before - 1:
+            quality.extend(a.quality() for a in arms)
+
     try:
         arms.append(backend.arm(names[0], best))
         arms.append(backend.arm(names[1], cand))
-        arms[0].warmup(s.window_samples)
-        warm = arms[1].warmup(s.window_samples)
+        arms[0].warmup(warm_samples)
+        warm = arms[1].warmup(warm_samples)
+        read()
         pair = [Arm(n, counting(a.step, seen, n)) for n, a in zip(names, arms)]
-        result = interleave(pair, rounds=rounds, warmup=0, window_samples=s.window_samples, device=backend.device)
-        q_best, q_cand = arms[0].quality(), arms[1].quality()
+        result = interleave(pair, rounds=rounds, warmup=0, window_samples=window, device=backend.device,
+                            on_round=read)
+        q_best, q_cand = quality
         for _ in range(s.max_extensions):
             if not extend(result):
                 break
-            more = interleave(pair, rounds=rounds, warmup=0, window_samples=s.window_samples, device=backend.device)
+            more = interleave(pair, rounds=rounds, warmup=0, window_samples=window, device=backend.device)
             for name, arm in more.arms.items():
                 result.arms[name].windows += [dataclasses.replace(w, round=w.round + result.rounds)
                                               for w in arm.windows]

@@ -136,13 +136,17 @@ class SearchSettings:
     min_predicted: float = NO_GAIN
     """Candidates predicted below :data:`NO_GAIN` but at or above this are measured after every promising one, while
     the budget lasts (``optimize.min_predicted``); the default here measures none of them."""
+    window_steps: int = 0
+    """Each timed window holds at least this many optimizer steps of the pair's arm with the most samples per step
+    (``optimize.window_steps``; 0: ``window_samples`` only)."""
     horizon_samples: Optional[int] = None
     """Where a candidate that changes the optimizer steps per sample is judged (``optimize.horizon_fraction`` of the
     planned run's samples); None: after :meth:`quality_samples_seen`, as every other candidate."""
 
     def quality_samples_seen(self) -> int:
         """The training samples every quality verdict is taken after, in the search and in ``optimize-grid``: the
-        warm-up window and ``rounds`` timed windows of ``window_samples`` (± one batch per window)."""
+        warm-up window and ``rounds`` timed windows of ``window_samples`` (± one batch per window), whatever length
+        the A/B's windows take (:func:`~train.commands.optimize.pairs.quality_point`)."""
         return (1 + self.rounds) * self.window_samples
 
     @classmethod
@@ -150,7 +154,8 @@ class SearchSettings:
         """From the ``optimize`` section; ``planned_samples``: the run's training samples (sets the horizon)."""
         horizon = None if not planned_samples else max(1, int(o.horizon_fraction * planned_samples))
         return cls(o.budget_s, o.rounds, o.window_samples, o.min_gain, o.quality_tolerance, o.arm_timeout_s,
-                   o.confirm_rounds, min_predicted=o.min_predicted, horizon_samples=horizon)
+                   o.confirm_rounds, min_predicted=o.min_predicted, window_steps=o.window_steps,
+                   horizon_samples=horizon)
 
 
 @dataclass
