@@ -759,6 +759,27 @@ def test_a_run_counted_in_epochs_judges_other_steps_per_sample_at_the_horizon_to
     assert not res.decisions[0].accepted  # without samples per step: judged early, behind
 
 
+def test_a_planned_run_shorter_than_the_ab_is_judged_where_the_ab_passes_it():
+    """One epoch of a small split can be shorter than the A/B itself (long windows of large steps): the arms pass the
+    horizon while timed, so both qualities are read at the first round boundary past it — not left at the early
+    verdict ("the arms have seen N samples")."""
+
+    class PerStep(FakeBackend):
+        def samples_per_step(self, settings):
+            return 8.0 * settings.get("fake.budget", 1)
+
+    # windows of 4 steps x 24 samples: the quality point (96) right after the warm-up, the horizon (150) inside round 0
+    budget = lever("budget", {"fake.speed": 2.0, "fake.learns_late": 100, "fake.budget": 3}, 1.9)
+    res = search(PerStep(), (budget,), {}, settings(rounds=3, window_steps=4, horizon_samples=150),
+                 notice=lambda _m: None)
+    d = res.decisions[0]
+    assert d.quality["candidate"]["loss"] == 1.5 and d.quality["candidate"]["samples_seen"] == 96  # early: behind
+    h = d.quality["horizon"]
+    assert d.accepted and h["candidate"]["loss"] == 1.0 and h["samples"] == 192  # 96 + one window of 96
+    assert h["best"]["samples_seen"] == h["candidate"]["samples_seen"] == 192
+    assert "the first read past the planned run's 150 samples" in d.reason
+
+
 def test_the_horizon_shrinks_to_what_fits_the_time_left():
     from train.commands.optimize.search import horizon_target
     from train.perf.ab import ABResult, ArmResult, Window

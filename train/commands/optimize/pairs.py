@@ -64,24 +64,31 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
                  names: tuple[str, str] = ("best", "candidate"),
                  extend: Callable[[ABResult], bool] = lambda _r: False,
                  horizon: Callable[[ABResult, dict[str, int]], Optional[int]] = lambda _r, _seen: None,
-                 ) -> PairMeasurement:
+                 passing: Optional[int] = None) -> PairMeasurement:
     """Build both arms, warm them untimed to the same samples seen, interleave ``rounds`` windows of
     :func:`window_for` samples (``s.window_steps`` steps of the arm with the most samples per step,
     ``s.window_samples`` at the least), read both quality figures when both arms have seen
     :meth:`SearchSettings.quality_samples_seen` samples (:func:`quality_point`: between two rounds, or after the
     warm-up), and interleave ``rounds`` more, up to ``s.max_extensions`` times, while ``extend(result so far)`` says
     the interval is still undecided; then, when ``horizon(result, samples seen per arm)`` names a sample count, train
-    both arms on, untimed, to it and read both qualities again. Exceptions propagate (the caller records them); both
-    arms are closed either way."""
+    both arms on, untimed, to it and read both qualities again. ``passing``: a planned run shorter than the A/B
+    itself — both qualities are read at the first round boundary where both arms have seen at least that many
+    samples, and that read is the ``horizon`` (``note`` says where) unless ``horizon()`` names a later one.
+    Exceptions propagate (the caller records them); both arms are closed either way."""
     arms: list[Any] = []
     window = window_for(backend, (best, cand), s.window_samples, getattr(s, "window_steps", 0))
     warm_samples, before = quality_point(s, rounds, window)
     seen = dict.fromkeys(names, warm_samples)
     quality: list[dict] = []
+    passed: dict[str, Any] = {}
 
     def read(r: int = -1) -> None:
-        if r == before - 1:
+        if r == before - 1 and not quality:
             quality.extend(a.quality() for a in arms)
+        at = min(seen.values())
+        if passing and not passed and at >= passing:
+            passed.update({"samples": at, "note": f"the first read past the planned run's {passing} samples: the "
+                           f"A/B itself trains further"}, **{n: a.quality() for n, a in zip(names, arms)})
 
     try:
         arms.append(backend.arm(names[0], best))
@@ -96,12 +103,13 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
         for _ in range(s.max_extensions):
             if not extend(result):
                 break
-            more = interleave(pair, rounds=rounds, warmup=0, window_samples=window, device=backend.device)
+            more = interleave(pair, rounds=rounds, warmup=0, window_samples=window, device=backend.device,
+                              on_round=read)
             for name, arm in more.arms.items():
                 result.arms[name].windows += [dataclasses.replace(w, round=w.round + result.rounds)
                                               for w in arm.windows]
             result = ABResult(result.arms, result.rounds + more.rounds, result.load_start, more.load_end)
-        out = PairMeasurement(result, warm, q_best, q_cand)
+        out = PairMeasurement(result, warm, q_best, q_cand, horizon=passed or None)
         target = horizon(result, dict(seen))
         if target:
             for arm in pair:

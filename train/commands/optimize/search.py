@@ -227,7 +227,8 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
 
     try:
         with time_limit(s.arm_timeout_s):
-            m = measure_pair(backend, best, cand, s, s.rounds, extend=undecided, horizon=horizon)
+            m = measure_pair(backend, best, cand, s, s.rounds, extend=undecided, horizon=horizon,
+                             passing=s.horizon_samples if changes_steps else None)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # any failure of an arm is a rejected candidate, never a lost search
@@ -253,7 +254,8 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
     if c.may_change != EXACT:
         ok, why = quality_verdict(q_best, q_cand, s.quality_tolerance)
         if m.horizon is not None:
-            why += f" (at {m.horizon['samples']} samples: {horizon_note[-1] or 'the planned run'})"
+            note = m.horizon.get("note") or (horizon_note[-1] if horizon_note else "") or "the planned run"
+            why += f" (at {m.horizon['samples']} samples: {note})"
         elif changes_steps and horizon_note:
             why += f" (early: {horizon_note[-1]})"
         quality["verdict"] = why
