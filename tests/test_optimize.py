@@ -236,9 +236,15 @@ def test_token_budget_doubles_up_to_the_bound():
     cfg = RunConfig().with_values({"batching.method": "optimal", "batching.max_tokens": 8192})
     ctx = LeverContext(cfg=cfg, device_type="cpu", base_budget=4096)
     tb = next(lv for lv in CATALOGUE if lv.name == "token_budget")
-    assert tb.propose(ctx, Evidence())[0].overrides == {"batching.max_tokens": 16384}
+    up, down = tb.propose(ctx, Evidence(optimizer_share=0.02))
+    assert up.overrides == {"batching.max_tokens": 16384}
+    # the rung below the budget in place: predicted slower from the per-step overhead, near-neutral (measured last)
+    assert down.overrides == {"batching.max_tokens": 4096} and down.predicted == pytest.approx(amdahl(0.02, 0.5))
+    assert 0.97 <= down.predicted < 1.0 and "the rung down" in down.evidence
     ctx.cfg = cfg.with_values({"batching.max_tokens": 16384})
-    assert "max_budget_factor" in tb.propose(ctx, Evidence())
+    assert [c.value for c in tb.propose(ctx, Evidence())] == ["8192"]  # the top of the ladder: only the rung down
+    ctx.cfg = cfg.with_values({"batching.max_tokens": 512})
+    assert [c.value for c in tb.propose(ctx, Evidence())] == ["1024", "2048"]  # the bottom: nothing below
     # from a fixed batch of 32 samples of 30 padded tokens (960 per step): the smallest budget of the ladder with at
     # least 1.5x the tokens per step, predicted from the per-step overhead spread over 2048 / 960 the tokens
     from train.data.layout_cost import LayoutCost
@@ -487,6 +493,9 @@ def test_windows_hold_enough_steps_and_the_quality_is_read_at_the_same_samples(p
     assert m.quality_best["samples_seen"] == m.quality_candidate["samples_seen"] == s.quality_samples_seen() == 96
     assert all(w.counts["samples"] >= window for a in m.result.arms.values() for w in a.windows)
     assert window_for(FakeBackend(), ({}, cand), 24, 4) == 24, "no samples per step known: window_samples"
+    assert window_for(backend, ({}, {"fake.per_step": 50}), 24, 4, at_most=120) == 120, "capped by the planned run"
+    assert window_for(backend, ({}, {"fake.per_step": 50}), 24, 4, at_most=10) == 24, "window_samples at the least"
+    assert SearchSettings.from_config(RunConfig().optimize, 6000).max_window_samples == 1200
 
 
 def test_the_grid_holds_a_token_budget_to_the_same_combination_at_the_batch_size():

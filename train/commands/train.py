@@ -276,7 +276,7 @@ def _build(r: _Run) -> None:
                       compile=True, logger=logger, before_wrap=before_wrap)
     r.loaders, r.trainer = built.loaders, built.trainer
     lines = decision_lines(device, r.policy, r.compiled, bundle, cfg)
-    lines.append(f"  dropout    {'float32 mask' if r.fast_dropout['applied'] else 'nn.Dropout'}: "
+    lines.append(f"  dropout    {'16-bit mask' if r.fast_dropout['applied'] else 'nn.Dropout'}: "
                  f"{r.fast_dropout['reason']}")
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
         choice = broadcast_from_main(choose_packed_attention(r.model, r.policy, cfg, bundle, device, r.compiled.enabled,

@@ -30,7 +30,9 @@ class OptimizeConfig(Frozen):
     """Each timed window of the search's A/Bs holds at least this many optimizer steps of the pair's arm with the
     most samples per step (``window_samples`` at the least): a 4096-token budget puts ~136 samples in a step, so a
     384-sample window held ~3 steps of whichever buckets came up and budget A/Bs on hf:bert spanned 0.69-1.28. The
-    quality verdict stays after ``(1 + rounds) × window_samples`` samples whatever the window. 0: samples only."""
+    quality verdict stays after ``(1 + rounds) × window_samples`` samples whatever the window. A window never holds
+    more than the planned run's samples ÷ ``rounds`` (the timed rounds train no arm more than the run does: one epoch
+    of bench-vs-hf's 6,000 samples is 1,200 per window). 0: samples only."""
     warmup_steps: int = allowed(3, ge=1)
     """Untimed steps per arm before its timed windows (compiled arms warm every planned shape instead)."""
     min_gain: float = allowed(1.02, ge=1.0)

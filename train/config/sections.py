@@ -120,8 +120,9 @@ class ModelConfig(Frozen):
     once, cached; train/data/attention.py), else ``sdpa-mask`` with the reason."""
     fast_dropout: Union[bool, str] = allowed("auto", choices=("auto", "true", "false"))
     """Swap the model's ``nn.Dropout`` modules for :class:`train.models.dropout.FastDropout` (the same keep probability
-    and scaling, the mask drawn as float32 uniforms compared with p — vectorised on CPUs, unlike ``bernoulli_`` on
-    bf16 tensors — so a different random stream): ``true``, ``false``, or ``auto``: swapped only where one training
+    and scaling — p rounded to a multiple of 2^-16 —, the mask drawn as 16-bit uniform integers, four per 64-bit
+    generator draw, compared with a threshold — a quarter of the draws of ``bernoulli_`` and no float conversion —,
+    so a different random stream): ``true``, ``false``, or ``auto``: swapped only where one training
     step measures faster with it (interval above 1.0; measured once, cached; train/models/dropout.py)."""
     source: str = "builtin"
     """``builtin`` (the encoder above), ``hf:<dir>`` (a local Hugging Face model directory, never downloaded),

@@ -64,7 +64,8 @@ CONFIGS: dict[str, BenchRow] = {
                                  "sequence packing (rows of data.max_len, block-diagonal attention) "
                                  "instead of buckets"),
     "optimized+fast-dropout": BenchRow(("batching.method=optimal", "train.precision=auto", "model.fast_dropout=true"),
-                                       "optimized", "dropout masks drawn as float32 uniforms (model.fast_dropout)"),
+                                       "optimized",
+                                       "dropout masks drawn as 16-bit uniform integers (model.fast_dropout)"),
 }
 """Rows without ``model.fast_dropout`` run ``nn.Dropout`` (:func:`arm_config` pins it), so only the
 ``optimized+fast-dropout`` row's ratio to its parent carries that lever."""

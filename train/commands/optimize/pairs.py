@@ -40,14 +40,16 @@ class PairMeasurement:
 
 
 
-def window_for(backend: Any, settings: Any, at_least: int, steps: int) -> int:
+def window_for(backend: Any, settings: Any, at_least: int, steps: int, at_most: Optional[int] = None) -> int:
     """Samples per timed window for an A/B of ``settings`` (a sequence of override dicts): ``steps`` optimizer steps
-    of the one with the most samples per step (``backend.samples_per_step``, where it has one), ``at_least``
-    samples at the least. A window of a few steps times whichever buckets came up: with a 4096-token budget (~136
-    samples per step) a 384-sample window held ~3 steps and per-round ratios ran 0.70-1.26."""
+    of the one with the most samples per step (``backend.samples_per_step``, where it has one), ``at_most``
+    samples at the most (None: no cap) and ``at_least`` samples at the least. A window of a few steps times
+    whichever buckets came up: with a 4096-token budget (~136 samples per step) a 384-sample window held ~3 steps
+    and per-round ratios ran 0.70-1.26."""
     per_step = getattr(backend, "samples_per_step", None)
     most = max(((per_step(x) or 0.0) for x in settings), default=0.0) if per_step else 0.0
-    return max(at_least, math.ceil(steps * most))
+    want = math.ceil(steps * most)
+    return max(at_least, min(want, at_most) if at_most else want)
 
 
 def quality_point(s: Any, rounds: int, window: int) -> tuple[int, int]:
@@ -67,16 +69,17 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
                  passing: Optional[int] = None) -> PairMeasurement:
     """Build both arms, warm them untimed to the same samples seen, interleave ``rounds`` windows of
     :func:`window_for` samples (``s.window_steps`` steps of the arm with the most samples per step,
-    ``s.window_samples`` at the least), read both quality figures when both arms have seen
-    :meth:`SearchSettings.quality_samples_seen` samples (:func:`quality_point`: between two rounds, or after the
-    warm-up), and interleave ``rounds`` more, up to ``s.max_extensions`` times, while ``extend(result so far)`` says
-    the interval is still undecided; then, when ``horizon(result, samples seen per arm)`` names a sample count, train
-    both arms on, untimed, to it and read both qualities again. ``passing``: a planned run shorter than the A/B
-    itself — both qualities are read at the first round boundary where both arms have seen at least that many
-    samples, and that read is the ``horizon`` (``note`` says where) unless ``horizon()`` names a later one.
-    Exceptions propagate (the caller records them); both arms are closed either way."""
+    ``s.max_window_samples`` at the most, ``s.window_samples`` at the least), read both quality figures when both
+    arms have seen :meth:`SearchSettings.quality_samples_seen` samples (:func:`quality_point`: between two rounds,
+    or after the warm-up), and interleave ``rounds`` more, up to ``s.max_extensions`` times, while ``extend(result
+    so far)`` says the interval is still undecided; then, when ``horizon(result, samples seen per arm)`` names a
+    sample count, train both arms on, untimed, to it and read both qualities again. ``passing``: a planned run
+    shorter than the A/B itself — both qualities are read at the first round boundary where both arms have seen at
+    least that many samples, and that read is the ``horizon`` (``note`` says where) unless ``horizon()`` names a
+    later one. Exceptions propagate (the caller records them); both arms are closed either way."""
     arms: list[Any] = []
-    window = window_for(backend, (best, cand), s.window_samples, getattr(s, "window_steps", 0))
+    window = window_for(backend, (best, cand), s.window_samples, getattr(s, "window_steps", 0),
+                        getattr(s, "max_window_samples", None))
     warm_samples, before = quality_point(s, rounds, window)
     seen = dict.fromkeys(names, warm_samples)
     quality: list[dict] = []

@@ -138,7 +138,10 @@ class SearchSettings:
     the budget lasts (``optimize.min_predicted``); the default here measures none of them."""
     window_steps: int = 0
     """Each timed window holds at least this many optimizer steps of the pair's arm with the most samples per step
-    (``optimize.window_steps``; 0: ``window_samples`` only)."""
+    (``optimize.window_steps``; 0: ``window_samples`` only) ..."""
+    max_window_samples: Optional[int] = None
+    """... and at most this many samples (``window_samples`` at the least): the planned run's samples ÷ ``rounds``,
+    so that an A/B's timed rounds never train each arm more than the run itself does."""
     horizon_samples: Optional[int] = None
     """Where a candidate that changes the optimizer steps per sample is judged (``optimize.horizon_fraction`` of the
     planned run's samples); None: after :meth:`quality_samples_seen`, as every other candidate."""
@@ -155,6 +158,7 @@ class SearchSettings:
         horizon = None if not planned_samples else max(1, int(o.horizon_fraction * planned_samples))
         return cls(o.budget_s, o.rounds, o.window_samples, o.min_gain, o.quality_tolerance, o.arm_timeout_s,
                    o.confirm_rounds, min_predicted=o.min_predicted, window_steps=o.window_steps,
+                   max_window_samples=planned_samples // o.rounds if planned_samples else None,
                    horizon_samples=horizon)
 
 
