@@ -1,9 +1,14 @@
 """How ``make optimize`` judges an A/B: the rate it compares arms by, a one-off cost charged over the planned run,
-and the quality guard's verdict. Shared by the search (search.py) and ``optimize-grid`` (grid.py)."""
+and the quality guard's verdict; an arm that fails (out of memory, an exception, past ``optimize.arm_timeout_s``)
+in one line. Shared by the search (search.py) and ``optimize-grid`` (grid.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from train.perf.ab import ABResult, Ratio
@@ -55,3 +60,39 @@ def quality_verdict(best: dict[str, Any], cand: dict[str, Any], tolerance: float
         return False, (f"held-out loss {loss:.4f} > {limit:.4f} ({reference}'s {ref:.4f} + "
                        f"{100 * tolerance:g}%) after the same samples")
     return True, f"held-out loss {loss:.4f} vs {ref:.4f} (tolerance +{100 * tolerance:g}%)"
+
+
+class ArmTimeout(Exception):
+    """A candidate ran past ``optimize.arm_timeout_s``."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`ArmTimeout` in the main thread after ``seconds`` (SIGALRM; no limit off the main thread or where
+    the OS has no SIGALRM). A call stuck inside C code that never returns to Python is not interruptible this way."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_sig, _frame):
+        raise ArmTimeout(f"ran past optimize.arm_timeout_s={seconds:g} s (a hang, or too slow to measure)")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line for a failed arm: ``out of memory: …``, ``hung: …``, or ``raised <Type>: …``."""
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    if isinstance(exc, ArmTimeout):
+        return f"timed out: {text}"
+    if isinstance(exc, MemoryError) or "out of memory" in text.lower() or type(exc).__name__ == "OutOfMemoryError":
+        return f"out of memory: {text or type(exc).__name__}"
+    if "recompile" in text.lower() and "limit" in text.lower():
+        return f"hit the recompile limit: {text}"
+    return f"raised {type(exc).__name__}: {text}"

@@ -112,10 +112,8 @@ class Lever:
 
 def amdahl(share: Optional[float], k: float) -> float:
     """Speedup when a fraction ``share`` of the step becomes ``k`` times faster (``share`` None: 1.0)."""
-    if share is None or share <= 0:
-        return 1.0
-    s = min(1.0, share)
-    return 1.0 / (1.0 - s + s / k)
+    s = min(1.0, share or 0.0)
+    return 1.0 / (1.0 - s + s / k) if s > 0 else 1.0
 
 
 def _pct(x: Optional[float]) -> str:
@@ -271,9 +269,7 @@ def _token_budget(ctx: LeverContext, ev: Evidence) -> Proposal:
     factor = ctx.cfg.optimize.max_budget_factor
     ladder = budget_ladder(base, factor)
     bigger = [v for v in ladder if v >= 1.5 * tokens_now]
-    # with a budget in place, also the rung below it: per-step overhead favours larger steps, but large batches of a
-    # memory-bound step fall out of the caches (hf:bert, 8192 -> 4096 tokens: 1.06x [1.003, 1.32]); the prediction
-    # cannot see that, so the rung below is near-neutral: measured after every promising candidate
+    # and the rung below a budget in place: near-neutral (large batches of a memory-bound step leave the caches)
     smaller = [v for v in ladder if v < b.max_tokens][-1:] if b.max_tokens and not switch else []
     if not bigger and not smaller:
         return (f"batching.max_tokens={b.max_tokens or round(tokens_now)} tokens per step: the next budget would pass "
@@ -285,13 +281,13 @@ def _token_budget(ctx: LeverContext, ev: Evidence) -> Proposal:
         if now is not None and fitted is not None:
             layout = batching_speedup(now, fitted, ev.attention_share or 0.0)
     out = []
-    for value in bigger[:2] + smaller:  # the next two rungs up (a budget that learns worse may have a smaller one
-        k = value / tokens_now          # that does not) and the one down
-        words = (f"per-step overhead (launch-bound, optimizer, other) {_pct(per_step)} of the step, "
-                 + (f"spread over {k:.1f}x" if k > 1 else f"the rung down: {k:.1f}x") +
-                 f" the tokens per step ({tokens_now:.0f} -> {value})"
-                 + (f"; {100 * head:.0f}% of device memory free" if head is not None else "") + how)
+    for value in bigger[:2] + smaller:  # two rungs up: a budget that learns worse may have a smaller one that does not
+        k = value / tokens_now
         # the overhead is paid once per step: per sample it shrinks by k (Amdahl on the per-step share)
+        spread = f"spread over {k:.1f}x" if k > 1 else f"the rung down: {k:.1f}x"
+        words = (f"per-step overhead (launch-bound, optimizer, other) {_pct(per_step)} of the step, {spread} the "
+                 f"tokens per step ({tokens_now:.0f} -> {value})"
+                 + (f"; {100 * head:.0f}% of device memory free" if head is not None else "") + how)
         out.append(Candidate("token_budget", str(value), {**switch, "batching.max_tokens": int(value)},
                              amdahl(per_step, k) * layout, words, TRAINING))
     return out

@@ -11,19 +11,23 @@ look at), so a test drives it with fake arms of known speed, and ``make optimize
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import torch
 
-from train.commands.optimize.judging import amortise, quality_verdict, throughput_metric
+from train.commands.optimize.judging import (  # noqa: F401 (ArmTimeout re-exported)
+    ArmTimeout,
+    amortise,
+    failure_reason,
+    quality_verdict,
+    throughput_metric,
+    time_limit,
+)
 from train.commands.optimize.levers import EXACT, Candidate, Evidence, Lever, LeverContext
 from train.commands.optimize.pairs import PairMeasurement, horizon_target, measure_pair  # noqa: F401 (re-exported)
 from train.perf.ab import ABResult
@@ -58,42 +62,6 @@ class Backend(Protocol):
 
     # optional: ``samples_per_step(settings) -> float | None``, the samples per optimizer step of ``settings`` on the
     # data (:func:`with_schedule` reads it to find a candidate on other steps per sample)
-
-
-class ArmTimeout(Exception):
-    """A candidate ran past ``optimize.arm_timeout_s``."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise :class:`ArmTimeout` in the main thread after ``seconds`` (SIGALRM; no limit off the main thread or where
-    the OS has no SIGALRM). A call stuck inside C code that never returns to Python is not interruptible this way."""
-    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(_sig, _frame):
-        raise ArmTimeout(f"ran past optimize.arm_timeout_s={seconds:g} s (a hang, or too slow to measure)")
-
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def failure_reason(exc: BaseException) -> str:
-    """One line for a failed arm: ``out of memory: …``, ``hung: …``, or ``raised <Type>: …``."""
-    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-    if isinstance(exc, ArmTimeout):
-        return f"timed out: {text}"
-    if isinstance(exc, MemoryError) or "out of memory" in text.lower() or type(exc).__name__ == "OutOfMemoryError":
-        return f"out of memory: {text or type(exc).__name__}"
-    if "recompile" in text.lower() and "limit" in text.lower():
-        return f"hit the recompile limit: {text}"
-    return f"raised {type(exc).__name__}: {text}"
 
 
 @dataclass
