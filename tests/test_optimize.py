@@ -498,6 +498,16 @@ def test_windows_hold_enough_steps_and_the_quality_is_read_at_the_same_samples(p
     assert SearchSettings.from_config(RunConfig().optimize, 6000).max_window_samples == 1200
 
 
+def test_the_final_confirmation_times_windows_of_window_samples():
+    """The baseline runs every window's samples too (often ten times slower per sample): the confirmation's windows
+    are not sized in the optimized arm's steps."""
+    from train.commands.optimize.search import confirm
+
+    s = settings(rounds=3, window_steps=4, confirm_rounds=2)
+    out = confirm(StepSizedBackend(), {}, {"fake.per_step": 50, "fake.speed": 2.0}, s, notice=lambda _m: None)
+    assert {w["samples"] for arm in out["ab"]["arms"].values() for w in arm["windows"]} == {24}
+
+
 def test_the_grid_holds_a_token_budget_to_the_same_combination_at_the_batch_size():
     from train.commands.optimize.grid import name_of, quality_guard
 

@@ -26,11 +26,12 @@ class OptimizeConfig(Frozen):
     """Samples per timed window: both arms see the same number of samples per round, whatever their batch size. Large
     enough that a bucketed arm's window covers many buckets (with 96, three batch-32 steps of whichever buckets came
     up made per-window rates swing 2x and intervals span 0.6-1.5)."""
-    window_steps: int = allowed(12, ge=0)
+    window_steps: int = allowed(8, ge=0)
     """Each timed window of the search's A/Bs holds at least this many optimizer steps of the pair's arm with the
     most samples per step (``window_samples`` at the least): a 4096-token budget puts ~136 samples in a step, so a
     384-sample window held ~3 steps of whichever buckets came up and budget A/Bs on hf:bert spanned 0.69-1.28. The
-    quality verdict stays after ``(1 + rounds) × window_samples`` samples whatever the window. A window never holds
+    quality verdict stays after ``(1 + rounds) × window_samples`` samples whatever the window. Not the final
+    confirmation's: its baseline is often ten times slower per sample. A window never holds
     more than the planned run's samples ÷ ``rounds`` (the timed rounds train no arm more than the run does: one epoch
     of bench-vs-hf's 6,000 samples is 1,200 per window). 0: samples only."""
     warmup_steps: int = allowed(3, ge=1)
