@@ -469,6 +469,37 @@ def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
     assert qa["samples_seen"] == qb["samples_seen"] == s.quality_samples_seen() == 96
 
 
+def test_a_candidate_that_fails_the_guard_where_the_planned_run_ends_gets_no_more_rounds():
+    """An undecided A/B is extended — unless the quality read past the planned run already rejects the candidate."""
+    from train.commands.optimize.search import measure_pair
+
+    def run(settled: bool) -> Any:
+        return measure_pair(FakeBackend(), {}, {"fake.speed": 1.5}, settings(rounds=3), 3, extend=lambda _r: True,
+                            passing=24, settled=lambda h: settled and "candidate" in h)
+
+    assert run(False).result.rounds == 9 and run(True).result.rounds == 3
+    assert run(True).horizon["candidate"]["samples_seen"] >= 24
+
+
+def test_settings_that_failed_the_guard_at_the_planned_run_are_not_measured_again():
+    """A token budget rejected by the guard at the horizon is proposed again once a smaller budget is kept: the same
+    candidate settings (its overrides replace the new best's) against a best also read there — the earlier reads
+    decide, no arm is built."""
+    bad = lever("big", {"fake.budget": 16, "train.max_steps": 5, "fake.speed": 2.0, "fake.harmful": True}, 1.9)
+    good = lever("small", {"fake.budget": 8, "train.max_steps": 10, "fake.speed": 1.5}, 1.4)
+    backend = FakeBackend()
+    res = search(backend, (bad, good), {}, settings(horizon_samples=240), notice=lambda _m: None)
+    assert [(d.candidate.lever, d.accepted) for d in res.decisions] == [("big", False), ("small", True),
+                                                                         ("big", False)]
+    first, _, again = res.decisions
+    assert "(at 240 samples" in first.reason and again.seconds == 0 and again.ratio is None
+    assert again.reason.startswith("quality guard, from earlier A/Bs of the same settings: held-out loss 3.0000")
+    assert sum(1 for b in backend.built if b.get("fake.harmful")) == 1  # built once, in the first A/B
+    # without reads at the planned run's length nothing is known: the A/B runs again
+    res = search(FakeBackend(), (bad, good), {}, settings(), notice=lambda _m: None)
+    assert len(res.decisions) == 3 and res.decisions[2].ratio is not None
+
+
 class StepSizedBackend(FakeBackend):
     """A backend that knows each setting's samples per optimizer step (``fake.per_step``, else 8)."""
 

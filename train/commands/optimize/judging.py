@@ -44,6 +44,19 @@ def amortise(ratio: Ratio, warmup_s: float, planned_s: Optional[float]) -> dict[
     return d
 
 
+def learned_worse(best: Optional[dict], cand: Optional[dict], horizon: Optional[int],
+                  tolerance: float) -> Optional[str]:
+    """Why settings ``cand`` fail the quality guard against ``best``, from both settings' quality at the planned
+    run's length (at least ``horizon`` samples seen; dicts as :func:`quality_verdict` takes) read in earlier A/Bs;
+    None when either was not read there or the guard passes. The same settings train the same model (each arm's
+    random stream is its own), so the verdict needs no new A/B: in opt-naive-11 a 16384-token budget, rejected on
+    a 4096 budget, was proposed again once 8192 was kept and read the same held-out loss, 2.5582, after 74 s more."""
+    if not (best and cand and horizon) or min(best.get("samples_seen", 0), cand.get("samples_seen", 0)) < horizon:
+        return None
+    ok, why = quality_verdict(best, cand, tolerance)
+    return None if ok else why
+
+
 def quality_verdict(best: dict[str, Any], cand: dict[str, Any], tolerance: float,
                     reference: str = "the current best") -> tuple[bool, str]:
     """(passes, why): no non-finite step, a finite held-out loss, and that loss ≤ the reference's (``best``, named
@@ -87,7 +100,8 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 def failure_reason(exc: BaseException) -> str:
-    """One line for a failed arm: ``out of memory: …``, ``hung: …``, or ``raised <Type>: …``."""
+    """One line for a failed arm: ``out of memory: …``, ``timed out: …``, ``hit the recompile limit: …`` or
+    ``raised <Type>: …``."""
     text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
     if isinstance(exc, ArmTimeout):
         return f"timed out: {text}"

@@ -66,7 +66,7 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
                  names: tuple[str, str] = ("best", "candidate"),
                  extend: Callable[[ABResult], bool] = lambda _r: False,
                  horizon: Callable[[ABResult, dict[str, int]], Optional[int]] = lambda _r, _seen: None,
-                 passing: Optional[int] = None) -> PairMeasurement:
+                 passing: Optional[int] = None, settled: Callable[[dict], bool] = lambda _h: False) -> PairMeasurement:
     """Build both arms, warm them untimed to the same samples seen, interleave ``rounds`` windows of
     :func:`window_for` samples (``s.window_steps`` steps of the arm with the most samples per step,
     ``s.max_window_samples`` at the most, ``s.window_samples`` at the least), read both quality figures when both
@@ -76,7 +76,9 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
     sample count, train both arms on, untimed, to it and read both qualities again. ``passing``: a planned run
     shorter than the A/B itself — both qualities are read at the first round boundary where both arms have seen at
     least that many samples, and that read is the ``horizon`` (``note`` says where) unless ``horizon()`` names a
-    later one. Exceptions propagate (the caller records them); both arms are closed either way."""
+    later one; when ``settled(that read)`` (the search: the candidate fails the quality guard there, so no speed
+    makes it a keeper) the A/B is not extended. Exceptions propagate (the caller records them); both arms are
+    closed either way."""
     arms: list[Any] = []
     window = window_for(backend, (best, cand), s.window_samples, getattr(s, "window_steps", 0),
                         getattr(s, "max_window_samples", None))
@@ -104,7 +106,7 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
                             on_round=read)
         q_best, q_cand = quality
         for _ in range(s.max_extensions):
-            if not extend(result):
+            if not extend(result) or (passed and settled(passed)):
                 break
             more = interleave(pair, rounds=rounds, warmup=0, window_samples=window, device=backend.device,
                               on_round=read)

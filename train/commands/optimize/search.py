@@ -24,6 +24,7 @@ from train.commands.optimize.judging import (  # noqa: F401 (ArmTimeout re-expor
     ArmTimeout,
     amortise,
     failure_reason,
+    learned_worse,
     quality_verdict,
     throughput_metric,
     time_limit,
@@ -197,10 +198,13 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         horizon_note.append(why)
         return target
 
+    def learns_worse(h: dict) -> bool:  # at the planned run's length: rejected however fast it is
+        return c.may_change != EXACT and not quality_verdict(h["best"], h["candidate"], s.quality_tolerance)[0]
+
     try:
         with time_limit(s.arm_timeout_s):
             m = measure_pair(backend, best, cand, s, s.rounds, extend=undecided, horizon=horizon,
-                             passing=s.horizon_samples if changes_steps else None)
+                             passing=s.horizon_samples if changes_steps else None, settled=learns_worse)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # any failure of an arm is a rejected candidate, never a lost search
@@ -222,6 +226,9 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         d.reason = (f"{ratio['median']:.3f}x [{low:.3f}, {ratio['high']:.3f}]: the interval's lower bound is below "
                     f"optimize.min_gain={s.min_gain:g}" + (" (no measurable difference)" if low <= 1 <= ratio["high"]
                                                            else ""))
+        if m.horizon is not None and learns_worse(m.horizon):
+            d.reason += (f"; the quality guard fails too, at {m.horizon['samples']} samples: "
+                         f"{quality_verdict(m.horizon['best'], m.horizon['candidate'], s.quality_tolerance)[1]}")
         return d
     if c.may_change != EXACT:
         ok, why = quality_verdict(q_best, q_cand, s.quality_tolerance)
@@ -285,6 +292,7 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
     res = result or SearchResult(baseline=dict(baseline), best=dict(baseline))
     tried: set[tuple] = set()  # (candidate overrides, the best it was measured against)
     tries: dict[tuple[str, str], int] = {}  # (lever, value) → A/Bs so far
+    horizons: dict[tuple, dict] = {}  # settings → their quality read at the planned run's length
     ab_costs: list[float] = []
 
     def left() -> float:
@@ -331,9 +339,16 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
             tried.add((c.key, _key(res.best)))
             tries[(c.lever, c.value)] = tries.get((c.lever, c.value), 0) + 1
             planned_s = (planned_steps or 0) * (ev.step_ms or 0) / 1e3 or None
-            d = try_candidate(backend, res.best, c, s, planned_s, clock, left_s=left())
+            pair = (_key(res.best), _key({**res.best, **c.overrides}))
+            worse = learned_worse(*(horizons.get(k) for k in pair), s.horizon_samples, s.quality_tolerance)
+            d = (Decision(c, False, f"quality guard, from earlier A/Bs of the same settings: {worse}") if worse else
+                 try_candidate(backend, res.best, c, s, planned_s, clock, left_s=left()))
+            h = (d.quality or {}).get("horizon")
+            if h:
+                horizons.update({pair[0]: h["best"], pair[1]: h["candidate"]})
+            if not worse:
+                ab_costs.append(d.seconds)
             d.evidence_index = len(res.profiles) - 1
-            ab_costs.append(d.seconds)
             res.decisions.append(d)
             notice(f"optimize: {'ACCEPT' if d.accepted else 'reject'} {c.lever}={c.value} "
                    f"(predicted {c.predicted:.2f}x from {c.evidence}): {d.reason}")
