@@ -275,6 +275,19 @@ def test_candidates_the_evidence_gives_nothing_to_gain_are_not_measured():
                               "reason": "the evidence predicts no gain (< 0.5%)"}]
 
 
+def test_an_exact_lever_whose_bound_is_below_min_gain_is_not_measured():
+    """An exact lever predicts its bound (its whole share removed): one DataLoader worker against 1.1 % data wait gains
+    at most 1.011x, which optimize.min_gain (here 1.05) could accept only by chance — a reason, not an A/B; a lever
+    that changes the training with the same prediction is still measured (its prediction is an estimate)."""
+    levers = (lever("workers", {"fake.speed_w": 1.0}, 1.04, EXACT), lever("numerics", {"fake.speed_n": 1.0}, 1.04))
+    res = search(FakeBackend(), levers, {}, settings(), notice=lambda _m: None)
+    assert [d.candidate.lever for d in res.decisions] == ["numerics"]
+    assert res.not_applicable["workers"] == ("workers=on gains at most 1.040x (fake evidence, all of it removed): "
+                                             "below optimize.min_gain=1.05")
+    res = search(FakeBackend(), levers, {}, settings(min_gain=1.02), notice=lambda _m: None)
+    assert sorted(d.candidate.lever for d in res.decisions) == ["numerics", "workers"]
+
+
 def test_near_neutral_candidates_are_measured_last_while_the_budget_lasts():
     """A candidate predicted within the cost models' error of 1.0 (here 0.99x, really 2x faster) is measured after
     every promising one when optimize.min_predicted reaches below it, and kept on its A/B; one predicted below the

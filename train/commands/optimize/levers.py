@@ -100,7 +100,7 @@ Proposal = Union[list[Candidate], str]  # candidates, or why the lever does not 
 @dataclass(frozen=True)
 class Lever:
     """A catalogue entry: ``name``, what it ``changes``, where it ``applies`` (words), which ``evidence`` ranks it,
-    what it ``may_change``, and ``propose(ctx, evidence) -> candidates | reason``."""
+    what it ``may_change``, ``propose(ctx, evidence) -> candidates | reason``; an exact one predicts its bound."""
 
     name: str
     changes: str

@@ -268,15 +268,23 @@ def with_schedule(backend: Backend, ctx: LeverContext, best: dict[str, Any], c: 
                                evidence=f"{c.evidence}; other samples per step, the schedule kept in samples: {words}")
 
 
-def propose(levers: tuple[Lever, ...], ctx: LeverContext, ev: Evidence) -> tuple[list[Candidate], dict[str, str]]:
-    """Every lever's candidates, most promising first, and the reason of each lever that does not apply."""
+def propose(levers: tuple[Lever, ...], ctx: LeverContext, ev: Evidence,
+            min_gain: float = 0.0) -> tuple[list[Candidate], dict[str, str]]:
+    """Every lever's candidates, most promising first, and the reason of each lever that does not apply. An exact
+    candidate's prediction is the most it can gain (the whole share removed, perfect scaling: levers.py); below
+    ``min_gain`` it could be kept only by a false accept, so it is a reason, not a candidate."""
     cands, skipped = [], {}
     for lever in levers:
         got = lever.propose(ctx, ev)
         if isinstance(got, str):
             skipped[lever.name] = got
-        else:
-            cands.extend(got)
+            continue
+        for c in got:
+            if c.may_change == EXACT and c.predicted < min_gain:
+                skipped[lever.name] = (f"{c.lever}={c.value} gains at most {c.predicted:.3f}x ({c.evidence}, all of "
+                                       f"it removed): below optimize.min_gain={min_gain:g}")
+            else:
+                cands.append(c)
     cands.sort(key=lambda c: -c.predicted)
     return cands, skipped
 
@@ -304,7 +312,7 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
         on_update(res)
         while True:
             ctx = backend.context(res.best)
-            cands, skipped = propose(levers, ctx, ev)
+            cands, skipped = propose(levers, ctx, ev, s.min_gain)
             cands = [with_schedule(backend, ctx, res.best, c) for c in cands]
             res.not_applicable = skipped  # for the current best (an earlier reason may no longer hold)
             fresh = [c for c in cands if (c.key, _key(res.best)) not in tried
@@ -344,10 +352,8 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
             d = (Decision(c, False, f"quality guard, from earlier A/Bs of the same settings: {worse}") if worse else
                  try_candidate(backend, res.best, c, s, planned_s, clock, left_s=left()))
             h = (d.quality or {}).get("horizon")
-            if h:
-                horizons.update({pair[0]: h["best"], pair[1]: h["candidate"]})
-            if not worse:
-                ab_costs.append(d.seconds)
+            horizons.update({pair[0]: h["best"], pair[1]: h["candidate"]} if h else {})
+            ab_costs += [] if worse else [d.seconds]
             d.evidence_index = len(res.profiles) - 1
             res.decisions.append(d)
             notice(f"optimize: {'ACCEPT' if d.accepted else 'reject'} {c.lever}={c.value} "
