@@ -198,13 +198,14 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         horizon_note.append(why)
         return target
 
-    def learns_worse(h: dict) -> bool:  # at the planned run's length: rejected however fast it is
-        return c.may_change != EXACT and not quality_verdict(h["best"], h["candidate"], s.quality_tolerance)[0]
+    def fails_guard(h: dict) -> Optional[str]:  # why, at the planned run's length: rejected however fast it is
+        ok, why = quality_verdict(h["best"], h["candidate"], s.quality_tolerance)
+        return None if ok or c.may_change == EXACT else why
 
     try:
         with time_limit(s.arm_timeout_s):
             m = measure_pair(backend, best, cand, s, s.rounds, extend=undecided, horizon=horizon,
-                             passing=s.horizon_samples if changes_steps else None, settled=learns_worse)
+                             passing=s.horizon_samples if changes_steps else None, settled=fails_guard)
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # any failure of an arm is a rejected candidate, never a lost search
@@ -226,9 +227,8 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         d.reason = (f"{ratio['median']:.3f}x [{low:.3f}, {ratio['high']:.3f}]: the interval's lower bound is below "
                     f"optimize.min_gain={s.min_gain:g}" + (" (no measurable difference)" if low <= 1 <= ratio["high"]
                                                            else ""))
-        if m.horizon is not None and learns_worse(m.horizon):
-            d.reason += (f"; the quality guard fails too, at {m.horizon['samples']} samples: "
-                         f"{quality_verdict(m.horizon['best'], m.horizon['candidate'], s.quality_tolerance)[1]}")
+        why = fails_guard(m.horizon) if m.horizon is not None else None
+        d.reason += f"; the quality guard fails too, at {m.horizon['samples']} samples: {why}" if why else ""
         return d
     if c.may_change != EXACT:
         ok, why = quality_verdict(q_best, q_cand, s.quality_tolerance)
