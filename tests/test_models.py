@@ -249,8 +249,11 @@ def test_bench_vs_hf_runs_both_sides_on_equal_samples(wndb, tmp_path) -> None:
 
     cfg = load_config(str(ROOT / "configs" / "bench-vs-hf.yaml"), tiny_overrides(
         wndb, tmp_path, *hf_overrides("bert"), "data.max_samples=null", "batching.max_tokens=128",
-        "train.max_steps=null", "bench.rounds=1", "train.run_id=vs", "train.precision=fp32"))
+        "train.max_steps=null", "bench.rounds=1", "bench.warmup_runs=1", "train.run_id=vs", "train.precision=fp32"))
     result = run_bench_vs_hf(cfg, notice=lambda *_: None)
+    for s in result["sides"].values():  # the untimed warm-up run is kept apart: not in the timed runs' medians
+        assert len(s["warmup_runs"]) == 1 and len(s["runs"]) == 1 and s["warmup_runs"][0] is not s["runs"][0]
+        assert "peak_memory_bytes" not in s["warmup_runs"][0] and s["runs"][0]["peak_memory_bytes"] > 0
     hf, ours = (result["sides"][s]["median"] for s in ("hf-trainer", "this-project"))
     n = result["train_samples"]
     assert hf["samples_seen"] == ours["samples_seen"] == n  # one epoch each: equal samples seen

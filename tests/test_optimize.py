@@ -699,7 +699,7 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     monkeypatch.setattr(grid_mod, "grid_points", lambda *a, **k: points)
     monkeypatch.setattr(isolated_mod, "measure_in_fresh_process", in_a_fresh_process)
     cfg = tiny_cfg("optimize.window_samples=32", "optimize.grid_rounds=3", "optimize.grid_finalists=3",
-                   "optimize.confirm_rounds=4")
+                   "optimize.confirm_rounds=4", "optimize.recheck_rounds=6")
     opt_dir = tmp_path / "opt"
     opt_dir.mkdir()
     (opt_dir / "optimized.yaml").write_text(dump_config(cfg))
@@ -723,7 +723,9 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     assert [h.alive_when_built for h in final_handles] == [1, 2, 1, 2, 1, 2] and not alive
     # ... each pair in its own (fake) fresh process and work directory; a pair whose process fails is not measured;
     # the best is measured once more against the search's result after it was picked (the last call)
-    assert [c["arms"][0] for c in fresh_calls] == ["optimized"] * 4 and all(c["rounds"] == 4 for c in fresh_calls)
+    # (the re-check over optimize.recheck_rounds: its interval is the verdict's)
+    assert [c["arms"][0] for c in fresh_calls] == ["optimized"] * 4
+    assert [c["rounds"] for c in fresh_calls] == [4, 4, 4, 6]
     assert len({c["work_dir"] for c in fresh_calls}) == 4 and fresh_calls[-1]["work_dir"].name == "recheck"
     # each window holds FINAL_WINDOW_STEPS steps of the pair's arm with the most samples per step (16 for steady)
     assert [c["window"] for c in fresh_calls] == [16 * 8, 16 * 16, 16 * 8, 16 * 16]

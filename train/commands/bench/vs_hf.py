@@ -13,8 +13,9 @@ passes over the same training split (so equal samples seen, up to each side's la
 * ``all-levers``: the same with every lever this project can apply to the model on top: packed rows where the
   model runs them exactly (train/models/packed.py) and the float32 dropout mask (``model.fast_dropout=true``).
 
-They take turns for ``bench.rounds`` rounds (the order rotates; the one A/B primitive, train/perf/ab.py), so
-machine noise hits them alike. Per run:
+Each side first trains ``bench.warmup_runs`` untimed runs (1: every batch shape meets oneDNN's primitive cache and
+the allocator once, as the A/B primitive's warm-up does for steps); then they take turns for ``bench.rounds`` rounds
+(the order rotates; the one A/B primitive, train/perf/ab.py), so machine noise hits them alike. Per timed run:
 samples/s and real tokens/s over the steady steps (the first excluded; wall clock between the ends of steps,
 batch loading included), time to first step (model build → end of step 1), peak memory (the run's window),
 and accuracy on the validation split, measured for both by the same evaluation. Figures: medians over rounds.
@@ -179,8 +180,10 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
     cfg_all = cfg.with_values(levers)
     bundle_all = replan(cfg_all, bundle)
     sides = (*SIDES, ALL_LEVERS)
+    every_run: dict[str, list[dict]] = {s: [] for s in sides}  # warm-up runs first, then the timed ones
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     env = {**collect_env(device), **machine_facts(device)}
+    warmup = cfg.bench.warmup_runs
 
     def side(name: str) -> Arm:
         """One whole training run per round, self-timed over its steady steps (the A/B primitive pairs the rounds)."""
@@ -190,7 +193,10 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
                               else _our_side(cfg_all, bundle_all, device, policy) if name == ALL_LEVERS
                               else _our_side(cfg, bundle, device, policy))
             fig["eval_accuracy"] = evaluate(model, val, policy, bundle.num_classes, device)["accuracy"]
-            runs[name].append(fig)
+            every_run[name].append(fig)
+            if len(every_run[name]) <= warmup:
+                notice(f"bench-vs-hf: warm-up run {len(every_run[name])}/{warmup} {name} (untimed): "
+                       f"{_fmt(fig['samples_per_s'])} samples/s")
             return {"samples": fig["steady_samples"], "seconds": fig["steady_s"]}
 
         @contextlib.contextmanager
@@ -198,17 +204,20 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
             memory, out = WindowPeakMemory(device), {}
             memory.start()
             yield out
-            runs[name][-1].update(memory.stop())
-            fig = runs[name][-1]
+            fig = every_run[name][-1]
+            fig.update(memory.stop())
+            runs[name].append(fig)
             notice(f"bench-vs-hf: round {len(runs[name])}/{cfg.bench.rounds} {name}: {_fmt(fig['samples_per_s'])} "
                    f"samples/s, eval accuracy {_fmt(fig['eval_accuracy'], '.4f')}, {fig['samples_seen']} samples")
 
         return Arm(name, one, measure)
 
-    ab = interleave([side(s) for s in sides], rounds=cfg.bench.rounds, window=1, warmup=0, device=device)
+    ab = interleave([side(s) for s in sides], rounds=cfg.bench.rounds, window=1, warmup=warmup, device=device)
     result = {"model_source": cfg.model.source, "precision": policy.mode, "precision_reason": policy.reason,
-              "epochs": cfg.train.epochs, "rounds": cfg.bench.rounds, "train_samples": len(bundle.splits["train"]),
-              "sides": {s: {"median": _median(runs[s]), "runs": runs[s]} for s in sides},
+              "epochs": cfg.train.epochs, "rounds": cfg.bench.rounds, "warmup_runs": warmup,
+              "train_samples": len(bundle.splits["train"]),
+              "sides": {s: {"median": _median(runs[s]), "runs": runs[s], "warmup_runs": every_run[s][:warmup]}
+                        for s in sides},
               "env": {**env, "load_1min_at_end": machine_facts(device)["load_1min"]}}
     ours, theirs = (result["sides"][s]["median"] for s in ("this-project", "hf-trainer"))
     result["speedup_samples_per_s"] = (ours["samples_per_s"] / theirs["samples_per_s"]
@@ -254,7 +263,8 @@ def markdown(result: dict[str, Any]) -> str:
     """The comparison as a markdown table (medians over rounds) and the headline ratio."""
     env = result["env"]
     lines = [f"bench-vs-hf: {result['model_source']}, precision {result['precision']}, {result['epochs']} epoch(s) of "
-             f"{result['train_samples']} samples, {result['rounds']} interleaved rounds; {env['device']}, "
+             f"{result['train_samples']} samples, {result['rounds']} interleaved rounds after "
+             f"{result.get('warmup_runs', 0)} untimed warm-up run(s) per side; {env['device']}, "
              f"load {_fmt(env['load_1min'], '.2f')} → {_fmt(env['load_1min_at_end'], '.2f')}", "",
              "| side | samples/s | tokens/s | time to first step (s) | peak memory (MiB) | eval accuracy "
              "| samples seen |",

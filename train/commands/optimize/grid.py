@@ -185,8 +185,8 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
     arms: dict[str, Arm] = {}
     handles: dict[str, Any] = {}
     n_final = min(o.grid_finalists, len(points)) * (2 if extra is not None else 1)  # arms timed in the final
-    n_final += 2 if extra is not None else 0  # and the re-check of the best against the search's result
     total = len(named) * (2 + o.grid_rounds) + n_final * o.confirm_rounds
+    total += 2 * o.recheck_rounds if extra is not None else 0  # the re-check of the best against the search's result
     seen = dict.fromkeys(named, o.window_samples)  # each arm's training samples (the warm-up: at least a window)
 
     quality_after = SearchSettings.from_config(o).quality_samples_seen()
@@ -254,18 +254,18 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         def window(group: list[str]) -> int:  # FINAL_WINDOW_STEPS steps of the arm with the most samples per step
             return window_for(backend, [named[n] for n in group], o.window_samples, FINAL_WINDOW_STEPS)
 
-        def fresh(group: list[str], work: str) -> Any:
-            """An A/B of ``group`` in a new process (isolated.py: this one holds the screening's heap), in
-            ``final/<work>``; raises IsolatedFailure."""
+        def fresh(group: list[str], work: str, rounds: int) -> Any:
+            """An A/B of ``group`` over ``rounds`` in a new process (isolated.py: this one holds the screening's
+            heap), in ``final/<work>``; raises IsolatedFailure."""
             return isolated.measure_in_fresh_process(
-                start.run_dir / "config.yaml", {n: named[n] for n in group}, rounds=o.confirm_rounds,
+                start.run_dir / "config.yaml", {n: named[n] for n in group}, rounds=rounds,
                 window_samples=window(group), warmup_samples=o.window_samples, work_dir=out_dir / "final" / work,
                 timeout_s=o.arm_timeout_s)
 
         def measure(group: list[str], index: int) -> Optional[Any]:
             """The final's A/B of ``group`` (:func:`fresh`); a failure leaves its finalists not measured."""
             try:
-                return fresh(group, str(index))
+                return fresh(group, str(index), o.confirm_rounds)
             except isolated.IsolatedFailure as e:
                 failed.update({n: str(e) for n in group if n != "optimized"})
                 notice(f"optimize-grid: the final of {', '.join(group)} failed: {e}")
@@ -286,11 +286,11 @@ def run_grid(cfg: RunConfig, optimized: Optional[str] = None, notice: Callable[[
         if extra is not None:  # the best is the largest of noisy ratios: its ratio is re-measured after the pick
             best = max(finalists, key=lambda n: pairs[n].ratio(n, "optimized", metric).median or 0)
             try:
-                recheck = fresh(["optimized", best], "recheck")
+                recheck = fresh(["optimized", best], "recheck", o.recheck_rounds)
             except isolated.IsolatedFailure as e:
                 recheck_failed = str(e)
                 notice(f"optimize-grid: the re-check of {best} failed: {e}")
-            bar.update(2 * o.confirm_rounds)
+            bar.update(2 * o.recheck_rounds)
     seconds = time.perf_counter() - t0
     final_medians = {n: rate(pairs[n], n) for n in finalists}
     if extra is None:
