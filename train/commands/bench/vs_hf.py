@@ -180,8 +180,7 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
     cfg_all = cfg.with_values(levers)
     bundle_all = replan(cfg_all, bundle)
     sides = (*SIDES, ALL_LEVERS)
-    every_run: dict[str, list[dict]] = {s: [] for s in sides}  # warm-up runs first, then the timed ones
-    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    every_run: dict[str, list[dict]] = {s: [] for s in sides}  # the warm-up runs first, then the timed ones
     env = {**collect_env(device), **machine_facts(device)}
     warmup = cfg.bench.warmup_runs
 
@@ -206,13 +205,14 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
             yield out
             fig = every_run[name][-1]
             fig.update(memory.stop())
-            runs[name].append(fig)
-            notice(f"bench-vs-hf: round {len(runs[name])}/{cfg.bench.rounds} {name}: {_fmt(fig['samples_per_s'])} "
-                   f"samples/s, eval accuracy {_fmt(fig['eval_accuracy'], '.4f')}, {fig['samples_seen']} samples")
+            notice(f"bench-vs-hf: round {len(every_run[name]) - warmup}/{cfg.bench.rounds} {name}: "
+                   f"{_fmt(fig['samples_per_s'])} samples/s, eval accuracy {_fmt(fig['eval_accuracy'], '.4f')}, "
+                   f"{fig['samples_seen']} samples")
 
         return Arm(name, one, measure)
 
     ab = interleave([side(s) for s in sides], rounds=cfg.bench.rounds, window=1, warmup=warmup, device=device)
+    runs = {s: every_run[s][warmup:] for s in sides}
     result = {"model_source": cfg.model.source, "precision": policy.mode, "precision_reason": policy.reason,
               "epochs": cfg.train.epochs, "rounds": cfg.bench.rounds, "warmup_runs": warmup,
               "train_samples": len(bundle.splits["train"]),
@@ -264,7 +264,7 @@ def markdown(result: dict[str, Any]) -> str:
     env = result["env"]
     lines = [f"bench-vs-hf: {result['model_source']}, precision {result['precision']}, {result['epochs']} epoch(s) of "
              f"{result['train_samples']} samples, {result['rounds']} interleaved rounds after "
-             f"{result.get('warmup_runs', 0)} untimed warm-up run(s) per side; {env['device']}, "
+             f"{result['warmup_runs']} untimed warm-up run(s) per side; {env['device']}, "
              f"load {_fmt(env['load_1min'], '.2f')} → {_fmt(env['load_1min_at_end'], '.2f')}", "",
              "| side | samples/s | tokens/s | time to first step (s) | peak memory (MiB) | eval accuracy "
              "| samples seen |",
