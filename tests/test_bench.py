@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from train.commands.bench import run_bench
+from train.commands.bench import run_bench_suite
 from train.commands.bench.training import CONFIGS
 
 ROW_KEYS = {"name", "samples_per_s", "tokens_per_s", "time_to_first_step_s", "step_time_ms", "peak_memory_bytes",
@@ -15,7 +15,7 @@ ROW_KEYS = {"name", "samples_per_s", "tokens_per_s", "time_to_first_step_s", "st
 def test_tiny_bench_writes_every_key(tiny_cfg) -> None:
     cfg = tiny_cfg("train.run_id=bench", "batching.max_tokens=256", "bench.warmup_steps=1", "bench.rounds=2",
                    "bench.window=2", "bench.requests=6", "bench.inference_batch_size=4")
-    run_bench(cfg, notice=lambda _m: None)
+    run_bench_suite(cfg, notice=lambda _m: None)
     out = Path(cfg.train.output_dir) / "bench" / "bench"
     on_disk = json.loads((out / "bench.json").read_text())
     rows = {r["name"]: r for r in on_disk["training"]["configs"]}
@@ -45,7 +45,7 @@ def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
     cfg = tiny_cfg("train.run_id=benchck", "bench.configs=naive", "bench.warmup_steps=1", "bench.rounds=1",
                    "bench.window=1", f"bench.checkpoint={Path(report['run_dir']) / 'checkpoint.pt'}",
                    "bench.requests=20", "bench.inference_batch_size=5")
-    result = run_bench(cfg, notice=lambda _m: None)
+    result = run_bench_suite(cfg, notice=lambda _m: None)
     assert result["inference"]["model"].endswith("checkpoint.pt")
     assert result["inference"]["accuracy_on_requests"] > 0.3  # a trained model, not chance (1/45)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import assert_clean_error, run_cli
-from train.commands.bench.batching import Method, build_methods, epoch_stats, run_bench, summarize
+from train.commands.bench.batching import Method, build_methods, epoch_stats, run_batching_bench, summarize
 from train.config.bench import BenchBatchingConfig
 from train.data.buckets import fit_boundaries, token_efficiency
 from train.data.grouping import length_grouped_batches, length_grouped_indices
@@ -93,7 +93,7 @@ def test_bench_runs_small_and_writes_json_md_png(tiny_cfg, tmp_path: Path) -> No
                    "bench_batching.warmup_windows=1", "bench_batching.k_table_max=4")
     run_dir = Path(cfg.train.output_dir) / "bench"
     run_dir.mkdir(parents=True)
-    result = run_bench(cfg, run_dir, notice=lambda _m: None)
+    result = run_batching_bench(cfg, run_dir, notice=lambda _m: None)
     saved = json.loads((run_dir / "bench-batching.json").read_text())
     names = [r["name"] for r in saved["results"]]
     assert names[:6] == ["pad-to-max", "random-pad-to-batch-max", "hf-group-by-length", "kmeans-5", "optimal-3",

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.commands.bench.precision import run_bench
+from train.commands.bench.precision import run_precision_bench
 
 
 def test_bench_precision_small(tiny_cfg) -> None:
-    out = run_bench(tiny_cfg("train.run_id=bp", "bench_precision.steps=6", "bench_precision.bf16_cpu_steps=2",
+    out = run_precision_bench(tiny_cfg("train.run_id=bp", "bench_precision.steps=6", "bench_precision.bf16_cpu_steps=2",
                              "bench_precision.warmup=1"))
     run_dir = Path(out["run_dir"])
     on_disk = json.loads((run_dir / "bench-precision.json").read_text())

@@ -356,11 +356,11 @@ def test_a_python_model_is_probed_at_the_longest_length(tiny_cfg, tmp_path, monk
 
 
 def test_bench_skips_rows_the_model_cannot_run_and_says_why(tiny_cfg, capsys) -> None:
-    from train.commands.bench import run_bench
+    from train.commands.bench import run_bench_suite
 
     quick = ("bench.warmup_steps=1", "bench.rounds=1", "bench.window=1", "bench.skip_inference=true")
     cfg = tiny_cfg(*hf_overrides("albert"), "bench.configs=optimized,optimized-packed", "train.run_id=b", *quick)
-    result = run_bench(cfg, notice=print)
+    result = run_bench_suite(cfg, notice=print)
     assert [r["name"] for r in result["training"]["configs"]] == ["optimized"]
     on_disk = json.loads((Path(cfg.train.output_dir) / "b" / "bench" / "bench.json").read_text())
     assert "optimized-packed" not in {r["name"] for r in on_disk["training"]["configs"]}
@@ -368,7 +368,7 @@ def test_bench_skips_rows_the_model_cannot_run_and_says_why(tiny_cfg, capsys) ->
     assert capsys.readouterr().out.count("bench: skipping row optimized-packed") == 1
     with pytest.raises(UserError, match=r"row optimized-packed needs packed batches, which model.source=hf:albert "
                                         r"cannot run .*bench.configs=optimized"):
-        run_bench(tiny_cfg(*hf_overrides("albert"), "bench.configs=optimized-packed", "train.run_id=b2", *quick))
+        run_bench_suite(tiny_cfg(*hf_overrides("albert"), "bench.configs=optimized-packed", "train.run_id=b2", *quick))
 
 
 def test_precision_flags_false_do_not_override_the_other_and_both_true_is_refused(tiny_cfg) -> None:

@@ -82,9 +82,9 @@ def test_every_auto_row_runs_one_precision_even_when_the_probe_changes_its_mind(
     monkeypatch.setattr(PrecisionPolicy, "for_config", staticmethod(flaky))
     cfg = tiny_cfg("train.run_id=flaky", "bench.warmup_steps=1", "bench.rounds=1", "bench.window=1",
                    "bench.skip_inference=true", "bench.configs=naive,naive+precision-auto,hf-style,optimized")
-    from train.commands.bench import run_bench
+    from train.commands.bench import run_bench_suite
 
-    out = run_bench(cfg)
+    out = run_bench_suite(cfg)
     rows = {r["name"]: r for r in out["training"]["configs"]}
     auto_rows = ["naive+precision-auto", "hf-style", "optimized"]
     assert len(calls) == 1, f"auto decided {len(calls)} times"

@@ -90,10 +90,10 @@ def cmd_buckets(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench import markdown, run_bench
+    from train.commands.bench import markdown, run_bench_suite
 
     cfg = load_cfg(args)
-    result = run_bench(cfg)
+    result = run_bench_suite(cfg)
     print(markdown(result))
     print(f"wrote {result['run_dir']}/bench/ (bench.json, bench.md, PNGs)")
     return 0
@@ -114,12 +114,12 @@ def cmd_bench_baseline(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.batching import run_bench
+    from train.commands.bench.batching import run_batching_bench
     from train.setup import make_run_dir
 
     cfg = load_cfg(args)
     run_dir = make_run_dir(cfg, prefix="bench-batching-")
-    run_bench(cfg, run_dir)
+    run_batching_bench(cfg, run_dir)
     print((run_dir / "bench-batching.md").read_text(encoding="utf-8"))
     print(f"wrote {run_dir}/bench-batching.json, .md, .png")
     return 0
@@ -136,9 +136,9 @@ def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.precision import markdown, run_bench
+    from train.commands.bench.precision import markdown, run_precision_bench
 
-    out = run_bench(load_cfg(args))
+    out = run_precision_bench(load_cfg(args))
     print(markdown(out))
     print(f"wrote {out['run_dir']}/bench-precision.json and .md")
     return 0
@@ -165,10 +165,10 @@ def cmd_wandb_sync(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_tracking(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.tracking import run_bench
+    from train.commands.bench.tracking import run_tracking_bench
 
     cfg = load_cfg(args, default_config="configs/smoke.yaml")
-    res = run_bench(cfg)
+    res = run_tracking_bench(cfg)
     med = res["ms_per_step_median"]
     print(f"ms/step (median of {cfg.bench_tracking.rounds} blocks): none {med['none']:.2f}, "
           f"jsonl {med['jsonl']:.2f}, full {med['full']:.2f}")
@@ -196,13 +196,13 @@ def cmd_warmup(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.compilation import first_step_child, run_bench
+    from train.commands.bench.compilation import first_step_child, run_compile_bench
 
     cfg = load_cfg(args)
     if args.child:
         first_step_child(cfg, t_start, args.child)
         return 0
-    run_bench(cfg, args.config, list(args.overrides))
+    run_compile_bench(cfg, args.config, list(args.overrides))
     return 0
 
 

@@ -31,7 +31,7 @@ from train.setup import start_run
 from train.tools.env import collect_env, machine_facts
 
 
-def run_bench(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:
+def run_bench_suite(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the training (and inference) benchmarks with the ``bench`` settings and write ``<run_dir>/bench/``.
     Returns bench.json's dict; ``training.skipped`` maps each row the model cannot run (packed rows on a model without
     ``supports_packing``) to the reason.
@@ -211,4 +211,4 @@ def write_outputs(out_dir: Path, result: dict[str, Any]) -> None:
     atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=2) + "\n")
 
 
-__all__ = ["CONFIGS", "run_bench", "markdown", "write_outputs"]
+__all__ = ["CONFIGS", "run_bench_suite", "markdown", "write_outputs"]

@@ -246,7 +246,7 @@ def targets(rows: list[dict], k: int, target_eff: float, dp: dict) -> dict[str, 
     return out
 
 
-def run_bench(cfg: RunConfig, run_dir: Path, notice: Callable[[str], None] = print) -> dict:
+def run_batching_bench(cfg: RunConfig, run_dir: Path, notice: Callable[[str], None] = print) -> dict:
     """Run the benchmark with the ``bench_batching`` settings; write ``bench-batching.json``, ``.md`` and ``.png``
     into ``run_dir``.
 

@@ -141,7 +141,7 @@ def steady_compare(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def run_bench(cfg: Any, config: Optional[str], overrides: list[str]) -> dict[str, Any]:
+def run_compile_bench(cfg: Any, config: Optional[str], overrides: list[str]) -> dict[str, Any]:
     """The whole benchmark with the ``bench_compile`` settings; returns and writes ``runs/<id>/bench-compile.json``.
     ``config`` and ``overrides`` are the command line's, passed on to the three first-step processes."""
     from train.setup import make_run_dir

@@ -83,7 +83,7 @@ def _gap(a: list[float], b: list[float]) -> dict[str, Optional[float]]:
     return {"mean_abs": float(d.mean()), "max_abs": float(d.max())}
 
 
-def run_bench(cfg: RunConfig) -> dict[str, Any]:
+def run_precision_bench(cfg: RunConfig) -> dict[str, Any]:
     """Train every row for ``bench_precision.steps`` steps in lockstep, evaluate, write JSON + markdown.
     Returns the JSON dict."""
     bp = cfg.bench_precision

@@ -92,7 +92,7 @@ def _cpu_ms(cpu: list[float], steps: int) -> Iterator[dict]:
     cpu.append((_cpu_s() - c0) * 1e3 / steps)
 
 
-def run_bench(cfg: RunConfig) -> dict[str, Any]:
+def run_tracking_bench(cfg: RunConfig) -> dict[str, Any]:
     """Measure tracking overhead with the ``bench_tracking`` settings (see the module docstring). Writes
     ``runs/<id>/bench-tracking.json`` (or ``bench_tracking.out``) and returns the result dict."""
     from train.setup import make_run_dir
