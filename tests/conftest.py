@@ -148,7 +148,7 @@ class HostReads(TorchFunctionMode):
 
 
 def small_trainer(*overrides: str, policy: PrecisionPolicy | None = None) -> Trainer:
-    from train.model import EncoderClassifier, resolve_spec
+    from train.models.encoder import EncoderClassifier, resolve_spec
     from train.precision import PrecisionPolicy
     from train.trainer import Trainer
 

@@ -103,7 +103,7 @@ def test_blocks_context_argument_compiles_once_without_graph_break(compile_env: 
     # forward; torch < 2.4 graph-broke on calling it and recompiled on every call (compat.traceable_callable)
     from train.compiling.session import CompiledForward, RecompileMonitor
     from train.config import CompileConfig
-    from train.model import EncoderClassifier
+    from train.models.encoder import EncoderClassifier
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:

@@ -201,7 +201,7 @@ def test_every_numeric_field_declares_its_range() -> None:
 def test_enum_choices_match_the_code_that_uses_them() -> None:
     from train.clipping import METHODS
     from train.config.sections import ClipConfig, ModelConfig
-    from train.model import PRESETS
+    from train.models.encoder import PRESETS
 
     rules = {f.name: f.metadata["allowed"] for cls in (ModelConfig, ClipConfig) for f in dataclasses.fields(cls)
              if "allowed" in f.metadata}

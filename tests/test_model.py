@@ -1,6 +1,6 @@
 import torch
 
-from train.model import EncoderClassifier, resolve_spec
+from train.models.encoder import EncoderClassifier, resolve_spec
 from train.perf.flops import training_step_flops
 
 

@@ -14,7 +14,7 @@ from tests.conftest import CPU, HostReads, batch, small_trainer
 from train.clipping import ClipResult
 from train.commands.train import run_training
 from train.compat import fused_adamw_supported, make_grad_scaler
-from train.model import EncoderClassifier
+from train.models.encoder import EncoderClassifier
 from train.numerics import NumericsAbort, NumericsGuard
 from train.precision import PrecisionPolicy
 

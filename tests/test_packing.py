@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from train.data.packing import PackCollate, pack_rows, packed_batches, packed_forward
-from train.model import EncoderClassifier, resolve_spec
+from train.models.encoder import EncoderClassifier, resolve_spec
 
 
 @settings(max_examples=50, deadline=None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.model import EncoderClassifier, resolve_spec
+from train.models.encoder import EncoderClassifier, resolve_spec
 from train.perf.devices import mfu_fields, table_peak
 from train.perf.energy import EnergyMeter, integrate_power, per_unit
 from train.perf.flops import StepFlops, training_step_flops
@@ -159,7 +159,7 @@ def test_window_peak_memory_resets_between_phases() -> None:
 def test_module_flops_equals_the_encoders_own_count_and_a_hand_count_for_hf_bert() -> None:
     """FLOPs for any module (train/perf/flops.py ModuleFlops): the built-in encoder's analytic count, and a hand
     count of a small Hugging Face BERT (2 FLOPs per multiply-add, backward = 2 x forward)."""
-    from train.model import EncoderClassifier, resolve_spec
+    from train.models.encoder import EncoderClassifier, resolve_spec
     from train.perf.flops import ModuleFlops, StepFlops
 
     spec = resolve_spec("tiny", 60, 5, 32, 0.1, num_layers=2, hidden_size=32, num_heads=2, ffn_size=64)

@@ -11,7 +11,7 @@ import torch
 from tests.conftest import batch, small_trainer
 from train.compat import make_grad_scaler
 from train.errors import UserError
-from train.model import EncoderClassifier, resolve_spec
+from train.models.encoder import EncoderClassifier, resolve_spec
 from train.precision import (
     BF16_MARGIN,
     PROBE_MAX_TOKENS,

@@ -70,7 +70,7 @@ class ProbeShape:
 def probe_for(cfg) -> ProbeShape:
     """The probe for a run config: its model's hidden/FFN sizes at its token budget (``batching.max_tokens``,
     else ``batch_size × data.max_len``), capped at :data:`PROBE_MAX_TOKENS` tokens to keep the check short."""
-    from train.model import PRESETS
+    from train.models.encoder import PRESETS
 
     sizes = dict(PRESETS[cfg.model.preset])
     for key in ("hidden_size", "ffn_size"):

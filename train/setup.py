@@ -27,7 +27,7 @@ import torch
 
 from train.config import RunConfig, dump_config
 from train.errors import UserError, atomic_write_text
-from train.model import EncoderClassifier, resolve_spec
+from train.models.encoder import EncoderClassifier, resolve_spec
 from train.precision import PrecisionPolicy
 from train.tools.env import resolve_device
 

@@ -28,7 +28,7 @@ from train.data.batch import batch_samples, epochs, move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
 from train.evaluation import EvaluationAbandoned, evaluate
-from train.model import EncoderClassifier, param_groups
+from train.models.encoder import EncoderClassifier, param_groups
 from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy

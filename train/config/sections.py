@@ -141,7 +141,7 @@ class ModelConfig(Frozen):
         check_fields(self, "model")
         from train.models import source_kind
 
-        # preset's choices are train.model.PRESETS' keys (a test keeps them equal)
+        # preset's choices are train.models.encoder.PRESETS' keys (a test keeps them equal)
         source_kind(self.source)  # UserError for a malformed source
 
 

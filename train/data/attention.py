@@ -74,7 +74,7 @@ def flex_functions(device: torch.device, compiled: bool) -> tuple[Optional[tuple
 
 
 def apply_attention(model: torch.nn.Module, choice: AttentionChoice, device: torch.device) -> None:
-    """Set ``choice.path`` on ``model`` (an :class:`~train.model.EncoderClassifier`; others are left alone)."""
+    """Set ``choice.path`` on ``model`` (an :class:`~train.models.encoder.EncoderClassifier`; others are left alone)."""
     if not hasattr(model, "set_packed_attention"):
         return
     fns = flex_functions(device, choice.compiled_flex)[0] if choice.path == "flex" else None

@@ -259,7 +259,7 @@ class PackCollate:
 def packed_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_index: torch.Tensor,
                    num_seqs: int,
                    blocks_context: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
-    """Logits FloatTensor[num_seqs, C] of an :class:`~train.model.EncoderClassifier` on a packed batch (its forward's
-    packed path: per-sample positions, a block-diagonal mask, per-sample pooling)."""
+    """Logits FloatTensor[num_seqs, C] of an :class:`~train.models.encoder.EncoderClassifier` on a packed batch (its
+    forward's packed path: per-sample positions, a block-diagonal mask, per-sample pooling)."""
     return model(input_ids, seq_index >= 0, blocks_context, position_ids=position_ids, seq_index=seq_index,
                  num_seqs=num_seqs)

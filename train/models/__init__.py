@@ -1,4 +1,4 @@
-"""Bring your own model: ``model.source`` other than ``builtin``.
+"""Models: the built-in encoder (encoder.py) and, for ``model.source`` other than ``builtin``, your own.
 
 * ``hf:<dir>``: a local Hugging Face model directory (``config.json``, optional ``model.safetensors`` /
   ``pytorch_model.bin``, optional ``tokenizer.json``), loaded with transformers' Auto classes, offline;
@@ -129,7 +129,7 @@ def model_supports_packing(source: str) -> bool:
     a ``python:`` model only once built (it declares ``supports_packing`` itself): False here."""
     kind = source_kind(source)
     if kind == "builtin":
-        from train.model import EncoderClassifier
+        from train.models.encoder import EncoderClassifier
 
         return bool(EncoderClassifier.supports_packing)
     if kind == "python":

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from train.compat import hf_attn_implementation
 from train.errors import UserError
-from train.model import PRESETS
+from train.models.encoder import PRESETS
 from train.models.wrap import ExternalClassifier, ExternalSpec
 
 PRESET_KEYS: dict[str, tuple[str, str, str, str]] = {

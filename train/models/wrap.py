@@ -36,7 +36,7 @@ class ExternalSpec:
 
 
 class ExternalClassifier(nn.Module):
-    """A sequence classifier from outside this project, called like :class:`~train.model.EncoderClassifier`.
+    """A sequence classifier from outside this project, called like :class:`~train.models.encoder.EncoderClassifier`.
 
     forward(input_ids LongTensor[B, S], attention_mask BoolTensor[B, S] (True = real token), blocks_context)
     → logits FloatTensor[B, num_classes], fp32 whatever precision the forward ran in. ``blocks_context`` (the

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from train.model import EncoderClassifier, EncoderSpec
+from train.models.encoder import EncoderClassifier, EncoderSpec
 
 
 def attention_training_flops(batch: int, seq: int, hidden: int, layers: int) -> int:

@@ -17,7 +17,7 @@ from train.config import RunConfig
 from train.data import DataBundle, pack_layout
 from train.data.sampler import run_counts
 from train.errors import atomic_write_text
-from train.model import EncoderClassifier
+from train.models.encoder import EncoderClassifier
 from train.numerics import NumericsAbort
 from train.perf.devices import mfu_fields
 from train.perf.energy import per_unit

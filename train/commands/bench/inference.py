@@ -41,7 +41,7 @@ from train.data.collate import PadCollate
 from train.data.packing import PackCollate, pack_rows, packed_forward
 from train.data.tokenizer import encode
 from train.errors import UserError
-from train.model import EncoderClassifier, EncoderSpec
+from train.models.encoder import EncoderClassifier, EncoderSpec
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import Timed, percentiles
