@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -33,8 +31,11 @@ from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
 from train.profiling.ranges import null_ranges
+from train.step_record import StepRecord, TrainStats
 from train.tools.progress import progress_bar
 from train.tracking.loggers import MetricLogger, NullLogger
+
+__all__ = ["StepRecord", "TrainStats", "Trainer", "linear_warmup_decay"]  # StepRecord, TrainStats: train/step_record.py
 
 
 def linear_warmup_decay(total_steps: int, warmup_steps: int):
@@ -46,70 +47,6 @@ def linear_warmup_decay(total_steps: int, warmup_steps: int):
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
     return factor
-
-
-@dataclass
-class TrainStats:
-    """What the loop measured; the report is built from it."""
-
-    steps: int = 0
-    samples: int = 0
-    real_tokens: int = 0
-    padded_tokens: int = 0
-    steady_samples: int = 0
-    steady_real_tokens: int = 0
-    truncated_in_collate: int = 0
-    seq_lens: set = field(default_factory=set)
-    batch_shapes: set = field(default_factory=set)
-    steady_shape_counts: Counter = field(default_factory=Counter)  # (B, S) → steps, first step excluded
-    final_train_loss: Optional[float] = None
-    first_step_end: Optional[float] = None  # time.perf_counter() at the end of step 1
-    evals: list = field(default_factory=list)
-    abandoned_eval: Optional[str] = None  # what a signal cut short ("periodic evaluation at step N")
-
-    def add(self, rec: "StepRecord", steady: bool) -> None:
-        """Count one step (``steady``: not this process's first, cold step)."""
-        self.steps, self.samples = rec.step, self.samples + rec.samples
-        self.real_tokens += rec.real_tokens
-        self.padded_tokens += rec.padded_tokens
-        self.truncated_in_collate += rec.truncated
-        self.seq_lens.add(rec.seq_len)
-        self.batch_shapes.add((rec.rows, rec.seq_len))
-        if steady:
-            self.steady_shape_counts[(rec.rows, rec.seq_len)] += 1
-            self.steady_samples += rec.samples
-            self.steady_real_tokens += rec.real_tokens
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one :meth:`Trainer.step` did.
-
-    ``loss``: the batch's mean cross-entropy, an fp32 scalar tensor on the device (not read back: no sync);
-    ``grad_norm``: the pre-clip global gradient norm in true units (device tensor, or None when clipping computes
-    none); ``rows`` × ``seq_len`` the batch's shape (rows hold several samples when packed); ``samples``,
-    ``real_tokens`` (tokens that are not padding) and ``truncated`` (samples cut to fit) counts; ``ms`` the step's
-    duration in milliseconds when the host knows it (always on a CPU; on CUDA only when resolved), else None.
-    """
-
-    step: int
-    loss: torch.Tensor
-    grad_norm: Optional[torch.Tensor]
-    rows: int
-    seq_len: int
-    samples: int
-    real_tokens: int
-    truncated: int
-    ms: Optional[float] = None
-
-    @property
-    def padded_tokens(self) -> int:
-        """Token slots the step processed (rows × seq_len), padding included."""
-        return self.rows * self.seq_len
-
-    def counts(self) -> dict[str, int]:
-        """The step's work as numbers that add up over steps (what an A/B window sums)."""
-        return {"samples": self.samples, "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens}
 
 
 class Trainer:
