@@ -172,7 +172,7 @@ def test_sync_audit_passes_the_loop_and_catches_a_host_read(tiny_cfg, monkeypatc
     import time
 
     from train.commands.train import run_training
-    from train.perf.sync_audit import SyncAudit
+    from train.perf.host_syncs import SyncAudit
     cfg = ["train.max_steps=8", "train.log_every=4", "train.eval_every=100"]
     audit = SyncAudit()
     report = run_training(tiny_cfg(*cfg), t_start=time.perf_counter(), hooks=(audit,))

@@ -136,7 +136,7 @@ def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.precision import markdown, run_precision_bench
+    from train.commands.bench.precision_modes import markdown, run_precision_bench
 
     out = run_precision_bench(load_cfg(args))
     print(markdown(out))

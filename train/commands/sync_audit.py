@@ -1,4 +1,4 @@
-"""``python -m train.commands.sync_audit``: a real training run watched by :class:`~train.perf.sync_audit.SyncAudit`
+"""``python -m train.commands.sync_audit``: a real training run watched by :class:`~train.perf.host_syncs.SyncAudit`
 (do steady steps ever wait for the device?); writes the audit's JSON and exits 0 when no steady step synced."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from train.commands.train import run_training
-from train.perf.sync_audit import SyncAudit
+from train.perf.host_syncs import SyncAudit
 
 
 def main(argv: Optional[list[str]] = None) -> int:

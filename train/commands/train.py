@@ -65,7 +65,7 @@ from train.shutdown import ShutdownRequest
 from train.tools.env import collect_env, device_name, resolve_device
 from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import NullLogger
-from train.tracking.setup import Tracking
+from train.tracking.run_tracking import Tracking
 from train.trainer import Trainer
 
 

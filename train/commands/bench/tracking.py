@@ -41,7 +41,7 @@ from train.perf.timer import Timed
 from train.tools.progress import beside, progress_bar
 from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import JsonlLogger, NullLogger
-from train.tracking.setup import Tracking
+from train.tracking.run_tracking import Tracking
 
 
 def _setup(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:

@@ -46,8 +46,13 @@ class HostReads(TorchFunctionMode):
 DATA_PIPELINE = ("/train/data/", "/torch/utils/data/")
 
 
+AUDIT_FILES = ("host_syncs", "sync_audit")
+"""The audit's own modules (this one and train/commands/sync_audit.py): left out of a sync's stack."""
+
+
 def _stack() -> list[str]:
-    frames = [f for f in traceback.extract_stack()[:-3] if "/train/" in f.filename and "sync_audit" not in f.filename]
+    frames = [f for f in traceback.extract_stack()[:-3]
+              if "/train/" in f.filename and not any(own in f.filename for own in AUDIT_FILES)]
     return [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-6:]]
 
 
