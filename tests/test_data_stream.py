@@ -24,7 +24,8 @@ from tests.conftest import write_jsonl
 from train.config import RunConfig
 from train.data import cache, prepare, prepare_splits
 from train.data.sources import SPARSE_SLACK, _rows_for, split_of, stable_fraction
-from train.data.tokenizer import WordCacheEncoder, load_or_train, pad_id
+from train.data.tokenizer import load_or_train, pad_id
+from train.data.word_cache import WordCacheEncoder
 from train.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ Memory once grew with every row (the texts, one tokenizers ``Encoding`` and one 
    the training split's fingerprint and alphabet are computed on the way;
 3. the tokenizer is loaded, or trained from the training texts read back in batches (``train_from_iterator``);
 4. per split, the texts are encoded :data:`CHUNK_ROWS` at a time (a batched fast-tokenizer call; for tokenizers that
-   work word by word, through a cache of each distinct word's ids: :class:`~train.data.tokenizer.WordCacheEncoder`)
+   work word by word, through a cache of each distinct word's ids: :class:`~train.data.word_cache.WordCacheEncoder`)
    and each chunk's ids appended to ``<split>.ids.npy``.
 
 The files are byte for byte those the in-memory build wrote (``numpy.save`` headers included), so entries written
@@ -33,7 +33,8 @@ import numpy as np
 import train.data.cache as cache  # the module itself: train/data/__init__.py imports this one
 from train.config import RunConfig
 from train.data.sources import SPLITS, Scan, scan_source
-from train.data.tokenizer import TrainingTexts, WordCacheEncoder, encode_chunk, load_or_train, pad_id
+from train.data.tokenizer import TrainingTexts, encode_chunk, load_or_train, pad_id
+from train.data.word_cache import WordCacheEncoder
 from train.shutdown import pause_point
 from train.tools.progress import progress_bar
 
