@@ -111,7 +111,7 @@ run_step compile-run 85 "$PYTHON" "${M[@]}" train --config "$CONFIG" --run-id gc
   train.log_every=10
 run_step profile 45 "$PYTHON" "${M[@]}" profile --config "$CONFIG" --run-id gc-profile --tools torch,gpu "${COMMON[@]}" \
   compile.enabled=false
-run_step sync-audit 35 "$PYTHON" -m train.commands.sync_audit --config "$CONFIG" --mode warn --out "$WORK/sync_audit.json" \
+run_step sync-audit 35 "$PYTHON" "${M[@]}" sync-audit --config "$CONFIG" --mode warn --out "$WORK/sync_audit.json" \
   "${COMMON[@]}" train.run_id=gc-sync train.overwrite=true compile.enabled=false "train.max_steps=$SYNC_STEPS" \
   train.log_every=10 train.eval_every=100000
 run_step optimize 120 "$PYTHON" "${M[@]}" optimize --config "$CONFIG" --run-id gc-optimize "${COMMON[@]}" \

@@ -67,3 +67,17 @@ def test_every_command_that_writes_a_run_directory_takes_overwrite() -> None:
     assert {"train", "profile", "warmup", "bench"} <= set(writers)
     for name in writers:
         assert "train.overwrite=true" in flag_overrides(build_parser().parse_args([name, "--overwrite"])), name
+
+
+def test_sync_audit_command_writes_its_json_and_exits_by_the_verdict(wndb: Path, tmp_path: Path) -> None:
+    """``python -m train sync-audit`` (scripts/gpu_check.sh's sync-audit step): the audit's JSON at ``--out``."""
+    out = tmp_path / "audit.json"
+    proc = run_cli("sync-audit", "--mode", "warn", "--out", str(out), "--run-id", "audit",
+                   f"data.wordnet_dir={wndb}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=200",
+                   "data.max_len=32", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+                   "model.ffn_size=64", "train.max_steps=12", "train.log_every=5", "train.eval_every=100000",
+                   "train.progress=false", f"train.output_dir={tmp_path / 'runs'}")
+    result = json.loads(out.read_text())
+    assert proc.returncode == (0 if result["passed"] else 1), proc.stderr
+    assert result["watched_steps"] > 0 and result["report_path"] == str(tmp_path / "runs" / "audit" / "report.json")
+    assert f"wrote {out}" in proc.stdout

@@ -25,12 +25,14 @@ from train.commands.entry import (  # noqa: F401  (load_cfg, flag_overrides: par
     cmd_bench_gate,
     cmd_bench_precision,
     cmd_bench_tracking,
+    cmd_bench_vs_hf,
     cmd_buckets,
     cmd_compare,
     cmd_optimize,
     cmd_optimize_grid,
     cmd_precision,
     cmd_profile,
+    cmd_sync_audit,
     cmd_train,
     cmd_wandb_sync,
     cmd_warmup,
@@ -156,6 +158,11 @@ def _args_bench_compile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one first-step process → JSON file
 
 
+def _args_sync_audit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="warn", choices=("warn", "error"),
+                   help="warn: record every sync; error: on CUDA the first sync raises (default: warn)")
+    p.add_argument("--out", default=None, help="result JSON (default: <run dir>/sync_audit.json)")
+
 
 @dataclass(frozen=True)
 class Command:
@@ -185,8 +192,7 @@ COMMANDS: dict[str, Command] = {
                               "changed)", cmd_bench_baseline, _args_bench_gate,
                               run_id="bench-baseline-<UTC time>-<random>"),
     "bench-vs-hf": Command("an HF model: the HF Trainer vs this project, interleaved → runs/<id>/bench-vs-hf.{json,md}",
-                           lambda a, t: __import__("train.commands.bench.vs_hf", fromlist=["command"]).command(a, t),
-                           run_id="bench-vs-hf-<UTC time>-<random>"),
+                           cmd_bench_vs_hf, run_id="bench-vs-hf-<UTC time>-<random>"),
     "bench-batching": Command("batching methods side by side → runs/<id>/bench-batching.{json,md,png}",
                               cmd_bench_batching, _args_bench_batching, run_id="bench-batching-<UTC time>-<random>"),
     "bench-precision": Command("fp32 vs the auto precision (and bf16/fp16 on CUDA) on the same batches",
@@ -204,6 +210,9 @@ COMMANDS: dict[str, Command] = {
     "optimize-grid": Command("every combination of the crossable levers, interleaved: what make optimize is judged "
                              "against → runs/<id>/optimize-grid/grid.{json,md}", cmd_optimize_grid, _args_optimize_grid,
                              run_id="optimize-grid-<UTC time>-<random>"),
+    "sync-audit": Command("a training run that records every host-device sync in its steady steps → "
+                          "runs/<id>/sync_audit.json; exit 1 when there is one", cmd_sync_audit, _args_sync_audit,
+                          run_id="<UTC time>-<random>"),
     "warmup": Command("compile and warm every batch shape of the run's bucket plan → runs/<id>/warmup.json",
                       cmd_warmup, _args_warmup, run_id="<UTC time>-<random>"),
     "compare": Command("compare runs side by side: markdown table + PNG (no network)", cmd_compare, _args_compare,

@@ -1,5 +1,9 @@
 """One function per ``python -m train`` command (the table in train/cli.py points here): read the config from the
-parsed arguments, run the command's function, print its summary, return the exit code."""
+parsed arguments, run the command's function, print its summary, return the exit code.
+
+Each function imports its command's module inside its body: those modules import torch (and bench-vs-hf
+transformers), so ``python -m train --help``, a bad flag and ``time_to_first_step_s`` pay only for the command
+that runs."""
 
 from __future__ import annotations
 
@@ -113,6 +117,13 @@ def cmd_bench_baseline(args: argparse.Namespace, t_start: float) -> int:
     return 0
 
 
+def cmd_bench_vs_hf(args: argparse.Namespace, t_start: float) -> int:
+    from train.commands.bench.vs_hf import run_bench_vs_hf
+
+    run_bench_vs_hf(load_cfg(args, default_config="configs/bench-vs-hf.yaml"))
+    return 0
+
+
 def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
     from train.commands.bench.batching import run_batching_bench
     from train.setup import make_run_dir
@@ -195,6 +206,15 @@ def cmd_warmup(args: argparse.Namespace, t_start: float) -> int:
     return 0
 
 
+def cmd_sync_audit(args: argparse.Namespace, t_start: float) -> int:
+    from train.commands.sync_audit import run_sync_audit
+
+    result = run_sync_audit(load_cfg(args), args.mode, args.out, t_start)
+    print(f"sync audit: {result['host_syncs']} host sync(s) in {result['watched_steps']} steady steps "
+          f"({result['method']}): {'PASS' if result['passed'] else 'FAIL'}; wrote {result['path']}", flush=True)
+    return 0 if result["passed"] else 1
+
+
 def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
     from train.commands.bench.compilation import first_step_child, run_compile_bench
 
@@ -204,8 +224,6 @@ def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
         return 0
     run_compile_bench(cfg, args.config, list(args.overrides))
     return 0
-
-
 
 
 def cmd_optimize(args: argparse.Namespace, t_start: float) -> int:

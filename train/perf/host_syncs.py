@@ -1,4 +1,4 @@
-"""Sync audit: do steady training steps ever wait for the device? (``python -m train.commands.sync_audit``)
+"""Sync audit: do steady training steps ever wait for the device? (``python -m train sync-audit``)
 
 A real training run (``run_training``) with a callback that watches every steady step — not the first (cold)
 step, not a logged step (the loop reads its on-device accumulators there, once per ``train.log_every``), not an

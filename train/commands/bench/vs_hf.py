@@ -291,12 +291,3 @@ def markdown(result: dict[str, Any]) -> str:
                      f"difference {_fmt(every['eval_accuracy_delta_vs_hf_trainer'], '+.4f')}")
     return "\n".join(lines) + "\n"
 
-
-def command(args, t_start: float) -> int:
-    """``python -m train bench-vs-hf [--config FILE] [--run-id ID] [overrides]`` (default config:
-    configs/bench-vs-hf.yaml)."""
-    from train.config import load_config
-
-    overrides = list(args.overrides) + ([f"train.run_id={args.run_id}"] if args.run_id else [])
-    run_bench_vs_hf(load_config(args.config or "configs/bench-vs-hf.yaml", overrides))
-    return 0
