@@ -23,7 +23,8 @@ import pytest
 from tests.conftest import write_jsonl
 from train.config import RunConfig
 from train.data import cache, prepare, prepare_splits
-from train.data.sources import SPARSE_SLACK, _rows_for, split_of, stable_fraction
+from train.data.readers import rows_for
+from train.data.sources import SPARSE_SLACK, split_of, stable_fraction
 from train.data.tokenizer import load_or_train, pad_id
 from train.data.word_cache import WordCacheEncoder
 from train.errors import UserError
@@ -71,7 +72,7 @@ def _reference_labels(raw: list, locs: list[str], cfg, names):
 def _reference_corpus(cfg) -> tuple[str, list[str], dict[str, tuple[list[str], np.ndarray]]]:
     from train.data import wordnet
 
-    name, rows = _rows_for(cfg)
+    name, rows = rows_for(cfg)
     keys, texts, raw, locs = [], [], [], []
     for key, text, label, loc in rows:
         if not isinstance(text, str):

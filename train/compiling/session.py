@@ -330,7 +330,7 @@ class CompileSession:
             "cache_dir_source": self.cache.source,
             "cache_dir_fallback_reason": self.cache.fallback_reason,
             "cache_state": self.cache.state,
-            "cache_counts": _delta(compat.compile_cache_counts(), self.cache_counts_start),
+            "cache_counts": count_delta(compat.compile_cache_counts(), self.cache_counts_start),
         })
         if w is None:
             out["warmup_unavailable_reason"] = self.warmup_skipped_reason or "warm-up did not run"
@@ -340,7 +340,8 @@ class CompileSession:
         return out
 
 
-def _delta(now: Optional[dict], start: Optional[dict]) -> Optional[dict]:
+def count_delta(now: Optional[dict], start: Optional[dict]) -> Optional[dict]:
+    """``now - start`` per counter (a counter missing from ``start`` counts from 0); None when either is None."""
     if now is None or start is None:
         return None
     return {k: now[k] - start.get(k, 0) for k in now}

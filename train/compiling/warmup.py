@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from train import compat
 from train.checkpoint import rng_state, set_rng_state
-from train.compiling.session import CompileSession, _delta, resolve_compile
+from train.compiling.session import CompileSession, count_delta, resolve_compile
 from train.errors import atomic_write_text
 from train.perf.timer import Timed
 from train.shutdown import pause_point
@@ -291,7 +291,7 @@ def warm_up_for_run(session: CompileSession, trainer: Any, model: torch.nn.Modul
         result["cache"] = ({"dir": session.cache.dir, "source": session.cache.source, "state": session.cache.state,
                             "fallback_reason": session.cache.fallback_reason,
                             "hit_or_miss": _overall_cache(result["shapes"]),
-                            "counts": _delta(compat.compile_cache_counts(), session.cache_counts_start)}
+                            "counts": count_delta(compat.compile_cache_counts(), session.cache_counts_start)}
                            if session.cache else None)
         result["torch"] = torch.__version__
         session.warmup = result

@@ -142,7 +142,10 @@ def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[Row]:
             yield f"{split_name}:{i}:{text}", text, label, loc
 
 
-def _rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
+def rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
+    """The source's name and its rows (:data:`Row`), read lazily by the reader for ``data.source``: WordNet, a
+    Hugging Face dataset (``hf:``) or a .jsonl/.csv/.parquet file. Raises UserError: no such file, a directory, or
+    an unsupported file type."""
     src = cfg.source
     if src == "wordnet":
         return "wordnet", _wordnet_rows(cfg)

@@ -18,7 +18,7 @@ import numpy as np
 
 import train.data.wordnet as wordnet  # the module itself, not the package: no package <-> submodule import loop
 from train.config import DataConfig
-from train.data.readers import Row, _rows_for, hub_reachable  # noqa: F401 (re-exported: the source readers)
+from train.data.readers import Row, hub_reachable, rows_for  # noqa: F401 (Row, hub_reachable re-exported)
 from train.errors import UserError
 
 SPLITS = ("train", "validation", "test")
@@ -204,7 +204,7 @@ def scan_source(cfg: DataConfig, on_text: Callable[[str], None],
         UserError: missing source, malformed row (file:line), missing field, empty text, bad label,
             or an empty training split.
     """
-    name, rows = _rows_for(cfg)
+    name, rows = rows_for(cfg)
     fractions = array("d")
     labels = _Labels()
     done = 0
@@ -228,7 +228,7 @@ def scan_source(cfg: DataConfig, on_text: Callable[[str], None],
         raise UserError(f"data.source={cfg.source!r}: no examples found")
 
     def loc_of(i: int) -> str:  # only for a message: read the source again up to row i
-        for k, row in enumerate(_rows_for(cfg)[1]):
+        for k, row in enumerate(rows_for(cfg)[1]):
             if k == i:
                 return row[3]
         return f"{name}: row {i}"

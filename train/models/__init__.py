@@ -89,9 +89,9 @@ def _convert_tokenizer(source: str, d: Path, cache_dir: Optional[str]) -> str:
     from tokenizers import Tokenizer
 
     from train.errors import atomic_write_text
-    from train.models.hf import _transformers
+    from train.models.hf import import_transformers
 
-    tf = _transformers()
+    tf = import_transformers()
     fix = ("save the tokenizer with tokenizer.save_pretrained(dir) (a fast tokenizer writes tokenizer.json), or set "
            "data.tokenizer_path")
     try:

@@ -29,7 +29,9 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
                 "pytorch_model.bin.index.json")
 
 
-def _transformers():
+def import_transformers():
+    """The ``transformers`` module, offline (never a download), quiet (no progress bars); UserError when it is not
+    installed."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never a download at run time
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
@@ -51,7 +53,7 @@ def preset_sizes(model_type: str, preset: str) -> dict[str, int]:
 
 def _config(cfg, bundle, kind: str, hf_config: Optional[str]):
     """The transformers config for this run (from the checkpoint's JSON, the directory, or the model type)."""
-    tf = _transformers()
+    tf = import_transformers()
     src = cfg.model.source
     if hf_config:
         import json
@@ -177,7 +179,7 @@ def _load(cfg, config, kind: str, fresh: bool):
         UserError: a weights file that cannot be read (truncated, corrupt), or weights of the body missing or of
             another shape than config.json says (naming the first parameter with both shapes).
     """
-    tf = _transformers()
+    tf = import_transformers()
     auto = tf.AutoModelForSequenceClassification
     src = cfg.model.source
     d = Path(src[3:]).expanduser()
