@@ -168,7 +168,7 @@ def test_the_top_level_holds_only_the_core() -> None:
 
 
 COMMANDS = ("train.commands", "train.cli", "train.__main__")
-RUN_SETUP = ("train.setup", "train.report", "train.report.levers", "train.resume")
+RUN_SETUP = ("train.setup", "train.resolve", "train.report", "train.report.levers", "train.resume")
 STEP = ("train.trainer",)
 
 

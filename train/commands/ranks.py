@@ -1,4 +1,4 @@
-"""How the ranks of a torchrun job agree: one precision decision (rank 0's), one prepared data set (rank 0's tokenizer,
+"""How the ranks of a torchrun job agree: one prepared data set (rank 0's tokenizer,
 checked on every rank), and job totals from per-rank counters. Single-process, each is the plain call."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -14,31 +13,7 @@ from train.config import RunConfig
 from train.data import DataBundle, prepare_data
 from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main
 from train.errors import UserError
-from train.precision import Decision, PrecisionPolicy
 from train.trainer import TrainStats
-
-
-def precision_policy(cfg: RunConfig, device: torch.device, ctx: DistContext, state: Optional[dict],
-                      ckpt_path: Optional[Path]) -> PrecisionPolicy:
-    """The run's precision: the checkpoint's when resuming, else ``train.precision`` (``auto`` measured or cached).
-    Under DDP rank 0 decides and every rank follows, so a measurement cannot split the job.
-
-    Raises:
-        UserError: the device cannot run the requested (or the checkpoint's) precision.
-    """
-    def decide() -> Optional[PrecisionPolicy]:
-        if not ctx.is_main:
-            return None
-        if state is not None:
-            return PrecisionPolicy.for_resume(state.get("precision"), cfg, device, f"checkpoint {ckpt_path}")
-        return PrecisionPolicy.for_config(cfg, device)
-
-    policy = agreed(decide, ctx)
-    if not ctx.enabled:
-        return policy
-    mine = broadcast_from_main((policy.mode, policy.reason, policy.source, policy.measurement) if ctx.is_main else None,
-                               ctx)
-    return policy if ctx.is_main else PrecisionPolicy.from_decision(Decision(*mine), device)
 
 
 def reduce_stats(stats: TrainStats, ctx: DistContext) -> None:

@@ -1,6 +1,6 @@
-"""One training run end to end: run directory → data → model → loop → evaluation → report.json.
+"""One training run, top to bottom: run directory → data → resolve → build → warm-up → fit → evaluate → report.
 
-Writes ``runs/<run-id>/``: ``config.yaml`` (fully resolved), ``metrics.jsonl``, ``buckets.json``
+Writes ``runs/<run-id>/``: ``config.yaml`` (the resolved config, written once), ``metrics.jsonl``, ``buckets.json``
 (when fitted on the fly), ``checkpoint.pt`` (state_dicts only) and ``report.json``.
 """
 
@@ -11,26 +11,22 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from train.commands.ranks import precision_policy, prepare_data_on_ranks, reduce_stats
+from train.commands.ranks import prepare_data_on_ranks, reduce_stats
 from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig, dump_config
-from train.data import DataBundle, make_loader
-from train.data.attention import apply_attention, choose_packed_attention
-from train.data.batching_auto import apply_batching, choose_batching
+from train.data import DataBundle
 from train.distributed import DistContext, agreed, any_rank, broadcast_from_main, init_distributed, teardown
 from train.errors import Interrupted, UserError, atomic_write_text
 from train.evaluation import EvaluationAbandoned, evaluate
-from train.models.dropout import decide_fast_dropout
 from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
-from train.precision import PrecisionPolicy
 from train.report import (
     ReportInputs,
     build_report,
@@ -40,6 +36,7 @@ from train.report import (
     write_aborted_report,
 )
 from train.report.levers import levers_section, model_section
+from train.resolve import Checkpoint, Resolved, decision_lines, resolve_run
 from train.resume import (
     Checkpointer,
     apply_lr,
@@ -52,21 +49,12 @@ from train.resume import (
     truncate_metrics,
     write_state,
 )
-from train.setup import (
-    apply_threads_and_seed,
-    build_model,
-    build_run,
-    check_packing,
-    make_run_dir,
-    probe_steps,
-    unlock_run_dir,
-)
+from train.setup import BuiltRun, apply_threads_and_seed, build_run, make_run_dir, unlock_run_dir
 from train.shutdown import ShutdownRequest
 from train.tools.env import collect_env, device_name, resolve_device
 from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import NullLogger
 from train.tracking.run_tracking import Tracking
-from train.trainer import Trainer
 
 
 def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
@@ -86,315 +74,268 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
     """
     ctx, device = init_distributed(resolve_device(cfg.train.device))
     try:
-        return _run_training(cfg, t_start, buckets_force, resume, ctx, device, hooks)
+        return _train(cfg, t_start, buckets_force, resume, ctx, device, hooks)
     finally:
         teardown(ctx)
 
 
-def keep_tokenizer(bundle: DataBundle, run_dir: Path) -> None:
-    """Copy the run's tokenizer to ``<run_dir>/tokenizer.json`` (what ``--resume`` needs if caches are cleared);
-    ``data.tokenizer.run_copy`` names it. A missing source file is skipped."""
-    src = Path(bundle.tokenizer_info.get("path") or "")
-    if src.is_file():
-        atomic_write_text(run_dir / "tokenizer.json", src.read_text(encoding="utf-8"))
-        bundle.tokenizer_info["run_copy"] = str(run_dir / "tokenizer.json")
+@dataclass(frozen=True)
+class Run:
+    """One run once built: what the fit, the evaluation and the report read. Nothing in it is reassigned."""
 
-
-def decision_lines(device: torch.device, policy: PrecisionPolicy, compiled, bundle: DataBundle,
-                   cfg: RunConfig) -> list[str]:
-    """The block every run prints before training: what was decided automatically, and why (or from which cache)."""
-    b = bundle.cache
-    data = {"hit": f"cache hit ({b.get('cache_dir')})",
-            "miss": f"cache miss, prepared and stored in {b.get('cache_dir')}",
-            "off": f"not cached ({b.get('cache_unavailable_reason')})"}.get(b.get("cache", "off"), "not cached")
-    if b.get("cache") == "miss" and b.get("cache_unavailable_reason"):
-        data = f"cache miss ({b['cache_unavailable_reason']})"
-    if bundle.plan is not None:
-        buckets = (f"{cfg.batching.method}, {len(bundle.bounds)} buckets {bundle.bounds} ({bundle.plan_source}; "
-                   f"predicted token efficiency {bundle.plan.predicted_token_efficiency:.3f})")
-    else:
-        buckets = f"{cfg.batching.method}: {bundle.plan_source}"
-    return ["decisions:",
-            f"  device     {device_name(device)}",
-            f"  precision  {policy.mode} [{policy.source}] {policy.reason}",
-            f"  compile    {'on' if compiled.enabled else 'off'}: {compiled.reason}",
-            f"  buckets    {buckets}",
-            f"  data       {data}; tokenizer {bundle.tokenizer_info['source']}"]
-
-
-@dataclass
-class _Run:
-    """What the phases of one run hand each other (filled in as the run goes)."""
-
-    cfg: RunConfig
     ctx: DistContext
     device: torch.device
+    run_dir: Path
     t_start: float
+    data_s: float
     say: Callable[..., None]
-    run_dir: Path = None  # type: ignore[assignment]
-    state: Optional[dict] = None
-    ckpt_path: Optional[Path] = None
-    policy: PrecisionPolicy = None  # type: ignore[assignment]
-    bundle: DataBundle = None  # type: ignore[assignment]
-    data_s: float = 0.0
-    model: Any = None
-    loaders: dict[str, Any] = field(default_factory=dict)
-    compiled: Any = None
-    tracking: Optional[Tracking] = None
-    trainer: Trainer = None  # type: ignore[assignment]
-    batching_auto: Optional[dict] = None
-    packed_attention: Optional[dict] = None
-    fast_dropout: Optional[dict] = None
+    checkpoint: Optional[Checkpoint]
+    resolved: Resolved
+    built: BuiltRun
+    tracking: Optional[Tracking]
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.resolved.cfg
 
 
-class _Complete(Exception):  # --resume of a complete run: nothing to train; args[0] is its report.json
-    pass
+def _silent(*_args: Any, **_kwargs: Any) -> None:
+    """``say`` on ranks other than 0."""
 
 
-def _run_training(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
-                  device: torch.device, hooks: tuple = ()) -> dict[str, Any]:
-    """The phases: prepare → build → resume → fit → evaluate → report."""
-    r = _Run(cfg, ctx, device, t_start, print if ctx.is_main else (lambda *a, **k: None))
+def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
+           device: torch.device, hooks: tuple) -> dict[str, Any]:
+    """The phases, in order; a signal or bad input before the first step removes a run directory it created."""
+    say = print if ctx.is_main else _silent
     fresh = resume is None and not (cfg.train.run_id and (Path(cfg.train.output_dir) / cfg.train.run_id).exists())
+    run_dir: Optional[Path] = None
     with ShutdownRequest(cfg.train.shutdown_timeout_s, immediate=True) as shutdown:
         try:
-            phases = (("data preparation", lambda: _prepare(r, resume, buckets_force)),
-                      ("model set-up", lambda: (_build(r), _resume(r, resume))),
-                      ("compile warm-up", lambda: warm_up_for_run(r.compiled, r.trainer, r.model, r.run_dir)))
-            for name, phase in phases:
-                shutdown.phase = name  # named by a signal that arrives now (nothing to checkpoint yet)
-                phase()
+            shutdown.phase = "data preparation"  # named by a signal that arrives now (nothing to checkpoint yet)
+            run_dir = _open_run_dir(cfg, resume, ctx)
+            apply_threads_and_seed(cfg)
+            checkpoint = _load_checkpoint(resume, ctx, say)
+            say(f"run {run_dir}: device {device}"
+                + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""), flush=True)
+            t_data = time.perf_counter()
+            bundle = prepare_data_on_ranks(cfg, run_dir, buckets_force, ctx, say)
+            data_s = time.perf_counter() - t_data
+            _say_data(bundle, data_s, say)
+            shutdown.phase = "model set-up"
+            resolved = resolve_run(cfg, run_dir.name, bundle, device, ctx, checkpoint, say)
+            checkpoint = _check_resume(resolved, checkpoint, run_dir, ctx, say)
+            if checkpoint is not None and (done := complete_run(checkpoint.state, resolved.cfg, run_dir)) is not None:
+                say(f"--resume {checkpoint.path}: {done['_why']}", flush=True)  # its files are left as they are
+                return {**{k: v for k, v in done.items() if k != "_why"}, "nothing_trained": True}
+            _write_run_files(resolved, run_dir, ctx)
+            run = _build(resolved, checkpoint, run_dir, ctx, device, t_start, data_s, say)
+            shutdown.phase = "compile warm-up"
+            warm_up_for_run(run.built.compiled, run.built.trainer, run.built.model, run_dir)
         except (Interrupted, UserError) as exc:
-            if ctx.is_main and r.run_dir is not None:  # an in-process caller may go on: release the run
-                unlock_run_dir(r.run_dir)
+            if ctx.is_main and run_dir is not None:  # an in-process caller may go on: release the run
+                unlock_run_dir(run_dir)
                 if fresh:  # nothing trained: no run to keep
-                    shutil.rmtree(r.run_dir, ignore_errors=True)
-                    exc.args = (f"{exc.args[0]}; removed {r.run_dir}",) if isinstance(exc, Interrupted) else exc.args
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                    exc.args = (f"{exc.args[0]}; removed {run_dir}",) if isinstance(exc, Interrupted) else exc.args
             raise
-        except _Complete as done:
-            return {**done.args[0], "nothing_trained": True}  # its one line is said; cmd_train prints no summary
         for hook in hooks:
-            hook.attach(r.trainer, r.run_dir)
+            hook.attach(run.built.trainer, run_dir)
         shutdown.defer()  # from here a signal checkpoints the last completed step (an evaluation is abandoned)
-        checkpointer = Checkpointer(r.run_dir, r.cfg, r.trainer, r.model, r.bundle, ctx, shutdown)
-        stats, energy = _fit(r, checkpointer)
-        evals = None if any_rank(shutdown.requested, ctx) else _evaluate(r, stats)
-        interrupted = _interruption(r, shutdown, checkpointer) if evals is None else None
+        checkpointer = Checkpointer(run_dir, run.cfg, run.built.trainer, run.built.model, run.resolved.bundle, ctx,
+                                    shutdown)
+        stats, energy = _fit(run, checkpointer)
+        evals = None if any_rank(shutdown.requested, ctx) else _evaluate(run, stats)
+        interrupted = _interruption(run, shutdown, checkpointer) if evals is None else None
         final_eval, test_eval = evals or ((stats.evals[-1] if stats.evals else {}), {})
-        return _report(r, stats, energy, final_eval, test_eval, interrupted, hooks)
+        return _report(run, stats, energy, final_eval, test_eval, interrupted, hooks)
 
 
-def _interruption(r: _Run, shutdown: ShutdownRequest, checkpointer: Checkpointer) -> dict:
+def _open_run_dir(cfg: RunConfig, resume: Optional[str], ctx: DistContext) -> Path:
+    """``runs/<run-id>``: rank 0 creates it (drawing a unique id when none is set); every rank gets its path."""
+    run_dir = agreed(lambda: make_run_dir(cfg, resume=resume is not None) if ctx.is_main else None, ctx)
+    run_id = broadcast_from_main(run_dir.name if run_dir is not None else None, ctx)
+    return Path(cfg.train.output_dir) / run_id
+
+
+def _load_checkpoint(resume: Optional[str], ctx: DistContext, say: Callable[..., None]) -> Optional[Checkpoint]:
+    """The newest readable checkpoint of ``--resume`` (a truncated one skipped, named), or None for a fresh run."""
+    if resume is None:
+        return None
+    path, state = agreed(lambda: load_resume(resume, say), ctx)
+    return Checkpoint(path, state)
+
+
+def _say_data(bundle: DataBundle, data_s: float, say: Callable[..., None]) -> None:
+    b = bundle
+    say(f"data: {b.corpus.name}, {len(b.splits['train'])} train / {len(b.splits['validation'])} val / "
+        f"{len(b.splits['test'])} test, {b.num_classes} classes, vocab {b.vocab_size} "
+        f"(tokenizer {b.tokenizer_info['source']}, prepared data {b.cache.get('cache', 'off')}), {data_s:.1f}s",
+        flush=True)
+
+
+def _check_resume(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, ctx: DistContext,
+                  say: Callable[..., None]) -> Optional[Checkpoint]:
+    """The checkpoint checked against the resolved run (data, tokenizer, model; baked-in settings refused), before
+    ``config.yaml`` is written: a refused resume leaves the run's files as they were. Says the changes that apply."""
+    if checkpoint is None:
+        return None
+    state, applied = agreed(lambda: (
+        check_resume_state(checkpoint.state, checkpoint.path, ctx, resolved.bundle, resolved.model.spec),
+        resume_changes(checkpoint.state.get("config"), resolved.cfg, f"--resume {checkpoint.path}")), ctx)
+    say(f"resuming from {checkpoint.path} (step {state['step']})"
+        + (f"; changed settings applied: {'; '.join(applied)}" if applied else ""), flush=True)
+    return Checkpoint(checkpoint.path, state)
+
+
+def _write_run_files(resolved: Resolved, run_dir: Path, ctx: DistContext) -> None:
+    """``config.yaml`` (the resolved config, once; ``--resume`` replays it) and the run's tokenizer copy (what
+    ``--resume`` needs if caches are cleared; ``data.tokenizer.run_copy`` names it)."""
+    if not ctx.is_main:
+        return
+    atomic_write_text(run_dir / "config.yaml", dump_config(resolved.cfg))
+    info = resolved.bundle.tokenizer_info
+    src = Path(info.get("path") or "")
+    if src.is_file():
+        atomic_write_text(run_dir / "tokenizer.json", src.read_text(encoding="utf-8"))
+        info["run_copy"] = str(run_dir / "tokenizer.json")
+
+
+def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, ctx: DistContext,
+           device: torch.device, t_start: float, data_s: float, say: Callable[..., None]) -> Run:
+    """The one set-up (:func:`~train.setup.build_run`: loaders, compile session, trainer) from the resolved run,
+    tracking on rank 0, the checkpoint's weights (before DDP broadcasts rank 0's) and its trainer state, the decisions
+    block."""
+    cfg = resolved.cfg
+    if resolved.compile_enabled and ctx.enabled:
+        raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
+                        "with NPROC > 1, or compile a single-process run")
+    if ctx.rank:  # distinct dropout streams per rank; rank 0 keeps the single-process stream
+        torch.manual_seed(cfg.train.seed + ctx.rank)
+    if ctx.is_main and checkpoint is not None:  # records logged after the checkpoint, before the interruption
+        truncate_metrics(run_dir / "metrics.jsonl", checkpoint.state["step"])
+    # rank 0: metrics.jsonl (+ W&B on its own thread, bounded, never blocking); other ranks log nothing
+    tracking = Tracking(cfg, run_dir) if ctx.is_main else None
+
+    def load_weights(model: torch.nn.Module, _compiled: Any) -> None:
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint.state["model"])
+
+    built = build_run(cfg, resolved.bundle, device, resolved.policy, splits=("train", "validation", "test"),
+                      model=resolved.model, ctx=ctx, compile=True, before_wrap=load_weights,
+                      logger=lambda m: tracking.attach(m, device) if tracking is not None else NullLogger())
+    for line in decision_lines(resolved, device_name(device)):
+        say(line, flush=True)
+    if tracking is not None and tracking.grad_stats is not None:
+        built.trainer.add_callback(GradStatsCallback(tracking.grad_stats, built.trainer))
+    model_name = cfg.model.preset if cfg.model.source == "builtin" else cfg.model.source
+    say(f"model: {model_name}, {sum(p.numel() for p in built.model.parameters()) / 1e6:.2f}M parameters; "
+        f"{built.trainer.total_steps} steps ({len(built.loaders['train'])} batches per epoch per rank)", flush=True)
+    if checkpoint is not None:
+        _restore_trainer(built, checkpoint, ctx, say)
+    return Run(ctx, device, run_dir, t_start, data_s, say, checkpoint, resolved, built, tracking)
+
+
+def _restore_trainer(built: BuiltRun, checkpoint: Checkpoint, ctx: DistContext, say: Callable[..., None]) -> None:
+    """Optimizer, scheduler, sampler position and counters from the checkpoint, then its RNG states (last)."""
+    state, trainer = checkpoint.state, built.trainer
+    trainer.load_state_dict(state, state["ranks"][ctx.rank])
+    if built.cfg.train.resume_apply == "optim.lr":
+        apply_lr(trainer, built.cfg.optim.lr)
+    step, total = trainer.start_step, trainer.total_steps
+    if step > total:
+        raise UserError(f"--resume {checkpoint.path}: the checkpoint is at step {step} of {total}; nothing left to "
+                        "train (raise train.max_steps to train longer)")
+    if step == total:  # trained to the end, but its final evaluation was interrupted: run that
+        say(f"resume: training finished at step {step} of {total}; running the final evaluation", flush=True)
+    restore_rng(state, ctx)  # last: nothing may draw from the RNGs between here and the next step
+
+
+def _interruption(run: Run, shutdown: ShutdownRequest, checkpointer: Checkpointer) -> dict:
     """report.json's ``interrupted``: the signal, the last completed step, its checkpoint (``checkpoint.pt`` when the
     signal came in the last step or the final evaluation), the abandoned evaluation."""
-    stopped, last = r.trainer.stopped_at, checkpointer.last_path
-    out = {"signal": shutdown.signal_name, "step": stopped or r.trainer.stats.steps,
-           "total_steps": r.trainer.total_steps, "checkpoint": str(last if stopped else r.run_dir / "checkpoint.pt"),
-           "resume_command": f"make train ARGS=\"--resume {r.run_dir}\""}
-    abandoned = r.trainer.stats.abandoned_eval or (None if stopped else "final evaluation")
+    trainer = run.built.trainer
+    stopped, last = trainer.stopped_at, checkpointer.last_path
+    out = {"signal": shutdown.signal_name, "step": stopped or trainer.stats.steps,
+           "total_steps": trainer.total_steps, "checkpoint": str(last if stopped else run.run_dir / "checkpoint.pt"),
+           "resume_command": f"make train ARGS=\"--resume {run.run_dir}\""}
+    abandoned = trainer.stats.abandoned_eval or (None if stopped else "final evaluation")
     return {**out, **({"evaluation_abandoned": abandoned} if abandoned else {})}
 
 
-def _prepare(r: _Run, resume: Optional[str], buckets_force: bool) -> None:
-    """Run directory (rank 0 draws the id), threads and seeds, the resume checkpoint, the precision policy, and the
-    data (split, tokenized, bucket plan)."""
-    cfg, ctx = r.cfg, r.ctx
-    # rank 0 draws a unique run id; the drawn id is a decision: a new config, not an edit of the loaded one
-    run_dir = agreed(lambda: make_run_dir(cfg, resume=resume is not None) if ctx.is_main else None, ctx)
-    run_id = broadcast_from_main(run_dir.name if run_dir is not None else None, ctx)
-    if run_id != cfg.train.run_id:
-        r.cfg = cfg = cfg.with_values({"train.run_id": run_id})
-    r.run_dir = Path(cfg.train.output_dir) / run_id
-    apply_threads_and_seed(cfg)
-    if resume is not None:  # the newest readable checkpoint (a truncated one skipped, named)
-        r.ckpt_path, r.state = agreed(lambda: load_resume(resume, r.say), ctx)
-    r.policy = precision_policy(cfg, r.device, ctx, r.state, r.ckpt_path)
-    r.say(f"run {r.run_dir}: device {r.device}"
-          + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""),
-          flush=True)
-    t_data = time.perf_counter()
-    r.bundle = prepare_data_on_ranks(cfg, r.run_dir, buckets_force, ctx, r.say)
-    r.data_s = time.perf_counter() - t_data
-    b = r.bundle
-    r.say(f"data: {b.corpus.name}, {len(b.splits['train'])} train / {len(b.splits['validation'])} val / "
-          f"{len(b.splits['test'])} test, {b.num_classes} classes, vocab {b.vocab_size} "
-          f"(tokenizer {b.tokenizer_info['source']}, prepared data {b.cache.get('cache', 'off')}), {r.data_s:.1f}s",
-          flush=True)
-
-
-def _build(r: _Run) -> None:
-    """Model (checked against the resume checkpoint), the ``auto`` decisions that need it, then the one set-up
-    (:func:`~train.setup.build_run`: loaders, compile session, trainer) and tracking."""
-    cfg, ctx, device, bundle = r.cfg, r.ctx, r.device, r.bundle
-    hf_config = (r.state or {}).get("spec", {}).get("hf_config")  # resume: the checkpoint's architecture
-    r.model = agreed(lambda: build_model(cfg, bundle, hf_config), ctx).to(device)
-    check_packing(cfg, r.model)
-
-    def probe():
-        return probe_steps(cfg, r.model, r.policy, device)
-
-    if cfg.batching.method == "auto":  # resolved once the model exists; config.yaml keeps the choice for --resume
-        decision = broadcast_from_main(choose_batching(r.model, r.policy, cfg, bundle, device, probe)
-                                       if ctx.is_main else None, ctx)
-        r.cfg, r.bundle = cfg, bundle = apply_batching(cfg, bundle, decision.method)  # a new config and plan
-        r.batching_auto = decision.as_report()
-        r.say(f"batching: {decision.reason}", flush=True)
-    r.cfg = cfg
-    r.fast_dropout = _fast_dropout(r, probe)
-    r.cfg = cfg = r.cfg.with_values({}).freeze()  # every decision made: the run's config is a value from here on
-    if r.state is not None:  # refused here, before config.yaml is written: a refused resume leaves it as it was
-        r.state, applied = agreed(lambda: (check_resume_state(r.state, r.ckpt_path, ctx, bundle, r.model.spec),
-                                           resume_changes(r.state.get("config"), cfg, f"--resume {r.ckpt_path}")), ctx)
-        r.say(f"resuming from {r.ckpt_path} (step {r.state['step']})"  # one notice line: the changes that apply
-              + (f"; changed settings applied: {'; '.join(applied)}" if applied else ""), flush=True)
-        if (done := complete_run(r.state, cfg, r.run_dir)) is not None:  # said, its files left as they are
-            r.say(f"--resume {r.ckpt_path}: {done['_why']}", flush=True)
-            raise _Complete({k: v for k, v in done.items() if k != "_why"})
-    if ctx.is_main:  # written once, resolved, after the resume checks (--resume replays it)
-        atomic_write_text(r.run_dir / "config.yaml", dump_config(cfg))
-    if ctx.is_main:  # after the resume checks: a refused resume leaves the run's own tokenizer copy alone
-        keep_tokenizer(bundle, r.run_dir)
-    if ctx.rank:  # distinct dropout streams per rank; rank 0 keeps the single-process stream
-        torch.manual_seed(cfg.train.seed + ctx.rank)
-
-    def before_wrap(model: torch.nn.Module, compiled: Any) -> None:
-        r.compiled = compiled
-        if compiled.enabled and ctx.enabled:
-            raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
-                            "with NPROC > 1, or compile a single-process run")
-        if r.state is not None:
-            model.load_state_dict(r.state["model"])  # before DDP: its construction broadcasts rank 0's weights
-            if ctx.is_main:
-                truncate_metrics(r.run_dir / "metrics.jsonl", r.state["step"])
-        # rank 0: metrics.jsonl (+ W&B on its own thread, bounded, never blocking); other ranks log nothing
-        r.tracking = Tracking(cfg, r.run_dir) if ctx.is_main else None
-
-    def logger(model: torch.nn.Module):
-        return r.tracking.attach(model, device) if r.tracking is not None else NullLogger()
-
-    built = build_run(cfg, bundle, device, r.policy, splits=("train", "validation", "test"), model=r.model, ctx=ctx,
-                      compile=True, logger=logger, before_wrap=before_wrap)
-    r.loaders, r.trainer = built.loaders, built.trainer
-    lines = decision_lines(device, r.policy, r.compiled, bundle, cfg)
-    lines.append(f"  dropout    {'16-bit mask' if r.fast_dropout['applied'] else 'nn.Dropout'}: "
-                 f"{r.fast_dropout['reason']}")
-    if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
-        choice = broadcast_from_main(choose_packed_attention(r.model, r.policy, cfg, bundle, device, r.compiled.enabled,
-                                                             probe) if ctx.is_main else None, ctx)
-        apply_attention(r.model, choice, device)
-        r.packed_attention = choice.as_report()
-        lines.append(f"  attention  {choice.path}: {choice.reason}")
-    for line in lines:
-        r.say(line, flush=True)
-    if r.tracking is not None and r.tracking.grad_stats is not None:
-        r.trainer.add_callback(GradStatsCallback(r.tracking.grad_stats, r.trainer))
-    model_name = cfg.model.preset if cfg.model.source == "builtin" else cfg.model.source
-    r.say(f"model: {model_name}, {sum(p.numel() for p in r.model.parameters()) / 1e6:.2f}M parameters; "
-          f"{r.trainer.total_steps} steps ({len(r.loaders['train'])} batches per epoch per rank)", flush=True)
-
-
-def _fast_dropout(r: _Run, probe) -> dict:
-    """``model.fast_dropout`` (train/models/dropout.py), decided by rank 0 on one real training batch (a loader of
-    its own: the run's loader is not built yet) and followed by every rank; ``auto`` becomes ``true``/``false`` in
-    the run's config (config.yaml), so a resume replays the choice instead of measuring again."""
-    def batch() -> dict:
-        return next(iter(make_loader(r.bundle, "train", r.cfg, train=True, device=r.device)))
-
-    def decide() -> dict:
-        return decide_fast_dropout(r.model, r.cfg.model.fast_dropout, r.policy.mode, r.cfg.data.cache_dir, batch,
-                                   r.device, probe)
-
-    report = broadcast_from_main(decide() if r.ctx.is_main else None, r.ctx)
-    r.cfg = r.cfg.with_values({"model.fast_dropout": "true" if report["applied"] else "false"})
-    return report
-
-
-def _resume(r: _Run, resume: Optional[str]) -> None:
-    """Optimizer, scheduler, sampler position and counters from the checkpoint, then its RNG states (last)."""
-    if r.state is None:
-        return
-    r.trainer.load_state_dict(r.state, r.state["ranks"][r.ctx.rank])
-    if r.cfg.train.resume_apply == "optim.lr":
-        apply_lr(r.trainer, r.cfg.optim.lr)
-    step, total = r.trainer.start_step, r.trainer.total_steps
-    if step > total:
-        raise UserError(f"--resume {resume}: the checkpoint is at step {step} of {total}; nothing left to train "
-                        "(raise train.max_steps to train longer)")
-    if step == total:  # trained to the end, but its final evaluation was interrupted: run that
-        r.say(f"resume: training finished at step {step} of {total}; running the final evaluation", flush=True)
-    restore_rng(r.state, r.ctx)  # last: nothing may draw from the RNGs between here and the next step
-
-
-def _fit(r: _Run, checkpointer: Checkpointer) -> tuple[Any, dict]:
+def _fit(run: Run, checkpointer: Checkpointer) -> tuple[Any, dict]:
     """The loop (checkpoints and clean stop through ``checkpointer``), then the final checkpoint; returns the job's
     stats (summed over ranks) and the energy of the loop. A numerics abort writes its report and re-raises."""
-    reset_peak(r.device)
-    energy_meter = EnergyMeter(r.device)
-    r.trainer.add_callback(checkpointer)
+    trainer, model = run.built.trainer, run.built.model
+    reset_peak(run.device)
+    energy_meter = EnergyMeter(run.device)
+    trainer.add_callback(checkpointer)
     energy_meter.start()
     try:
-        stats = r.trainer.fit()
+        stats = trainer.fit()
     except NumericsAbort as abort:
         energy_meter.stop()
-        if r.ctx.is_main:
-            write_aborted_report(r.cfg, r.run_dir, r.bundle, r.trainer, abort, r.device, r.policy, r.t_start)
+        if run.ctx.is_main:
+            write_aborted_report(run.cfg, run.run_dir, run.resolved.bundle, trainer, abort, run.device,
+                                 run.resolved.policy, run.t_start)
         raise
     finally:
-        if r.tracking is not None:
-            r.tracking.close()
+        if run.tracking is not None:
+            run.tracking.close()
     energy = energy_meter.stop()  # the training loop, periodic evaluations included
-    if r.trainer.stopped_at is None:  # the final state, resumable and loadable (weights_only)
-        write_state(r.run_dir / "checkpoint.pt", full_state(r.trainer, r.model, r.bundle, r.cfg, r.ctx), r.ctx)
-    reduce_stats(stats, r.ctx)
+    if trainer.stopped_at is None:  # the final state, resumable and loadable (weights_only)
+        write_state(run.run_dir / "checkpoint.pt", full_state(trainer, model, run.resolved.bundle, run.cfg, run.ctx),
+                    run.ctx)
+    reduce_stats(stats, run.ctx)
     return stats, energy
 
 
-def _evaluate(r: _Run, stats) -> Optional[tuple[dict, dict]]:
+def _evaluate(run: Run, stats) -> Optional[tuple[dict, dict]]:
     """(validation, test) results: the validation at the last step (or a new one) and the test split; None when a
     signal abandoned them (said in one line; the final state is already in checkpoint.pt)."""
-    n = r.bundle.num_classes
+    built = run.built
 
-    def run(split: str) -> dict:
-        return evaluate(r.model, r.loaders[split], r.policy, n, r.device, r.ctx, phase="final evaluation")
+    def on(split: str) -> dict:
+        return evaluate(built.model, built.loaders[split], built.policy, built.bundle.num_classes, run.device, run.ctx,
+                        phase="final evaluation")
 
     try:
-        last = stats.evals[-1] if stats.evals and stats.evals[-1]["step"] == r.trainer.total_steps else None
-        return last or run("validation"), run("test")
+        last = stats.evals[-1] if stats.evals and stats.evals[-1]["step"] == built.trainer.total_steps else None
+        return last or on("validation"), on("test")
     except EvaluationAbandoned as exc:
-        r.say(f"{exc}; the trained state is in {r.run_dir / 'checkpoint.pt'}", flush=True)
+        run.say(f"{exc}; the trained state is in {run.run_dir / 'checkpoint.pt'}", flush=True)
         return None
 
 
-def _report(r: _Run, stats, energy: dict, final_eval: dict, test_eval: dict, interrupted: Optional[dict],
+def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, interrupted: Optional[dict],
             hooks: tuple) -> dict[str, Any]:
     """Build report.json from one ReportInputs, let the hooks add their sections, write it (rank 0)."""
-    cfg, device, trainer = r.cfg, r.device, r.trainer
-    env = {**collect_env(device), **r.policy.report(), "num_threads": torch.get_num_threads(),
-           "world_size": r.ctx.world_size, "distributed_backend": r.ctx.backend}
+    cfg, device, built, resolved = run.cfg, run.device, run.built, run.resolved
+    trainer, compiled = built.trainer, built.compiled
+    env = {**collect_env(device), **resolved.policy.report(), "num_threads": torch.get_num_threads(),
+           "world_size": run.ctx.world_size, "distributed_backend": run.ctx.backend}
     sections = {"numerics": trainer.guard.report(), "clip": clip_report(cfg)}
-    if r.tracking is not None:
-        sections["tracking"] = r.tracking.report()
-    sections["compile"] = r.compiled.report()
-    sections["resumed_from"] = None if r.state is None else {"checkpoint": str(r.ckpt_path), "step": r.state["step"]}
-    sections["model"] = model_section(cfg, r.model)
+    if run.tracking is not None:
+        sections["tracking"] = run.tracking.report()
+    sections["compile"] = compiled.report()
+    sections["resumed_from"] = (None if run.checkpoint is None
+                                else {"checkpoint": str(run.checkpoint.path), "step": run.checkpoint.state["step"]})
+    sections["model"] = model_section(cfg, built.model)
     from train.commands.bench.training import skip_reasons  # here: the bench package's imports cost start-up
 
-    sections["levers"] = levers_section(cfg, r.model, r.policy, r.compiled, r.ctx, profiled=bool(hooks),
+    sections["levers"] = levers_section(cfg, built.model, resolved.policy, compiled, run.ctx, profiled=bool(hooks),
                                         bench_rows=skip_reasons(cfg))
-    sections["levers"]["fast_dropout"] = r.fast_dropout
-    efficiency = efficiency_fields(r.model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device, r.policy.mode)
+    sections["levers"]["fast_dropout"] = resolved.fast_dropout
+    efficiency = efficiency_fields(built.model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device,
+                                   resolved.policy.mode)
     report = build_report(ReportInputs(
-        cfg, r.run_dir, r.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),
-        sampler_counts(r.loaders["train"], trainer.epoch + 1), r.t_start, time.perf_counter() - r.t_start,
-        data_prep_s=r.data_s,
-        efficiency={**efficiency, "throughput_valid": True}, sections=sections, interrupted=interrupted,
-        batching_auto=r.batching_auto, packed_attention=r.packed_attention))
+        cfg, run.run_dir, resolved.bundle, stats, trainer.timer, final_eval, test_eval, env, peak_memory(device),
+        sampler_counts(built.loaders["train"], trainer.epoch + 1), run.t_start, time.perf_counter() - run.t_start,
+        data_prep_s=run.data_s, efficiency={**efficiency, "throughput_valid": True}, sections=sections,
+        interrupted=interrupted, batching_auto=resolved.batching_auto, packed_attention=resolved.packed_attention))
     for hook in hooks:
         hook.finish(report)
-    if r.ctx.is_main:
-        for line in r.compiled.loud_warnings():
+    if run.ctx.is_main:
+        for line in compiled.loud_warnings():
             print(line, file=sys.stderr, flush=True)
-        atomic_write_text(r.run_dir / "report.json", json.dumps(report, indent=2) + "\n")
+        atomic_write_text(run.run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report
-
-
