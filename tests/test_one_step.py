@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from train.callbacks import Callback
-from train.commands.bench.training import CONFIGS, _build_arm, arm_config, run_training_bench
+from train.commands.bench.training import CONFIGS, arm_config, build_arm, run_training_bench
 from train.commands.train import run_training
 from train.data import prepare_data
 from train.precision import PrecisionPolicy
@@ -55,7 +55,7 @@ def test_a_bench_arm_takes_the_step_make_train_takes(tiny_cfg, row) -> None:
     run_training(cfg.with_values({"train.run_id": f"one-step-{row}"}), time.perf_counter(), hooks=(hook,))
 
     bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
-    arm = _build_arm(row, cfg, bundle, CPU, PrecisionPolicy.for_config(cfg, CPU), lambda _m: None)
+    arm = build_arm(row, cfg, bundle, CPU, PrecisionPolicy.for_config(cfg, CPU), lambda _m: None)
     rec = arm.run.trainer.step()
     assert rec.step == 1 and hook.cb.grads
     assert float(rec.loss) == hook.cb.loss, "the same loss"

@@ -94,7 +94,7 @@ def cmd_buckets(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench import markdown, run_bench_suite
+    from train.commands.bench.suite import markdown, run_bench_suite
 
     cfg = load_cfg(args)
     result = run_bench_suite(cfg)

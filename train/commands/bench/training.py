@@ -90,7 +90,7 @@ def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
 
 
 @dataclass
-class _Arm:
+class RowArm:
     """One configuration during the benchmark: its built run and what its timed windows measured."""
 
     name: str
@@ -171,11 +171,12 @@ def runnable_rows(base: RunConfig, names: list[str], notice: Callable[[str], Non
     return runnable, skipped
 
 
-def _build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch.device, policy: PrecisionPolicy,
-               notice: Callable[[str], None]) -> _Arm:
+def build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch.device, policy: PrecisionPolicy,
+              notice: Callable[[str], None]) -> RowArm:
+    """Row ``name``'s run, built by the one set-up (``build_run``) on ``base_bundle`` re-planned for ``cfg``."""
     t0 = time.perf_counter()
     run = build_run(cfg, replan(cfg, base_bundle), device, policy)
-    arm = _Arm(name=name, description=describe(cfg, policy), run=run, first_step_s=-t0)  # completed at step 1
+    arm = RowArm(name=name, description=describe(cfg, policy), run=run, first_step_s=-t0)  # completed at step 1
     arm.count_flops, arm.flops_method = step_flops_for(run.model)  # any model (MFU for hf: and python: too)
     notice(f"bench: {name}: {arm.description}; buckets {run.bundle.bounds}")
     return arm
@@ -212,12 +213,12 @@ def run_training_bench(base: RunConfig, base_bundle: DataBundle, device: torch.d
     cfgs = [arm_config(base, list(CONFIGS[n].overrides) + ([f"train.precision={precision}"] if precision else []))
             for n in names]
     auto = auto or auto_precision(base, device, cfgs)
-    arms: list[_Arm] = []
+    arms: list[RowArm] = []
     with progress_bar(len(names) * (warmup_steps + rounds * window), "bench training", base.train.progress) as bar:
         say = beside(bar, notice)
         for name, cfg in zip(names, cfgs):
             policy = auto if cfg.train.precision == "auto" else PrecisionPolicy.for_config(cfg, device)
-            arm = _build_arm(name, cfg, base_bundle, device, policy, say)
+            arm = build_arm(name, cfg, base_bundle, device, policy, say)
             for i in range(warmup_steps):  # built and warmed one after another: time to first step is its own
                 arm.run.trainer.step(resolve=True)
                 if i == 0:
@@ -251,7 +252,7 @@ def add_intervals(rows: list[dict[str, Any]], result: Any) -> None:
         r["vs_parent"] = result.ratio(r["name"], parent).as_dict() if parent in names else None
 
 
-def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
+def _row(arm: RowArm, device: torch.device, device_name: str) -> dict[str, Any]:
     res, run = arm.result, arm.run
     step_ms = [ms for w in res.windows for ms in w.extra["step_ms"]]
     total_s = res.total("seconds")
@@ -298,7 +299,7 @@ def _row(arm: _Arm, device: torch.device, device_name: str) -> dict[str, Any]:
     return row
 
 
-def _samples_per_epoch(arm: _Arm) -> int:
+def _samples_per_epoch(arm: RowArm) -> int:
     """Samples one epoch of this row's sampler yields: the split, less ``drop_last`` drops, plus DDP repeats."""
     sampler = arm.run.loaders["train"].batch_sampler
     return len(arm.run.bundle.splits["train"]) - sampler.dropped_samples + sampler.repeated_samples

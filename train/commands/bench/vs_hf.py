@@ -42,8 +42,9 @@ from train.config import RunConfig
 from train.data import make_loader, prepare_data
 from train.errors import UserError, atomic_write_text
 from train.evaluation import evaluate
-from train.perf.ab import CONFIDENCE, Arm, interleave
+from train.perf.ab import CONFIDENCE, ABResult, Arm, interleave
 from train.perf.memory import WindowPeakMemory
+from train.precision import PrecisionPolicy
 from train.setup import build_model, build_run, replan, seed_everything, start_run
 from train.tools.env import collect_env, machine_facts
 
@@ -212,13 +213,25 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
         return Arm(name, one, measure)
 
     ab = interleave([side(s) for s in sides], rounds=cfg.bench.rounds, window=1, warmup=warmup, device=device)
-    runs = {s: every_run[s][warmup:] for s in sides}
+    result = _result(cfg, policy, len(bundle.splits["train"]), ab, every_run, levers,
+                     {**env, "load_1min_at_end": machine_facts(device)["load_1min"]})
+    atomic_write_text(start.run_dir / "bench-vs-hf.json", json.dumps(result, indent=2) + "\n")
+    atomic_write_text(start.run_dir / "bench-vs-hf.md", markdown(result))
+    notice(markdown(result))
+    return result
+
+
+def _result(cfg: RunConfig, policy: PrecisionPolicy, train_samples: int, ab: ABResult,
+            every_run: dict[str, list[dict]], levers: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
+    """bench-vs-hf.json: each side's runs (the warm-up runs apart) and medians, the paired speed-ups of the A/B."""
+    warmup = cfg.bench.warmup_runs
+    runs = {s: every_run[s][warmup:] for s in every_run}
     result = {"model_source": cfg.model.source, "precision": policy.mode, "precision_reason": policy.reason,
               "epochs": cfg.train.epochs, "rounds": cfg.bench.rounds, "warmup_runs": warmup,
-              "train_samples": len(bundle.splits["train"]),
+              "train_samples": train_samples,
               "sides": {s: {"median": _median(runs[s]), "runs": runs[s], "warmup_runs": every_run[s][:warmup]}
-                        for s in sides},
-              "env": {**env, "load_1min_at_end": machine_facts(device)["load_1min"]}}
+                        for s in every_run},
+              "env": env}
     ours, theirs = (result["sides"][s]["median"] for s in ("this-project", "hf-trainer"))
     result["speedup_samples_per_s"] = (ours["samples_per_s"] / theirs["samples_per_s"]
                                        if ours["samples_per_s"] and theirs["samples_per_s"] else None)
@@ -236,9 +249,6 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
         "eval_accuracy_delta_vs_hf_trainer": (
             every["eval_accuracy"] - theirs["eval_accuracy"]
             if None not in (every["eval_accuracy"], theirs["eval_accuracy"]) else None)}
-    atomic_write_text(start.run_dir / "bench-vs-hf.json", json.dumps(result, indent=2) + "\n")
-    atomic_write_text(start.run_dir / "bench-vs-hf.md", markdown(result))
-    notice(markdown(result))
     return result
 
 
