@@ -24,14 +24,14 @@ class ProfileConfig(Frozen):
     pyspy_steps: int = allowed(20, ge=3)
     """py-spy: steps per window; windows run off/on/off/on/off, so overhead compares step times side by side."""
     pyspy_rate: int = allowed(20, ge=1)
-    """py-spy sampling rate (samples per second). 20 Hz: +0.9% to +3.6% step time on a quiet 2-core CPU (4 runs,
-    median +2.5%) against +7.8% to +18.9% at 100 Hz (docs/profiling.md); it gives up resolution: ~90 stacks per
-    20-step window of 220 ms steps, enough to rank functions above ~2% of the time. Raise it (and ``pyspy_steps``)
-    for detail at that measured cost."""
+    """py-spy sampling rate (samples per second). 20 Hz: the rate whose overhead stayed within 5% of the step in
+    every run of the comparison in docs/profiling.md (100 Hz costs several times more); it gives up resolution: ~90
+    stacks per 20-step window of 220 ms steps, enough to rank functions above ~2% of the time. Raise it (and
+    ``pyspy_steps``) for detail at that cost."""
     pyspy_native: bool = False
     """py-spy ``--native``: include C/C++ frames (torch's kernels) in the stacks. Off by default: unwinding native
-    stacks while the process is paused cost +67% to +368% step time at 100 Hz on a 2-core CPU (docs/profiling.md);
-    without it an op's time is attributed to the Python line that called it."""
+    stacks pauses the process at every sample, several times the cost of Python frames read without a pause
+    (docs/profiling.md); without it an op's time is attributed to the Python line that called it."""
     pyspy_nonblocking: bool = True
     """py-spy ``--nonblocking``: read the stacks without pausing the process (the default: a paused trainer waits for
     py-spy to be scheduled, which on a loaded machine costs far more than the read; occasionally a torn stack).

@@ -205,7 +205,8 @@ def dp_table(lengths: np.ndarray, max_len: int, k_max: int, target: float) -> di
 
 
 def targets(rows: list[dict], k: int, target_eff: float, dp: dict) -> dict[str, Any]:
-    """The issue's targets, each with the measured value and whether it was reached."""
+    """The batching targets (token efficiency at K buckets, ≤ 16 shapes, ≥ 4× pad-to-max and ≥ 1× HF's length
+    grouping in samples/s; packing's token efficiency), each with the measured value and whether it was reached."""
     by = {r["name"]: r for r in rows}
     opt = by[f"optimal-{k}"]
     best = max((by[f"optimal-{k}"], by[f"optimal-{k}-max-tokens"]), key=lambda r: r["samples_per_s"])
