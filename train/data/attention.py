@@ -31,7 +31,8 @@ import torch
 
 from train.compat import flex_attention_functions
 from train.config import RunConfig
-from train.data import DataBundle, pack_layout
+from train.data.bundle import DataBundle
+from train.data.loaders import pack_layout
 from train.data.packing import PackCollate, pack_rows
 from train.errors import UserError
 from train.perf.ab import Arm, interleave

@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from train.config import RunConfig
-from train.data import DataBundle, bucket_plan, pack_layout
+from train.data.bundle import DataBundle, bucket_plan
 from train.data.collate import PadCollate
+from train.data.loaders import pack_layout
 from train.data.packing import PackCollate, PackedBatchSampler
 from train.data.sampler import BucketBatchSampler
 from train.perf.ab import Arm, bootstrap_interval, interleave

@@ -53,8 +53,8 @@ def layout_cost(cfg, lengths: Sequence[int], bounds: Sequence[int], sample_limit
     Raises:
         ValueError: an empty training split.
     """
-    from train.data import pack_layout
     from train.data.grouping import length_grouped_batches
+    from train.data.loaders import pack_layout
     from train.data.packing import pack_rows
 
     lengths = np.asarray(lengths, dtype=np.int64)

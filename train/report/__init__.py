@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from train.config import RunConfig
-from train.data import DataBundle, pack_layout
+from train.data.bundle import DataBundle
+from train.data.loaders import pack_layout
 from train.data.sampler import run_counts
 from train.errors import atomic_write_text
 from train.models.encoder import EncoderClassifier
