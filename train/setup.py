@@ -29,6 +29,7 @@ from train.config import RunConfig, dump_config
 from train.errors import UserError, atomic_write_text
 from train.models.encoder import EncoderClassifier, resolve_spec
 from train.precision import PrecisionPolicy
+from train.tools.cores import usable_cores
 from train.tools.env import resolve_device
 
 
@@ -39,10 +40,26 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def apply_threads_and_seed(cfg: RunConfig) -> None:
-    """``train.num_threads`` (when set) and :func:`seed_everything` with ``train.seed``."""
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
+def thread_count(requested: Optional[int], current: int, notice: Callable[[str], None] = print) -> int:
+    """The torch threads to use: ``requested`` (``train.num_threads``; None: torch's ``current`` default), clamped to
+    the cores this process can use (:func:`train.tools.cores.usable_cores`), since more threads than cores
+    oversubscribe them and slow every step. A clamped request is said in one ``notice:`` line."""
+    cores, why = usable_cores()
+    want = requested or current
+    if want <= cores:
+        return want
+    if requested:
+        notice(f"notice: train.num_threads={requested} but this process can use {cores} cores ({why}); using "
+               f"{cores} threads (more threads than cores oversubscribe them and slow every step)")
+    return cores
+
+
+def apply_threads_and_seed(cfg: RunConfig, notice: Callable[[str], None] = print) -> None:
+    """torch's intra-op threads (``train.num_threads``, or torch's default, clamped to the usable cores:
+    :func:`thread_count`) and :func:`seed_everything` with ``train.seed``."""
+    threads = thread_count(cfg.train.num_threads, torch.get_num_threads(), notice)
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
     seed_everything(cfg.train.seed)
 
 

@@ -113,7 +113,7 @@ def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional
         try:
             shutdown.phase = "data preparation"  # named by a signal that arrives now (nothing to checkpoint yet)
             run_dir = _open_run_dir(cfg, resume, ctx)
-            apply_threads_and_seed(cfg)
+            apply_threads_and_seed(cfg, notice=say)
             checkpoint = _load_checkpoint(resume, ctx, say)
             say(f"run {run_dir}: device {device}"
                 + (f", {ctx.world_size} processes ({ctx.backend})" if ctx.enabled else ""), flush=True)
