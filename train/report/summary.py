@@ -1,0 +1,37 @@
+"""The lines a run prints at its end, read from its report.json."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """What a finished run prints: quality, throughput and step times, token efficiency, compile, the report's path."""
+    q, p, b = report["quality"], report["perf"], report["batching"]
+
+    def f(x: Optional[float], fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    return [
+        f"test accuracy {f(q['test_accuracy'], '.4f')} (majority class {f(q['test_majority_class_accuracy'], '.4f')}), "
+        f"test macro-F1 {f(q['test_macro_f1'], '.4f')}, eval accuracy {f(q['eval_accuracy'], '.4f')}",
+        f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, "
+        f"{f(p['throughput_tokens_per_s'], '.0f')} tokens/s; "
+        f"step p50 {f(p['step_time_ms']['p50'], '.1f')} ms, p99 {f(p['step_time_ms']['p99'], '.1f')} ms; "
+        f"first step after {f(p['time_to_first_step_s'], '.1f')} s; "
+        f"peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
+        f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence "
+        f"length{'' if b['distinct_shapes'] == 1 else 's'}; "
+        f"wall time {p['wall_time_s']:.0f} s",
+        *_compile_line(report.get("compile")),
+        f"report: {os.path.join(report['run_dir'], 'report.json')}",
+    ]
+
+
+def _compile_line(c: Optional[dict]) -> list[str]:
+    if not c or not c.get("enabled"):
+        return []
+    warm = "n/a" if c["warmup_s"] is None else f"{c['warmup_s']:.0f} s"
+    return [f"compile: {c['status']}; warm-up {warm}, recompiles after warm-up {c['recompiles_after_warmup']}, "
+            f"cache {c['cache_state']} ({c['cache_dir']})"]
