@@ -11,7 +11,7 @@ import torch
 
 from train.data.packing import PackCollate, pack_rows
 from train.errors import UserError
-from train.models.packed import HEADS, check_packing, takes_position_ids
+from train.models.packed import HEADS, probe_packing, takes_position_ids
 from train.models.wrap import ExternalClassifier, ExternalSpec
 
 transformers = pytest.importorskip("transformers")
@@ -34,7 +34,7 @@ def _model(kind: str) -> ExternalClassifier:
 @pytest.mark.parametrize("kind", sorted(HEADS))
 def test_packed_logits_equal_unpacked_per_architecture(kind) -> None:
     model = _model(kind)
-    ok, reason = check_packing(model)
+    ok, reason = probe_packing(model)
     if takes_position_ids(kind) is not None:  # e.g. DistilBERT on transformers 4.x
         assert not ok and "position_ids" in reason
         return
@@ -117,6 +117,6 @@ def test_a_forward_that_rejects_position_ids_is_refused_with_the_reason() -> Non
         return real(*args, **kwargs)
 
     model.inner.bert.forward = no_positions
-    ok, reason = check_packing(model)
+    ok, reason = probe_packing(model)
     assert (not ok and "not exact here" in reason and "position_ids" in reason
             and "BertForSequenceClassification" in reason)

@@ -152,7 +152,7 @@ def build_external(cfg, bundle, hf_config: Optional[str] = None) -> ExternalClas
             smaller than the tokenizer's, a ``python:`` factory that does not import or whose forward does not fit,
             or a ``python:`` model that declares packed rows but returns the wrong number of them.
     """
-    from train.models.packed import check_packing
+    from train.models.packed import probe_packing
 
     kind = source_kind(cfg.model.source)
     if kind == "python":
@@ -163,5 +163,5 @@ def build_external(cfg, bundle, hf_config: Optional[str] = None) -> ExternalClas
         from train.models.hf import build_hf
 
         model = build_hf(cfg, bundle, kind, hf_config)
-    check_packing(model)  # packed rows only where they are exact (supports_packing + packing_reason)
+    probe_packing(model)  # packed rows only where they are exact (supports_packing + packing_reason)
     return model

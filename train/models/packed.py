@@ -14,7 +14,7 @@ padding) and ``num_seqs`` label slots. A Hugging Face encoder runs it exactly li
   RoBERTa / XLM-RoBERTa / CamemBERT / ELECTRA's classification head; DistilBERT's pre-classifier, ReLU, dropout and
   classifier. Empty label slots get zero features (their labels are ignored by the loss).
 
-Whether it is exact is not assumed: :func:`check_packing` runs two short random samples packed and one by one (fp32,
+Whether it is exact is not assumed: :func:`probe_packing` runs two short random samples packed and one by one (fp32,
 eval mode, no grad, RNG untouched) and enables packing only when the logits agree to 1e-5; otherwise the model
 keeps ``supports_packing = False`` with a one-line reason (an architecture without a known head, a forward that
 rejects ``position_ids`` or the block mask, logits that differ).
@@ -111,7 +111,7 @@ def _sample_batch(vocab: int, device: torch.device) -> tuple[list[torch.Tensor],
 
 
 @torch.no_grad()
-def check_packing(wrapper: Any) -> tuple[bool, str]:
+def probe_packing(wrapper: Any) -> tuple[bool, str]:
     """Try packed rows on ``wrapper`` (an :class:`~train.models.wrap.ExternalClassifier`) and set its
     ``supports_packing``, ``packing_reason`` and mask format. Returns ``(supported, reason)``.
 

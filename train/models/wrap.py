@@ -45,11 +45,11 @@ class ExternalClassifier(nn.Module):
 
     ``kind``: ``hf`` (``inner(input_ids=, attention_mask=)`` returns an object with ``.logits``) or ``python``
     (``inner(input_ids, attention_mask)`` returns the logits tensor). Packed rows (``position_ids``, ``seq_index``,
-    ``num_seqs`` given) run where :func:`train.models.packed.check_packing` found them exact
+    ``num_seqs`` given) run where :func:`train.models.packed.probe_packing` found them exact
     (``supports_packing``; ``packing_reason`` says why or why not): logits [num_seqs, num_classes].
     """
 
-    supports_packing = False  # the class default; check_packing sets it per instance
+    supports_packing = False  # the class default; probe_packing sets it per instance
 
     def __init__(self, inner: nn.Module, spec: ExternalSpec, kind: str) -> None:
         super().__init__()
