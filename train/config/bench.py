@@ -29,8 +29,8 @@ class BenchConfig(Frozen):
     """Rounds of interleaved timed windows (every configuration once per round)."""
     warmup_runs: int = allowed(1, ge=0)
     """``bench-vs-hf``: untimed whole training runs per side, in turn, before its ``rounds`` timed ones (oneDNN's
-    primitive cache, the allocator and the kernels' first use see every batch shape once; cold, a first round read
-    1.04x where the warm ones read 1.32-1.35x: docs/optimize.md). 0: the first round runs cold."""
+    primitive cache, the allocator and the kernels' first use see every batch shape once; a cold first round reads
+    far below the warm ones: docs/models.md). 0: the first round runs cold."""
     window: int = allowed(5, ge=1)
     """Timed steps per configuration per round; each configuration gets ``rounds`` × ``window`` timed steps."""
     checkpoint: Optional[str] = None

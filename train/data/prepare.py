@@ -1,7 +1,7 @@
 """Prepared data built in bounded memory: a source streamed into a cache entry (the format of train/data/cache.py).
 
-Memory once grew with every row (the texts, one tokenizers ``Encoding`` and one numpy array per text: 19 GiB for a
-2 M-row, 315 MB JSONL). Here nothing holds all the texts, encodings or per-row Python objects at once:
+Nothing holds all the texts, encodings or per-row Python objects at once (holding the texts, one tokenizers
+``Encoding`` and one numpy array per text makes memory grow with every row: docs/data.md has the figures):
 
 1. one pass over the source (:func:`~train.data.sources.scan_source`) validates each row, appends its text as UTF-8
    to a scratch file and keeps only its split hash and label (compact arrays, ~24 bytes a row);

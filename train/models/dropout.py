@@ -1,16 +1,15 @@
 """``model.fast_dropout``: a cheaper dropout mask for any model, swapped in module by module, measured and said.
 
 ``torch.nn.Dropout`` draws its mask with ``bernoulli_`` in the input's dtype, one generator draw per element; under
-CPU bf16 autocast that is a bf16 ``bernoulli_``, the top op of ``make profile`` on the built-in model (12-15 % of a
-step) and on a Hugging Face BERT (23 %). :class:`FastDropout` keeps inverted dropout (Srivastava et al. 2014: each
+CPU bf16 autocast that is a bf16 ``bernoulli_``, the top op of ``make profile`` on the built-in model and on a
+Hugging Face BERT (docs/models.md). :class:`FastDropout` keeps inverted dropout (Srivastava et al. 2014: each
 element kept with probability 1 - p, scaled by 1 / (1 - p)) but draws the mask from **16-bit uniform integers, four
 to each full-width 64-bit draw** (``random_(-2**63, None)`` on int64, viewed as int16) compared with a threshold: a
 quarter of the generator calls and no float conversion. The keep probability is then a multiple of 2^-16: p is
 rounded to ``p' = round(p * 65536) / 65536`` (|p' - p| <= 2^-17; 0.1 -> 0.100006) and the kept values are scaled by
-1 / (1 - p'), so the output's expectation is still exactly the input. Measured (this module's mask against
-``F.dropout``, forward and backward of a bf16 [64, 42, 256] activation, 2-core Intel Xeon, torch 2.13): 1.39 ms
-against 3.96 ms; the earlier float32-uniform mask (``torch.rand(...) >= p``) took 2.74 ms. Inside a graph traced by
-``torch.compile`` the float32-uniform mask is used instead: the compiler fuses it with the multiply.
+1 / (1 - p'), so the output's expectation is still exactly the input (docs/models.md has its timing against
+``F.dropout`` and a float32-uniform mask). Inside a graph traced by ``torch.compile`` a float32-uniform mask
+(``torch.rand(...) >= p``) is used instead: the compiler fuses it with the multiply.
 
 It draws from the same global torch generator (so checkpoints' RNG snapshot still makes resume bit-exact), but
 consumes it differently: the random stream, and so the training trajectory, is not the same as with ``nn.Dropout``
