@@ -11,17 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from train.commands.optimize.levers import CATALOGUE, EXACT, NUMERICS, Candidate, Evidence, Lever, LeverContext, amdahl
+from train.commands.optimize.arms import ArmTimeout, failure_reason, time_limit
+from train.commands.optimize.judging import amortise, quality_verdict
+from train.commands.optimize.levers import CATALOGUE
 from train.commands.optimize.outputs import write_outputs
-from train.commands.optimize.search import (
-    ArmTimeout,
-    SearchSettings,
-    amortise,
-    failure_reason,
-    quality_verdict,
-    search,
-    time_limit,
-)
+from train.commands.optimize.proposals import EXACT, NUMERICS, Candidate, Evidence, Lever, LeverContext, amdahl
+from train.commands.optimize.search import search
+from train.commands.optimize.settings import SearchSettings
 from train.config import RunConfig, load_config
 from train.perf.ab import Ratio
 
@@ -373,7 +369,7 @@ def test_layout_costs_of_each_batching_method(tiny_cfg):
 def test_a_lever_that_changes_the_samples_per_step_keeps_the_schedule_in_samples():
     """A token budget k times the samples per step: k times fewer steps, warm-up and evaluations over the same
     samples, and the square-root learning-rate rule (or linear, or none)."""
-    from train.commands.optimize.levers import schedule_in_samples
+    from train.commands.optimize.schedule import schedule_in_samples
 
     base = RunConfig().with_values({"train.max_steps": 600, "train.eval_every": 200, "train.checkpoint_every": None,
                                     "optim.lr": 2e-3})
@@ -448,7 +444,7 @@ def test_the_real_backend_scales_the_schedule_by_the_measured_samples_per_step(t
 
 
 def test_the_grid_crosses_every_crossable_lever():
-    from train.commands.optimize.grid import grid_points, name_of
+    from train.commands.optimize.grid_space import grid_points, name_of
 
     base = RunConfig().with_values({"batching.batch_size": 32, "data.max_len": 128})
     pts = grid_points(base, native_bf16=True, supports_packing=True, fused=True, workers=1)
@@ -461,8 +457,33 @@ def test_the_grid_crosses_every_crossable_lever():
     assert len(small) == 1 * 10 * 2 * 1 * 1 and {p["train.precision"] for p in small} == {"fp32"}
 
 
+def test_the_grid_on_the_naive_cpu_config_holds_its_112_points():
+    """The grid's points come from each lever's values in levers.py: on configs/naive-cpu.yaml (batch 32 × 128 tokens)
+    with native bf16, packing and fused AdamW, exactly these 112 combinations, in this order — written out here, so a
+    change to a lever's values that moves the grid fails; and the search's result is read back on every lever's key
+    and the schedule's."""
+    from pathlib import Path
+
+    from train.commands.optimize.grid_space import grid_points
+    from train.commands.optimize.levers import SETTINGS_KEYS
+
+    base = load_config(str(Path(__file__).resolve().parent.parent / "configs" / "naive-cpu.yaml"))
+    batching = [(m, "bound", None) for m in ("pad-to-max", "hf-group-by-length")]
+    batching += [(m, pad, t) for m, pad in (("optimal", "bound"), ("optimal", "batch-max"), ("packed", "bound"))
+                 for t in (None, 2048, 4096, 8192)]
+    want = [{"train.precision": p, "batching.method": m, "batching.pad_to": pad, "batching.max_tokens": t,
+             "model.fast_dropout": d, "optim.fused": f, "data.num_workers": 0}
+            for p in ("fp32", "bf16") for m, pad, t in batching for d in ("false", "true") for f in (False, True)]
+    got = grid_points(base, native_bf16=True, supports_packing=True, fused=True, cuda=False, workers=0)
+    assert len(want) == 112 and got == want
+    assert SETTINGS_KEYS == ("train.precision", "batching.method", "batching.pad_to", "batching.max_tokens",
+                             "model.fast_dropout", "optim.fused", "data.num_workers", "train.num_threads",
+                             "compile.enabled", "compile.mode", "optim.lr", "train.max_steps", "train.eval_every",
+                             "train.checkpoint_every")
+
+
 def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
-    from train.commands.optimize.search import measure_pair
+    from train.commands.optimize.pairs import measure_pair
 
     calls = []
 
@@ -484,7 +505,7 @@ def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
 
 def test_a_candidate_that_fails_the_guard_where_the_planned_run_ends_gets_no_more_rounds():
     """An undecided A/B is extended — unless the quality read past the planned run already rejects the candidate."""
-    from train.commands.optimize.search import measure_pair
+    from train.commands.optimize.pairs import measure_pair
 
     def run(settled: bool) -> Any:
         return measure_pair(FakeBackend(), {}, {"fake.speed": 1.5}, settings(rounds=3), 3, extend=lambda _r: True,
@@ -553,7 +574,8 @@ def test_the_final_confirmation_times_windows_of_window_samples():
 
 
 def test_the_grid_holds_a_token_budget_to_the_same_combination_at_the_batch_size():
-    from train.commands.optimize.grid import name_of, quality_guard
+    from train.commands.optimize.grid_screen import quality_guard
+    from train.commands.optimize.grid_space import name_of
 
     def point(budget):
         return {"train.precision": "bf16", "batching.method": "optimal", "batching.pad_to": "bound",
@@ -578,7 +600,8 @@ def test_the_grid_judges_other_steps_per_sample_late_in_the_run_against_the_comb
     """Packed rows and token budgets take other samples per optimizer step (their schedule's train.max_steps): judged
     as the search judges them, after the planned run's horizon, both the arm and its twin trained on — on demand,
     only for the arms asked about; an arm on the config's steps is judged early against the config as given."""
-    from train.commands.optimize.grid import name_of, quality_guard, twin_of
+    from train.commands.optimize.grid_screen import quality_guard
+    from train.commands.optimize.grid_space import name_of, twin_of
 
     def point(method, budget, steps=None):
         return {"train.precision": "bf16", "batching.method": method, "batching.pad_to": "bound",
@@ -614,8 +637,8 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     """A combination that is lucky in the screening's few windows (fast only at first) must not be called the best:
     the finalists are re-measured against each other; a combination that learns worse (the quality guard against
     the config as given) is no finalist however fast; the search's result is judged against the final's best."""
-    import train.commands.optimize.backend as backend_mod
     from train.commands.optimize import grid as grid_mod
+    from train.commands.optimize import grid_final as final_mod
     from train.commands.optimize import isolated as isolated_mod
     from train.config import dump_config
 
@@ -695,9 +718,9 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
             for h in hs.values():
                 h.close()
 
-    monkeypatch.setattr(backend_mod, "RunBackend", Backend)
+    monkeypatch.setattr(grid_mod, "RunBackend", Backend)
     monkeypatch.setattr(grid_mod, "grid_points", lambda *a, **k: points)
-    monkeypatch.setattr(isolated_mod, "measure_in_fresh_process", in_a_fresh_process)
+    monkeypatch.setattr(final_mod, "measure_in_fresh_process", in_a_fresh_process)
     cfg = tiny_cfg("optimize.window_samples=32", "optimize.grid_rounds=3", "optimize.grid_finalists=3",
                    "optimize.confirm_rounds=4", "optimize.recheck_rounds=6")
     opt_dir = tmp_path / "opt"
@@ -846,7 +869,7 @@ def test_a_planned_run_shorter_than_the_ab_is_judged_where_the_ab_passes_it():
 
 
 def test_the_horizon_shrinks_to_what_fits_the_time_left():
-    from train.commands.optimize.search import horizon_target
+    from train.commands.optimize.pairs import horizon_target
     from train.perf.ab import ABResult, ArmResult, Window
 
     res = ABResult({"best": ArmResult("best", [Window(0, 1.0, 1, {"samples": 100})]),

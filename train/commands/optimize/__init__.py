@@ -4,95 +4,9 @@ keep it only when its interval clears ``optimize.min_gain`` and the quality guar
 confirm baseline vs optimized in one interleaved run (docs/optimize.md).
 
 Writes ``runs/<id>/optimize/``: ``optimized.yaml``, ``optimize.json``, ``optimize.md``, ``waterfall.png`` and the
-profiles' ``profiles/<n>/summary.{json,md}``.
+profiles' ``profiles/<n>/summary.{json,md}``. ``python -m train optimize-grid``: grid.py.
 """
 
-from __future__ import annotations
+from train.commands.optimize.command import baseline_settings, run_optimize
 
-import signal
-import time
-from collections.abc import Callable
-from typing import Any, Optional
-
-from train.commands.optimize.levers import CATALOGUE, select
-from train.commands.optimize.outputs import write_outputs
-from train.commands.optimize.search import SearchResult, SearchSettings, search
-from train.config import RunConfig
-from train.errors import UserError
-
-
-def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str, Any], list[str]]:
-    """The overrides that make the user's config explicit where it says ``auto`` (so every arm runs one decided
-    setting), and a note for each. ``train.precision=auto`` → what auto decided; ``batching.method=auto`` →
-    ``optimal`` (packing is a lever the search measures); ``model.fast_dropout=auto`` → ``false`` (idem)."""
-    out, notes = {}, []
-    if cfg.train.precision == "auto":
-        out["train.precision"] = resolved_precision
-        notes.append(f"train.precision=auto runs {resolved_precision} here (what auto decided)")
-    if cfg.batching.method == "auto":
-        out["batching.method"] = "optimal"
-        notes.append("batching.method=auto: the baseline runs optimal; packing is measured as the batching lever")
-    if cfg.model.fast_dropout == "auto":
-        out["model.fast_dropout"] = "false"
-        notes.append("model.fast_dropout=auto: the baseline runs nn.Dropout; the cheaper mask is the fast_dropout "
-                     "lever")
-    return out, notes
-
-
-def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
-                 config_path: Optional[str] = None) -> dict[str, Any]:
-    """Run the search on ``cfg`` and write its outputs; returns optimize.json's dict (``status`` completed, budget or
-    interrupted). SIGTERM and Ctrl-C end the search with what was measured so far written.
-
-    Raises:
-        UserError: an unknown lever in ``optimize.levers``, bad data or config.
-    """
-    import torch
-
-    from train.commands.optimize.backend import RunBackend
-    from train.data import prepare_data
-    from train.setup import start_run
-    from train.tools.env import device_name, machine_facts
-    from train.tools.progress import progress_bar
-
-    try:
-        levers = select(cfg.optimize.lever_names(), CATALOGUE)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    start = start_run(cfg, prefix="optimize-")
-    out_dir = start.run_dir / "optimize"
-    bundle = prepare_data(start.cfg, None, notice=notice)
-    base, notes = baseline_settings(start.cfg, start.policy.mode)
-    for n in notes:
-        notice(f"optimize: {n}")
-    backend = RunBackend(start.cfg, bundle, start.device, out_dir, notice)
-    facts = machine_facts(start.device)
-    meta = {"config": config_path or "the built-in defaults", "device": device_name(start.device),
-            "budget_s": cfg.optimize.budget_s,
-            "load": facts.get("load_1min"), "notes": notes, "torch": torch.__version__,
-            "optimized_yaml": str(out_dir / "optimized.yaml"), "levers": [lv.name for lv in levers],
-            "min_gain": cfg.optimize.min_gain, "quality_tolerance": cfg.optimize.quality_tolerance,
-            "planned_steps": backend.planned_steps(), "planned_samples": backend.planned_samples()}
-    settings = SearchSettings.from_config(cfg.optimize, backend.planned_samples())
-    t0 = time.monotonic()
-    bar = progress_bar(int(settings.budget_s), "optimize (s of budget)", cfg.train.progress)
-
-    def update(res: SearchResult) -> None:
-        bar.n = min(int(settings.budget_s), int(time.monotonic() - t0))
-        bar.refresh()
-        best = start.cfg.with_values({**res.best, "train.run_id": None, "train.overwrite": False})
-        write_outputs(out_dir, res.as_dict(), meta, best)
-
-    def on_term(_sig, _frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        res = search(backend, levers, base, settings, planned_steps=backend.planned_steps(),
-                     notice=lambda m: (bar.clear(), notice(m), bar.refresh()), on_update=update)
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        bar.close()
-    out = res.as_dict()
-    out["out_dir"] = str(out_dir)
-    return out
+__all__ = ["baseline_settings", "run_optimize"]

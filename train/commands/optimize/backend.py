@@ -12,9 +12,13 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from train.commands.optimize.levers import Evidence, LeverContext
+from train.commands.optimize.levers import BATCHING, batching_settings
+from train.commands.optimize.proposals import Evidence, LeverContext
+from train.commands.optimize.schedule import SCHEDULE_KEYS, schedule_in_samples
 from train.compat import fused_adamw_supported
+from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig
+from train.data import make_loader
 from train.data.layout_cost import layout_cost
 from train.evaluation import evaluate
 from train.precision import PrecisionPolicy, cpu_native_bf16
@@ -56,15 +60,13 @@ def set_torch_rng(state: tuple[torch.Tensor, Optional[torch.Tensor]], device: to
 
 
 class RunArm:
-    """One configuration as a real training run (see :class:`~train.commands.optimize.search.ArmHandle`).
+    """One configuration as a real training run (see :class:`~train.commands.optimize.arms.ArmHandle`).
 
     Each arm draws its random numbers (dropout masks) from a stream of its own, taken right after :func:`build_run`
     seeded it: arms of one model start from the same stream, and what one arm draws never shifts another's, however
     the A/B interleaves them — common random numbers, the variance reduction of simulation comparisons (Law, *Simulation
-    Modeling and Analysis*, 5th ed., 2015, §11.2). Measured (naive-cpu in fitted buckets padded to the batch maximum,
-    held-out loss after 2,304 samples): on one shared stream the same config read 3.0804 and 2.9216 in two A/Bs of one
-    search (5.4 % apart: the quality guard's whole tolerance), and bf16 +5.2 % against fp32; on their own streams two
-    arms of the same config are identical and bf16 is +2.3 %."""
+    Modeling and Analysis*, 5th ed., 2015, §11.2): on one shared stream the same config's held-out loss can differ
+    between two A/Bs by as much as the quality guard's tolerance (docs/optimize.md, "The quality guard")."""
 
     def __init__(self, backend: "RunBackend", cfg: RunConfig) -> None:
         self.backend, self.cfg = backend, cfg
@@ -78,8 +80,6 @@ class RunArm:
         one_off = 0.0
         compiled = self.run.compiled
         if compiled is not None and compiled.enabled:
-            from train.compiling.warmup import warm_up_for_run
-
             t0 = time.perf_counter()
             warm_up_for_run(compiled, self.run.trainer, self.run.model, None, force=True, notice=lambda _m: None)
             one_off = time.perf_counter() - t0
@@ -139,8 +139,6 @@ class RunBackend:
         """The fixed held-out slice: the first ``optimize.quality_samples`` samples of the validation split (else the
         test split) in fitted-bucket evaluation batches — the same batches for every arm."""
         if self._quality is None:
-            from train.data import make_loader
-
             split = "validation" if len(self.bundle.splits["validation"]) else "test"
             # fitted buckets, whatever the baseline's batching: less padding to evaluate, the same batches for all
             cfg = self.base.with_values({"batching.method": "optimal", "batching.max_tokens": None})
@@ -197,8 +195,6 @@ class RunBackend:
     def batching_costs(self, cfg: RunConfig, packing: bool) -> dict[str, Any]:
         """The :class:`~train.data.layout_cost.LayoutCost` on the training lengths of ``cfg`` (``"current"``) and of
         each batching value the lever may propose (cached per setting)."""
-        from train.commands.optimize.levers import BATCHING, batching_settings
-
         configs = {"current": cfg} | {v: cfg.with_values(batching_settings(cfg, v)) for v in BATCHING
                                       if v != "packed" or packing}
         return {name: self._cost(c) for name, c in configs.items()}
@@ -216,10 +212,8 @@ class RunBackend:
 
     def schedule(self, settings: dict[str, Any]) -> dict[str, Any]:
         """The overrides that keep ``settings``' run on the schedule of the config as given, in samples
-        (:func:`~train.commands.optimize.levers.schedule_in_samples`, ``optimize.lr_scaling``): only those that differ
+        (:func:`~train.commands.optimize.schedule.schedule_in_samples`, ``optimize.lr_scaling``): only those that differ
         from what ``settings`` already say. ``k`` is the ratio of the two plans' samples per optimizer step."""
-        from train.commands.optimize.levers import SCHEDULE_KEYS, schedule_in_samples
-
         cfg = self.cfg(settings)
         base_sps, sps = self._cost(self.base).samples_per_step, self._cost(cfg).samples_per_step
         want = schedule_in_samples(self.base, sps / base_sps if base_sps and sps else 1.0,

@@ -1,12 +1,65 @@
-"""What ``optimize-grid`` reports: the search's result against the grid's best (:func:`optimized_vs_best`) and
-grid.md (:func:`render`)."""
+"""What ``optimize-grid`` reports: grid.json's dict from what its stages measured (:func:`grid_json`), the search's
+result against the grid's best (:func:`optimized_vs_best`) and grid.md (:func:`render`)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Optional
 
+from train.commands.optimize.grid_final import Final
+from train.commands.optimize.grid_screen import Judged, Screening
+from train.commands.optimize.grid_space import LEFT_OUT
+from train.commands.optimize.outputs import format_loss as _loss
 from train.commands.optimize.outputs import format_ratio as _ratio
+from train.commands.optimize.settings import SearchSettings
+from train.perf.ab import ArmResult
+
+
+def grid_json(named: dict[str, dict[str, Any]], sc: Screening, judged: Judged, fin: Final, o: Any,
+              s: SearchSettings, seconds: float, optimized: Optional[str], facts: dict[str, Any]) -> dict[str, Any]:
+    """grid.json's dict: the best and its rate, the screening's rows (with their quality verdicts), the final's, the
+    search's result against the best (``optimized``: its config's path, with ``--optimized``); ``facts``: the
+    ``device``, ``machine``, ``torch`` version and ``config`` path."""
+    finalists, best, metric = fin.finalists, fin.best, sc.rates.metric
+    medians = {n: sc.rates.of(fin.pairs[n], n) for n in finalists}
+    first = fin.pairs[finalists[0]]
+    if optimized is None:
+        vs = {n: first.ratio(n, best, metric).as_dict() if n != best else None for n in finalists}
+    else:
+        vs = {n: fin.pairs[n].ratio(n, "optimized", metric).as_dict() for n in finalists}
+        pooled = ArmResult("optimized", [w for n in finalists for w in fin.pairs[n].arms["optimized"].windows])
+        m = pooled.median(metric)  # over every pair's windows of the search's result
+        medians["optimized"] = None if m is None else m / sc.rates.per_sample
+    guard, quality = judged.guard, sc.quality
+    rows = [{"name": n, "settings": named[n], "samples_per_s": sc.medians[n],
+             "vs_best": sc.result.ratio(n, best, metric).as_dict() if n != best else None, "quality": quality[n],
+             "quality_guard": guard[n]} for n in sc.ranked + ["baseline"]]
+    final_rows = [{"name": n, "samples_per_s": medians[n], "vs_best": vs[n] if optimized is None else None,
+                   "vs_optimized": vs[n] if optimized is not None else None}
+                  for n in sorted(finalists, key=lambda n: -(medians[n] or 0))]
+    return {
+        "best": best, "best_samples_per_s": medians[best], "points": len(sc.ranked), "seconds": seconds,
+        "fastest_of_the_screening": sc.ranked[0], "quality_reference": {"settings": named["baseline"],
+                                                                        **quality["baseline"]},
+        "quality_tolerance": o.quality_tolerance, "quality_samples_seen": s.quality_samples_seen(),
+        "rejected_by_quality_guard": [n for n in sc.ranked if guard[n]["passes"] is False],
+        "quality_horizon_samples": s.horizon_samples, "judged_at_the_horizon": judged.late,
+        "screening": {"rounds": o.grid_rounds, "seconds": sc.seconds, "rows": rows,
+                      "load_1min": [sc.result.load_start, sc.result.load_end]},
+        "guard_seconds": judged.seconds,
+        "final": {"rounds": o.confirm_rounds, "seconds": seconds - sc.seconds - judged.seconds, "rows": final_rows,
+                  "paired_with_optimized": optimized is not None, "load_1min": [first.load_start, first.load_end],
+                  "process": "fresh: one new process per A/B (isolated.py)", "failed": fin.failed},
+        "window_samples": o.window_samples, "metric": metric, "real_tokens_per_sample": sc.rates.per_sample,
+        "left_out": LEFT_OUT,
+        "device": facts["device"], "load_1min": [sc.result.load_start, first.load_end],
+        "machine": facts["machine"], "torch": facts["torch"], "config": facts["config"],
+        "optimized": None if optimized is None else {
+            **optimized_vs_best(optimized, named["optimized"], fin.pairs[best], best, medians["optimized"], seconds,
+                                metric=metric, recheck=fin.recheck, recheck_failed=fin.recheck_failed),
+            "quality": quality["optimized"], "quality_guard": guard["optimized"]},
+    }
 
 
 def optimized_vs_best(path: str, settings: dict[str, Any], selection: Any, best: str,
@@ -20,8 +73,6 @@ def optimized_vs_best(path: str, settings: dict[str, Any], selection: Any, best:
     best's favour: the winner's curse); ``recheck``: one more A/B of the same two, measured after the pick, on
     windows the pick never saw — the verdict is taken on it when it exists (Cawley & Talbot, JMLR 2010, on the bias
     of a selection's own score); ``recheck_failed``: why it does not."""
-    from pathlib import Path
-
     picked = selection.ratio("optimized", best, metric)
     r = recheck.ratio("optimized", best, metric) if recheck is not None else picked
     verdict = ("not measured" if r.median is None else "reached" if r.clears(share)
@@ -96,10 +147,6 @@ def render(g: dict[str, Any]) -> str:
     lines.append("")
     lines += ["", "Left out of the grid: " + "; ".join(f"{k} ({v})" for k, v in g["left_out"].items()), ""]
     return "\n".join(lines)
-
-
-def _loss(x: Optional[float]) -> str:
-    return "—" if x is None else f"{x:.4f}"
 
 
 def _sps(x: Optional[float]) -> str:

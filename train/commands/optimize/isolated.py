@@ -1,17 +1,15 @@
 """An A/B of a few configurations measured in a fresh Python process: ``optimize-grid``'s final.
 
-Why: arms timed in a process that has built, stepped and closed a hundred others do not run at their own speed.
-Measured on the 2-core CPU (grid-naive-6): the search's result (fitted buckets padded to the batch maximum, many
-batch shapes) ran at 276 samples/s in the grid's final, on arms built afresh after the screening's were closed, and
-at 394.7 samples/s in a whole ``make train`` run right after; packed rows (one shape) ran faster there than in their
-whole run (394.5 against 352.5). The suspect is the process's heap and caches after the screening; whatever the
-cause, a new process holds nothing but the arms it measures.
+Why: arms timed in a process that has built, stepped and closed a hundred others do not run at their own speed
+(docs/optimize.md, "The exhaustive grid"); whatever the cause — the process's heap and caches after the screening
+are the suspects —, a new process holds nothing but the arms it measures.
 
 :func:`measure_in_fresh_process` writes a spec (the resolved config file, each arm's overrides, the rounds and the
 window) to ``work_dir/spec.json`` and runs ``python -m train.commands.optimize.isolated work_dir/spec.json``; the
 child prepares the data (from the same cache), builds the arms with :class:`~train.commands.optimize.backend.
-RunBackend`, warms each up, measures them with :func:`~train.perf.ab.interleave` and writes ``work_dir/result.json``
-(temp file, then rename); its output goes to ``work_dir/child.log``.
+RunBackend`, warms each up, interleaves them (:class:`~train.commands.optimize.arms.ArmSet`, as the search's A/Bs
+and the grid's screening do) and writes ``work_dir/result.json`` (temp file, then rename); its output goes to
+``work_dir/child.log``.
 """
 
 from __future__ import annotations
@@ -22,8 +20,14 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from train.commands.optimize.arms import ArmSet
+from train.commands.optimize.backend import RunBackend
+from train.config import load_config
+from train.data import prepare_data
 from train.errors import UserError, atomic_write_text
 from train.perf.ab import ABResult
+from train.setup import apply_threads_and_seed
+from train.tools.env import resolve_device
 
 
 class IsolatedFailure(RuntimeError):
@@ -64,13 +68,6 @@ def measure_in_fresh_process(config_path: Path, arms: dict[str, dict[str, Any]],
 
 
 def _child(spec_path: Path) -> None:
-    from train.commands.optimize.backend import RunBackend
-    from train.config import load_config
-    from train.data import prepare_data
-    from train.perf.ab import Arm, interleave
-    from train.setup import apply_threads_and_seed
-    from train.tools.env import resolve_device
-
     spec = json.loads(spec_path.read_text())
     cfg = load_config(spec["config"])
     cfg = cfg.with_values({}).freeze() if not cfg.frozen else cfg
@@ -79,16 +76,13 @@ def _child(spec_path: Path) -> None:
     out_dir = spec_path.parent
     bundle = prepare_data(cfg, None, notice=lambda m: print(m, flush=True))
     backend = RunBackend(cfg, bundle, device, out_dir, notice=lambda m: print(m, flush=True))
-    handles = {name: backend.arm(name, settings) for name, settings in spec["arms"].items()}
-    try:
-        for h in handles.values():
-            h.warmup(int(spec["warmup_samples"]))
-        result = interleave([Arm(n, h.step) for n, h in handles.items()], rounds=int(spec["rounds"]),
-                            window_samples=int(spec["window_samples"]), warmup=0, device=device,
-                            on_round=lambda r: print(f"round {r + 1}/{spec['rounds']}", flush=True))
-    finally:
-        for h in handles.values():
-            h.close()
+    with ArmSet(backend, device) as arms:
+        for name, settings in spec["arms"].items():
+            arms.build(name, settings)
+        for name in spec["arms"]:
+            arms.warm(name, int(spec["warmup_samples"]))
+        result = arms.interleave(int(spec["rounds"]), int(spec["window_samples"]),
+                                 on_round=lambda r: print(f"round {r + 1}/{spec['rounds']}", flush=True))
     atomic_write_text(out_dir / "result.json", json.dumps(result.as_dict(), indent=2) + "\n")
 
 

@@ -1,135 +1,58 @@
 """The lever catalogue of ``make optimize``: what each lever changes, where it applies, which profile evidence makes
-it promising, and what it may change in training.
+it promising, what it may change in training — and each lever's values, declared once here, with the share of them
+``optimize-grid`` crosses stated beside them (``GRID_…``, :data:`FIXED_BATCH`).
 
-A :class:`Lever` turns the current best config and the latest profile's :class:`Evidence` into candidates — one per
-value worth trying, each with ``overrides`` (``section.key → value``), a predicted speedup and the evidence behind
-it — or into the one reason it does not apply here. Predictions are Amdahl's law on the profile's shares: a lever
-that makes a fraction ``s`` of the step ``k`` times faster predicts ``1 / (1 − s + s / k)`` (Amdahl, AFIPS 1967).
-They only rank candidates; every candidate is measured before it is kept (train/commands/optimize/search.py).
-
-``may_change`` says what a lever can change in training: ``exact`` (the same computation), ``numerics`` (the same
-samples in the same order, other rounding), ``sample order`` (other batches), ``training`` (other optimizer steps
-per sample) or ``rng stream`` (other random masks). Everything but ``exact`` goes through the quality guard.
+A :class:`~train.commands.optimize.proposals.Lever` turns the current best config and the latest profile's
+``Evidence`` into candidates — one per value worth trying, each with ``overrides`` (``section.key → value``), a
+predicted speedup and the evidence behind it — or into the one reason it does not apply here. Predictions are
+Amdahl's law on the profile's shares: a lever that makes a fraction ``s`` of the step ``k`` times faster predicts
+``1 / (1 − s + s / k)`` (Amdahl, AFIPS 1967). They only rank candidates; every candidate is measured before it is
+kept (search.py). What each kind of ``may_change`` means: proposals.py.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-EXACT, NUMERICS, SAMPLE_ORDER, TRAINING, RNG = "exact", "numerics", "sample order", "training", "rng stream"
-
-
-@dataclass
-class Evidence:
-    """What a short profile of the current best config measured. Shares are fractions of the profiled step time
-    (None: not measured). ``samples_per_s`` from the profiled steps; ``peak_memory_bytes`` / ``memory_total_bytes``
-    on CUDA (None elsewhere, with the reason in ``notes``)."""
-
-    step_ms: Optional[float] = None
-    samples_per_s: Optional[float] = None
-    padding_share: Optional[float] = None
-    compute_share: Optional[float] = None
-    memory_share: Optional[float] = None
-    launch_share: Optional[float] = None
-    data_wait_share: Optional[float] = None
-    optimizer_share: Optional[float] = None
-    other_share: Optional[float] = None
-    dropout_mask_share: Optional[float] = None
-    attention_share: Optional[float] = None
-    top_memory_op: Optional[str] = None
-    top_op: Optional[str] = None
-    peak_memory_bytes: Optional[int] = None
-    memory_total_bytes: Optional[int] = None
-    notes: dict[str, str] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class LeverContext:
-    """What a lever may look at besides the evidence: the current best ``cfg`` (a RunConfig, ``train.precision``
-    explicit), the device type, the model's capabilities and the machine."""
-
-    cfg: Any
-    device_type: str
-    supports_packing: bool = False
-    dropout_modules: int = 0
-    native_bf16: bool = False
-    cuda_bf16: bool = False
-    fused_adamw: bool = False
-    cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
-    torch_threads: int = 1
-    planned_steps: Optional[int] = None
-    batch_shapes: int = 1
-    base_budget: Optional[int] = None  # the baseline's token budget (bounds the token-budget lever)
-    batching_costs: dict[str, Any] = field(default_factory=dict)
-    """``"current"`` and each value of :data:`BATCHING` → its :class:`~train.data.layout_cost.LayoutCost` on this data;
-    empty: the batching lever falls back to the padding share alone."""
-
-
-@dataclass
-class Candidate:
-    """One value of one lever to try: ``overrides`` on the current best, the ``predicted`` speedup (Amdahl on the
-    evidence) and the ``evidence`` sentence behind it; ``may_change`` (module docstring); ``warmup_s_estimate``:
-    one-off seconds the candidate costs before its steady state (compilation), amortised over the planned run;
-    ``other_steps`` (set by the search from the backend's samples per step)."""
-
-    lever: str
-    value: str
-    overrides: dict[str, Any]
-    predicted: float
-    evidence: str
-    may_change: str
-    warmup_s_estimate: float = 0.0
-    other_steps: bool = False
-    """Its samples per optimizer step differ from the current best's: judged by the quality guard at the horizon."""
-
-    @property
-    def key(self) -> tuple:
-        return tuple(sorted((k, repr(v)) for k, v in self.overrides.items()))
-
-
-Proposal = Union[list[Candidate], str]  # candidates, or why the lever does not apply
-
-
-@dataclass(frozen=True)
-class Lever:
-    """A catalogue entry: ``name``, what it ``changes``, where it ``applies`` (words), which ``evidence`` ranks it,
-    what it ``may_change``, ``propose(ctx, evidence) -> candidates | reason``; an exact one predicts its bound."""
-
-    name: str
-    changes: str
-    applies: str
-    evidence: str
-    may_change: str
-    propose: Callable[[LeverContext, Evidence], Proposal]
-
-
-def amdahl(share: Optional[float], k: float) -> float:
-    """Speedup when a fraction ``share`` of the step becomes ``k`` times faster (``share`` None: 1.0)."""
-    s = min(1.0, share or 0.0)
-    return 1.0 / (1.0 - s + s / k) if s > 0 else 1.0
+from train.commands.optimize.proposals import (
+    EXACT,
+    NUMERICS,
+    RNG,
+    SAMPLE_ORDER,
+    TRAINING,
+    Candidate,
+    Evidence,
+    Lever,
+    LeverContext,
+    Proposal,
+    amdahl,
+)
+from train.commands.optimize.schedule import SCHEDULE_KEYS
 
 
 def _pct(x: Optional[float]) -> str:
     return "not measured" if x is None else f"{100 * x:.1f}%"
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""``train.precision``'s values, those a device runs given by :func:`precisions_on`; ``optimize-grid`` crosses every
+one the device runs (bf16 on any CUDA device)."""
+
+
+def precisions_on(device_type: str, bf16: bool) -> list[str]:
+    """fp32 everywhere; bf16 where ``bf16`` (the device runs it natively: a CPU with avx512_bf16 / amx_bf16, a CUDA
+    device that supports it); fp16, with a loss scaler, on CUDA."""
+    return [p for p in PRECISIONS if p == "fp32" or (p == "bf16" and bf16) or (p == "fp16" and device_type == "cuda")]
+
+
 def _precision(ctx: LeverContext, ev: Evidence) -> Proposal:
     mode = ctx.cfg.train.precision
     dense = (ev.compute_share or 0) + (ev.memory_share or 0)
-    out = []
     if ctx.device_type == "cuda":
-        for value, ok in (("bf16", ctx.cuda_bf16), ("fp16", True)):
-            if value != mode and ok:
-                out.append(Candidate("precision", value, {"train.precision": value}, amdahl(dense, 2.0),
-                                     f"compute- and memory-bound ops {_pct(dense)} of the step: 16-bit tensor cores "
-                                     "and half the bytes", NUMERICS))
+        out = [Candidate("precision", value, {"train.precision": value}, amdahl(dense, 2.0),
+                         f"compute- and memory-bound ops {_pct(dense)} of the step: 16-bit tensor cores and half the "
+                         "bytes", NUMERICS)
+               for value in precisions_on("cuda", ctx.cuda_bf16) if value not in ("fp32", mode)]
         return out or f"already {mode}"
     if mode != "fp32":
         return f"already {mode}; fp32 would only be slower on this CPU's evidence"
@@ -145,7 +68,13 @@ BATCHING = {"optimal": ({"batching.method": "optimal", "batching.pad_to": "bound
 """The batching lever's values: fitted buckets padded to their bounds (static shapes), the same buckets padded to each
 batch's longest sample (dynamic padding), packing; with the share of the padding each is expected to remove (the
 ranking without layout costs). Every one takes a token budget; ``hf-group-by-length`` (a fixed batch size) stays a
-baseline to start from."""
+baseline to start from. ``optimize-grid`` crosses every one (packing where the model runs packed rows), each padded to
+its bounds unless it says otherwise, with each of its token budgets (:data:`GRID_BUDGET_FACTORS`)."""
+
+FIXED_BATCH = ("pad-to-max", "hf-group-by-length")
+"""Fixed-batch methods a config starts from — every batch padded to ``data.max_len``, or to its longest sample: no
+value of the batching lever, but ``optimize-grid`` crosses them too (without a token budget), as the starting points
+the search improves on."""
 
 
 def batching_settings(cfg: Any, value: str) -> dict[str, Any]:
@@ -181,7 +110,7 @@ def _batching(ctx: LeverContext, ev: Evidence) -> Proposal:
         cost = ctx.batching_costs.get(value)
         if now is not None and cost is not None and ev.attention_share is not None:
             # packed rows pay C x C attention per row, buckets B x B per sample: on short samples and a large
-            # attention share, fitted buckets can beat packing (measured: 1.38x on the tiny model, 2-core CPU)
+            # attention share, fitted buckets can beat packing (docs/optimize.md, "The lever catalogue")
             gain = batching_speedup(now, cost, ev.attention_share)
             words = (f"tokens processed per sample {now.tokens:.1f} -> {cost.tokens:.1f}, attention scores "
                      f"{now.scores:.0f} -> {cost.scores:.0f} (attention {_pct(ev.attention_share)} of the step; "
@@ -193,44 +122,10 @@ def _batching(ctx: LeverContext, ev: Evidence) -> Proposal:
     return out or f"no other batching method for this model (batching.method={b.method})"
 
 
-SCHEDULE_KEYS = ("optim.lr", "train.max_steps", "train.eval_every", "train.checkpoint_every")
-"""What :func:`schedule_in_samples` sets: the settings counted in optimizer steps, and the peak learning rate."""
-LR_EXPONENT = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
-
-
-def schedule_in_samples(base: Any, k: float, rule: str) -> dict[str, Any]:
-    """The settings of ``base`` (the config as given) for a candidate that takes ``k`` times its samples per optimizer
-    step: every setting counted in steps (``train.max_steps``, ``eval_every``, ``checkpoint_every``; null stays null)
-    divided by ``k`` (the step count rounded, the intervals rounded up; at least 1), so the run trains the same samples,
-    warms its learning rate up over the same samples and evaluates as often; the peak ``optim.lr`` times ``k ** e`` with
-    ``e`` = 0.5 for ``rule="sqrt"`` (the square-root scaling rule for adaptive optimizers: Malladi et al., "On the SDEs
-    and Scaling Rules for Adaptive Gradient Algorithms", NeurIPS 2022), 1 for ``linear`` (Goyal et al. 2017, SGD), 0 for
-    ``none``. ``k`` within 2 % of 1: ``base``'s own values. Returns all of :data:`SCHEDULE_KEYS`.
-
-    Raises:
-        ValueError: ``k`` ≤ 0 or an unknown ``rule``.
-    """
-    if not k > 0 or rule not in LR_EXPONENT:
-        raise ValueError(f"schedule_in_samples: k={k!r} must be > 0 and rule={rule!r} one of {list(LR_EXPONENT)}")
-    if abs(k - 1) <= 0.02:
-        k = 1.0
-
-    def steps(n: Optional[int]) -> Optional[int]:
-        return None if n is None else max(1, round(n / k))
-
-    def every(n: Optional[int]) -> Optional[int]:  # rounded up: no extra evaluation just before the final one
-        return None if n is None else max(1, math.ceil(n / k - 1e-9))
-
-    t = base.train
-    return {"optim.lr": float(f"{base.optim.lr * k ** LR_EXPONENT[rule]:.4g}"), "train.max_steps": steps(t.max_steps),
-            "train.eval_every": every(t.eval_every), "train.checkpoint_every": every(t.checkpoint_every)}
-
-
 DYNAMIC_FIXED_BATCH = ("hf-group-by-length", "random")
 """Batching methods of a fixed batch size padded to each batch's longest sample: the token-budget lever proposes its
 budgets in fitted buckets padded the same way (the batching lever's ``optimal+batch-max``), as one candidate — from
-such a start, fitted buckets alone change little (the padding is already low: 4 % on WordNet with
-``hf-group-by-length``), and the budget is what pays."""
+such a start the padding is already low, so fitted buckets alone change little, and the budget is what pays."""
 
 
 def _budget_methods() -> tuple[str, ...]:
@@ -238,13 +133,19 @@ def _budget_methods() -> tuple[str, ...]:
 
 
 def budget_ladder(base_budget: int, max_factor: int) -> list[int]:
-    """The token budgets the token-budget lever and ``optimize-grid`` choose from: ``base_budget`` (the config's
-    ``batch_size × max_len``) times powers of two, from an eighth up to ``max_factor`` times (tokens per step)."""
+    """The token budgets the token-budget lever chooses from: ``base_budget`` (the config's ``batch_size × max_len``)
+    times powers of two, from an eighth up to ``max_factor`` times (tokens per step)."""
     out, v = [], max(1, base_budget // 8)
     while v <= base_budget * max_factor:
         out.append(v)
         v *= 2
     return out
+
+
+GRID_BUDGET_FACTORS = (0.5, 1, 2)
+"""``optimize-grid``'s token budgets: the config's ``batch_size × max_len`` times each, rounded down — the rungs of
+:func:`budget_ladder` around the config's tokens per step (the same numbers where that product is a multiple of 8) —
+and no budget (the batch size), with each value of :data:`BATCHING`."""
 
 
 def _token_budget(ctx: LeverContext, ev: Evidence) -> Proposal:
@@ -293,21 +194,32 @@ def _token_budget(ctx: LeverContext, ev: Evidence) -> Proposal:
     return out
 
 
+FAST_DROPOUT = ("false", "true")
+"""``model.fast_dropout`` off (nn.Dropout) and on (masks drawn as 16-bit integers: the lever's value);
+``optimize-grid`` crosses both."""
+
+
 def _fast_dropout(ctx: LeverContext, ev: Evidence) -> Proposal:
-    if ctx.cfg.model.fast_dropout == "true":
+    on = FAST_DROPOUT[1]
+    if ctx.cfg.model.fast_dropout == on:
         return "already on"
     if not ctx.dropout_modules:
         return "the model has no nn.Dropout module with p > 0"
-    return [Candidate("fast_dropout", "true", {"model.fast_dropout": "true"}, amdahl(ev.dropout_mask_share, 4.0),
+    return [Candidate("fast_dropout", on, {"model.fast_dropout": on}, amdahl(ev.dropout_mask_share, 4.0),
                       f"dropout mask ops (bernoulli_/rand) {_pct(ev.dropout_mask_share)} of the step", RNG)]
 
 
+FUSED_ADAMW = (False, True)
+"""``optim.fused`` off and on (the lever's value); ``optimize-grid`` crosses both where torch has the fused kernel."""
+
+
 def _fused_adamw(ctx: LeverContext, ev: Evidence) -> Proposal:
+    off, on = FUSED_ADAMW
     if not ctx.fused_adamw:
         return f"torch has no fused AdamW on {ctx.device_type} here"
-    if ctx.cfg.optim.fused is not False:
+    if ctx.cfg.optim.fused is not off:
         return "already fused (optim.fused=null uses it where torch supports it)"
-    return [Candidate("fused_adamw", "true", {"optim.fused": True}, amdahl(ev.optimizer_share, 2.0),
+    return [Candidate("fused_adamw", "true", {"optim.fused": on}, amdahl(ev.optimizer_share, 2.0),
                       f"optimizer stage {_pct(ev.optimizer_share)} of the step", NUMERICS)]
 
 
@@ -362,27 +274,37 @@ def _allocator(ctx: LeverContext, ev: Evidence) -> Proposal:
             "share it, so it is measured by running make bench twice, not by this search")
 
 
+BATCHING_KEYS = ("batching.method", "batching.pad_to", "batching.max_tokens")
+
 CATALOGUE: tuple[Lever, ...] = (
     Lever("precision", "train.precision (bf16 / fp16 with a loss scaler / fp32)", "bf16 where the device has native "
-          "bf16; fp16 on CUDA", "compute- and memory-bound share", NUMERICS, _precision),
+          "bf16; fp16 on CUDA", "compute- and memory-bound share", NUMERICS, _precision, ("train.precision",)),
     Lever("batching", "batching.method (dynamic padding, fitted buckets, packing) and its attention path",
           "packing where the model runs packed rows", "attention share, with each method's tokens and attention "
-          "scores per sample on this data (padding share alone without them)", SAMPLE_ORDER, _batching),
+          "scores per sample on this data (padding share alone without them)", SAMPLE_ORDER, _batching, BATCHING_KEYS),
     Lever("token_budget", "batching.max_tokens: tokens per step, the next power-of-two multiple of the config's "
           "batch_size x max_len at least 1.5x the current tokens per step, up to optimize.max_budget_factor while "
           "memory fits; the schedule kept in samples (optimize.lr_scaling)", "bucketed or packed batching",
-          "per-step overhead share, memory headroom", TRAINING, _token_budget),
+          "per-step overhead share, memory headroom", TRAINING, _token_budget, BATCHING_KEYS),
     Lever("fast_dropout", "model.fast_dropout: dropout masks drawn as 16-bit uniform integers",
-          "models with nn.Dropout", "dropout-mask op share", RNG, _fast_dropout),
+          "models with nn.Dropout", "dropout-mask op share", RNG, _fast_dropout, ("model.fast_dropout",)),
     Lever("fused_adamw", "optim.fused: AdamW's fused kernel", "CUDA; CPU from torch 2.4", "optimizer share",
-          NUMERICS, _fused_adamw),
-    Lever("workers", "data.num_workers (and pinned memory on CUDA)", "any", "data-wait share", EXACT, _workers),
-    Lever("threads", "train.num_threads", "CPU", "compute share, cores unused", EXACT, _threads),
+          NUMERICS, _fused_adamw, ("optim.fused",)),
+    Lever("workers", "data.num_workers (and pinned memory on CUDA)", "any", "data-wait share", EXACT, _workers,
+          ("data.num_workers",)),
+    Lever("threads", "train.num_threads", "CPU", "compute share, cores unused", EXACT, _threads,
+          ("train.num_threads",)),
     Lever("compile", "compile.enabled/mode (default, reduce-overhead = CUDA graphs, max-autotune), warm-up amortised "
-          "over the planned steps", "fixed batch shapes", "launch- and memory-bound share", NUMERICS, _compile),
+          "over the planned steps", "fixed batch shapes", "launch- and memory-bound share", NUMERICS, _compile,
+          ("compile.enabled", "compile.mode")),
     Lever("allocator", "PYTORCH_CUDA_ALLOC_CONF (expandable segments)", "CUDA", "memory fragmentation", EXACT,
           _allocator),
 )
+
+
+SETTINGS_KEYS = (*dict.fromkeys(k for lever in CATALOGUE for k in lever.keys), *SCHEDULE_KEYS)
+"""Every setting a candidate may set: the levers' keys and the schedule's (what makes a config's result comparable,
+e.g. ``optimize-grid --optimized``'s arm)."""
 
 
 def select(names: Optional[list[str]], catalogue: tuple[Lever, ...] = CATALOGUE) -> tuple[Lever, ...]:

@@ -22,6 +22,11 @@ def format_ratio(d: Optional[dict]) -> str:
     return f"{d['median']:.3f}x [{d['low']:.3f}, {d['high']:.3f}]"
 
 
+def format_loss(x: Optional[float]) -> str:
+    """A held-out loss as ``2.1234`` (``—`` when not read)."""
+    return "—" if x is None else f"{x:.4f}"
+
+
 def _pct(x: Optional[float]) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 

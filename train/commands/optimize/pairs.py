@@ -1,29 +1,17 @@
 """One A/B of ``make optimize``: two arms built, warmed to the same samples, interleaved, their quality read — and, for
 a candidate on other steps per sample, trained on to the planned run's horizon (:func:`horizon_target`) and read
-again. Used by the search (search.py) and its final confirmation; :func:`counting` also counts the grid's samples."""
+again. Used by the search (search.py) and its final confirmation; :func:`window_for` also sizes the grid's final."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
-from train.perf.ab import ABResult, Arm, interleave
-
-
-def counting(step: Callable[[], dict], seen: dict[str, int], name: str) -> Callable[[], dict]:
-    """``step`` that adds each call's ``samples`` to ``seen[name]`` (an arm's training samples so far)."""
-    def run() -> dict:
-        got = step()
-        seen[name] += int(got["samples"])
-        return got
-    return run
+from train.commands.optimize.arms import ArmSet
+from train.perf.ab import ABResult
 
 
 @dataclass
@@ -39,13 +27,11 @@ class PairMeasurement:
     horizon: Optional[dict] = None
 
 
-
 def window_for(backend: Any, settings: Any, at_least: int, steps: int, at_most: Optional[int] = None) -> int:
     """Samples per timed window for an A/B of ``settings`` (a sequence of override dicts): ``steps`` optimizer steps
     of the one with the most samples per step (``backend.samples_per_step``, where it has one), ``at_most``
-    samples at the most (None: no cap) and ``at_least`` samples at the least. A window of a few steps times
-    whichever buckets came up: with a 4096-token budget (~136 samples per step) a 384-sample window held ~3 steps
-    and per-round ratios ran 0.70-1.26."""
+    samples at the most (None: no cap) and ``at_least`` samples at the least: a window of a few steps times
+    whichever buckets came up (docs/optimize.md, "The loop", step 4)."""
     per_step = getattr(backend, "samples_per_step", None)
     most = max(((per_step(x) or 0.0) for x in settings), default=0.0) if per_step else 0.0
     want = math.ceil(steps * most)
@@ -79,57 +65,42 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
     later one; when ``settled(that read)`` (the search: the candidate fails the quality guard there, so no speed
     makes it a keeper) the A/B is not extended. Exceptions propagate (the caller records them); both arms are
     closed either way."""
-    arms: list[Any] = []
     window = window_for(backend, (best, cand), s.window_samples, getattr(s, "window_steps", 0),
                         getattr(s, "max_window_samples", None))
     warm_samples, before = quality_point(s, rounds, window)
-    seen = dict.fromkeys(names, warm_samples)
     quality: list[dict] = []
     passed: dict[str, Any] = {}
+    with ArmSet(backend, backend.device) as arms:
+        def read(r: int = -1) -> None:
+            if r == before - 1 and not quality:
+                quality.extend(arms.quality(n) for n in names)
+            at = min(arms.seen.values())
+            if passing and not passed and at >= passing:
+                passed.update({"samples": at, "note": f"the first read past the planned run's {passing} samples: "
+                               f"the A/B itself trains further"}, **{n: arms.quality(n) for n in names})
 
-    def read(r: int = -1) -> None:
-        if r == before - 1 and not quality:
-            quality.extend(a.quality() for a in arms)
-        at = min(seen.values())
-        if passing and not passed and at >= passing:
-            passed.update({"samples": at, "note": f"the first read past the planned run's {passing} samples: the "
-                           f"A/B itself trains further"}, **{n: a.quality() for n, a in zip(names, arms)})
-
-    try:
-        arms.append(backend.arm(names[0], best))
-        arms.append(backend.arm(names[1], cand))
-        arms[0].warmup(warm_samples)
-        warm = arms[1].warmup(warm_samples)
+        arms.build(names[0], best)
+        arms.build(names[1], cand)
+        arms.warm(names[0], warm_samples)
+        warm = arms.warm(names[1], warm_samples)
         read()
-        pair = [Arm(n, counting(a.step, seen, n)) for n, a in zip(names, arms)]
-        result = interleave(pair, rounds=rounds, warmup=0, window_samples=window, device=backend.device,
-                            on_round=read)
+        result = arms.interleave(rounds, window, on_round=read)
         q_best, q_cand = quality
         for _ in range(s.max_extensions):
             if not extend(result) or (passed and settled(passed)):
                 break
-            more = interleave(pair, rounds=rounds, warmup=0, window_samples=window, device=backend.device,
-                              on_round=read)
+            more = arms.interleave(rounds, window, on_round=read)
             for name, arm in more.arms.items():
                 result.arms[name].windows += [dataclasses.replace(w, round=w.round + result.rounds)
                                               for w in arm.windows]
             result = ABResult(result.arms, result.rounds + more.rounds, result.load_start, more.load_end)
         out = PairMeasurement(result, warm, q_best, q_cand, horizon=passed or None)
-        target = horizon(result, dict(seen))
+        target = horizon(result, dict(arms.seen))
         if target:
-            for arm in pair:
-                while seen[arm.name] < target:
-                    arm.step()
-            out.horizon = {"samples": target, **{n: a.quality() for n, a in zip(names, arms)}}
+            for n in names:
+                arms.train_to(n, target)
+            out.horizon = {"samples": target, **{n: arms.quality(n) for n in names}}
         return out
-    finally:
-        for a in arms:
-            with contextlib.suppress(Exception):
-                a.close()
-        arms.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def horizon_target(result: ABResult, seen: dict[str, int], want: Optional[int], available_s: float,

@@ -5,8 +5,8 @@ optimized in one interleaved run.
 
 The search is written against a :class:`Backend` (build an arm from settings, profile settings, say what levers may
 look at), so a test drives it with fake arms of known speed, and ``make optimize`` with real training runs
-(train/commands/optimize/backend.py). Every arm failure — out of memory, an exception, a hang past
-``optimize.arm_timeout_s`` — is a rejected candidate with its reason; the search goes on.
+(backend.py). Every arm failure — out of memory, an exception, a hang past ``optimize.arm_timeout_s`` — is a rejected
+candidate with its reason (arms.py); the search goes on.
 """
 
 from __future__ import annotations
@@ -15,39 +15,17 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 import torch
 
-from train.commands.optimize.judging import (  # noqa: F401 (ArmTimeout re-exported)
-    ArmTimeout,
-    amortise,
-    failure_reason,
-    learned_worse,
-    quality_verdict,
-    throughput_metric,
-    time_limit,
-)
-from train.commands.optimize.levers import EXACT, Candidate, Evidence, Lever, LeverContext
-from train.commands.optimize.pairs import PairMeasurement, horizon_target, measure_pair  # noqa: F401 (re-exported)
+from train.commands.optimize.arms import ArmHandle, failure_reason, time_limit
+from train.commands.optimize.judging import amortise, guard_verdict, learned_worse, quality_verdict, throughput_metric
+from train.commands.optimize.pairs import PairMeasurement, horizon_target, measure_pair
+from train.commands.optimize.proposals import EXACT, Candidate, Evidence, Lever, LeverContext
+from train.commands.optimize.results import Decision, SearchResult
+from train.commands.optimize.settings import NO_GAIN, SearchSettings
 from train.perf.ab import ABResult
-
-NO_GAIN = 1.005
-"""Candidates predicted at or above this are promising: measured first, most promising first. Those predicted below it
-and at or above ``optimize.min_predicted`` are near-neutral (the cost models cannot tell them from 1.0): measured last,
-while the budget lasts; below ``min_predicted`` a candidate is never measured."""
-
-
-class ArmHandle(Protocol):
-    """One built configuration: ``warmup(samples)`` runs its one-off work (compilation) and untimed steps until it has
-    seen ``samples`` and returns the one-off seconds; ``step()`` one training step's counts; ``quality()`` its held-out
-    ``loss`` and ``nonfinite_steps``; ``close()`` frees it."""
-
-    def warmup(self, samples: int) -> float: ...
-    def step(self) -> dict[str, float]: ...
-    def quality(self) -> dict[str, Any]: ...
-    def close(self) -> None: ...
 
 
 class Backend(Protocol):
@@ -63,113 +41,6 @@ class Backend(Protocol):
 
     # optional: ``samples_per_step(settings) -> float | None``, the samples per optimizer step of ``settings`` on the
     # data (:func:`with_schedule` reads it to find a candidate on other steps per sample)
-
-
-@dataclass
-class Decision:
-    """One candidate's outcome, in search order."""
-
-    candidate: Candidate
-    accepted: bool
-    reason: str
-    ratio: Optional[dict] = None
-    steady_ratio: Optional[dict] = None
-    quality: Optional[dict] = None
-    warmup_s: Optional[float] = None
-    seconds: float = 0.0
-    evidence_index: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        c = self.candidate
-        return {"lever": c.lever, "value": c.value, "overrides": c.overrides, "predicted": c.predicted,
-                "evidence": c.evidence, "may_change": c.may_change, "accepted": self.accepted, "reason": self.reason,
-                "ratio": self.ratio, "steady_ratio": self.steady_ratio, "quality": self.quality,
-                "warmup_s": self.warmup_s, "seconds": self.seconds, "profile": self.evidence_index}
-
-
-@dataclass
-class SearchSettings:
-    """The ``optimize`` section's numbers the search needs (tests pass small ones)."""
-
-    budget_s: float
-    rounds: int
-    window_samples: int
-    min_gain: float
-    quality_tolerance: float
-    arm_timeout_s: float
-    confirm_rounds: int
-    max_tries_per_value: int = 2
-    max_extensions: int = 2
-    """An undecided A/B (median at or above ``min_gain``, lower bound below it) gets ``rounds`` more rounds, at most
-    this many times, while the candidate's time stays within a third of ``arm_timeout_s`` and the budget allows."""
-    min_predicted: float = NO_GAIN
-    """Candidates predicted below :data:`NO_GAIN` but at or above this are measured after every promising one, while
-    the budget lasts (``optimize.min_predicted``); the default here measures none of them."""
-    window_steps: int = 0
-    """Each timed window holds at least this many optimizer steps of the pair's arm with the most samples per step
-    (``optimize.window_steps``; 0: ``window_samples`` only) ..."""
-    max_window_samples: Optional[int] = None
-    """... and at most this many samples (``window_samples`` at the least): the planned run's samples ÷ ``rounds``,
-    so that an A/B's timed rounds never train each arm more than the run itself does."""
-    horizon_samples: Optional[int] = None
-    """Where a candidate that changes the optimizer steps per sample is judged (``optimize.horizon_fraction`` of the
-    planned run's samples); None: after :meth:`quality_samples_seen`, as every other candidate."""
-
-    def quality_samples_seen(self) -> int:
-        """The training samples every quality verdict is taken after, in the search and in ``optimize-grid``: the
-        warm-up window and ``rounds`` timed windows of ``window_samples`` (± one batch per window), whatever length
-        the A/B's windows take (:func:`~train.commands.optimize.pairs.quality_point`)."""
-        return (1 + self.rounds) * self.window_samples
-
-    @classmethod
-    def from_config(cls, o: Any, planned_samples: Optional[int] = None) -> "SearchSettings":
-        """From the ``optimize`` section; ``planned_samples``: the run's training samples (sets the horizon)."""
-        horizon = None if not planned_samples else max(1, int(o.horizon_fraction * planned_samples))
-        return cls(o.budget_s, o.rounds, o.window_samples, o.min_gain, o.quality_tolerance, o.arm_timeout_s,
-                   o.confirm_rounds, min_predicted=o.min_predicted, window_steps=o.window_steps,
-                   max_window_samples=planned_samples // o.rounds if planned_samples else None,
-                   horizon_samples=horizon)
-
-
-@dataclass
-class SearchResult:
-    """Everything the search measured (what optimize.json holds); ``status``: completed / budget / interrupted."""
-
-    baseline: dict[str, Any]
-    best: dict[str, Any]
-    decisions: list[Decision] = field(default_factory=list)
-    profiles: list[dict] = field(default_factory=list)
-    rankings: list[list[dict]] = field(default_factory=list)
-    not_applicable: dict[str, str] = field(default_factory=dict)
-    not_tried: list[dict] = field(default_factory=list)
-    confirmation: Optional[dict] = None
-    status: str = "running"
-    seconds: float = 0.0
-
-    def accepted(self) -> list[Decision]:
-        return [d for d in self.decisions if d.accepted]
-
-    def waterfall(self) -> dict[str, Any]:
-        """Baseline 1.0 → each accepted lever's ratio multiplied in (median and interval bounds) → the confirmed
-        end-to-end ratio; ``adds_up``: the confirmed median lies within the product of the accepted intervals."""
-        steps, med, low, high = [], 1.0, 1.0, 1.0
-        for d in self.accepted():
-            r = d.ratio
-            med, low, high = med * r["median"], low * r["low"], high * r["high"]
-            steps.append({"lever": f"{d.candidate.lever}={d.candidate.value}", "ratio": r["median"],
-                          "low": r["low"], "high": r["high"], "cumulative": med, "cumulative_low": low,
-                          "cumulative_high": high})
-        conf = (self.confirmation or {}).get("ratio") or {}
-        final = conf.get("median")
-        return {"steps": steps, "product": med, "product_low": low, "product_high": high,
-                "confirmed": conf or None,
-                "adds_up": None if final is None or not steps else bool(low <= final <= high)}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "seconds": self.seconds, "baseline": self.baseline, "best": self.best,
-                "decisions": [d.as_dict() for d in self.decisions], "profiles": self.profiles,
-                "rankings": self.rankings, "not_applicable": self.not_applicable, "not_tried": self.not_tried,
-                "confirmation": self.confirmation, "waterfall": self.waterfall()}
 
 
 def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
@@ -210,15 +81,23 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         raise
     except Exception as exc:  # any failure of an arm is a rejected candidate, never a lost search
         return Decision(c, False, failure_reason(exc), seconds=clock() - t0)
-    result, warm, q_best, q_cand = m.result, m.warmup_s, m.quality_best, m.quality_candidate
-    steady = result.ratio("candidate", "best", throughput_metric(result))
-    ratio = amortise(steady, warm, planned_s) if c.warmup_s_estimate or warm > 1.0 else steady.as_dict()
-    quality = {"best": q_best, "candidate": q_cand}
-    if m.horizon is not None:  # fewer, larger steps: judged where the planned run ends, not early in training
-        quality["horizon"] = m.horizon
-        q_best, q_cand = m.horizon["best"], m.horizon["candidate"]
-    d = Decision(c, False, "", ratio=ratio, steady_ratio=steady.as_dict(), quality=quality, warmup_s=warm or None,
+    steady = m.result.ratio("candidate", "best", throughput_metric(m.result))
+    ratio = amortise(steady, m.warmup_s, planned_s) if c.warmup_s_estimate or m.warmup_s > 1.0 else steady.as_dict()
+    d = Decision(c, False, "", ratio=ratio, steady_ratio=steady.as_dict(), warmup_s=m.warmup_s or None,
                  seconds=clock() - t0)
+    early = horizon_note[-1] if changes_steps and horizon_note else None
+    return judge(d, m, s, early, fails_guard)
+
+
+def judge(d: Decision, m: PairMeasurement, s: SearchSettings, early: Optional[str],
+          fails_guard: Callable[[dict], Optional[str]]) -> Decision:
+    """``d`` (its ratio set) accepted or rejected, with the reason: its interval's lower bound against
+    ``optimize.min_gain``, then the quality guard — at the planned run's horizon when ``m`` read there (``early``:
+    why it did not, for a candidate on other steps per sample)."""
+    c, ratio, h = d.candidate, d.ratio, m.horizon
+    d.quality = quality = {"best": m.quality_best, "candidate": m.quality_candidate}
+    if h is not None:  # fewer, larger steps: judged where the planned run ends, not early in training
+        quality["horizon"] = h
     low = ratio["low"]
     if low is None:
         d.reason = "one round: no interval"
@@ -227,16 +106,14 @@ def try_candidate(backend: Backend, best: dict, c: Candidate, s: SearchSettings,
         d.reason = (f"{ratio['median']:.3f}x [{low:.3f}, {ratio['high']:.3f}]: the interval's lower bound is below "
                     f"optimize.min_gain={s.min_gain:g}" + (" (no measurable difference)" if low <= 1 <= ratio["high"]
                                                            else ""))
-        why = fails_guard(m.horizon) if m.horizon is not None else None
-        d.reason += f"; the quality guard fails too, at {m.horizon['samples']} samples: {why}" if why else ""
+        why = fails_guard(h) if h is not None else None
+        d.reason += f"; the quality guard fails too, at {h['samples']} samples: {why}" if why else ""
         return d
     if c.may_change != EXACT:
-        ok, why = quality_verdict(q_best, q_cand, s.quality_tolerance)
-        if m.horizon is not None:
-            note = m.horizon.get("note") or (horizon_note[-1] if horizon_note else "") or "the planned run"
-            why += f" (at {m.horizon['samples']} samples: {note})"
-        elif changes_steps and horizon_note:
-            why += f" (early: {horizon_note[-1]})"
+        note = (h.get("note") or early or "the planned run") if h else ""
+        ok, why = guard_verdict((m.quality_best, m.quality_candidate), s.quality_tolerance,
+                                late=(h["best"], h["candidate"]) if h else None, samples=h and h["samples"], note=note)
+        why += f" (early: {early})" if h is None and early is not None else ""
         quality["verdict"] = why
         if not ok:
             d.reason = f"quality guard: {why}"
@@ -307,16 +184,14 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
         return s.budget_s - (clock() - t0)
 
     try:
-        ev = backend.profile(res.best, 0)
-        res.profiles.append({"settings": dict(res.best), **ev.as_dict()})
+        ev = _profiled(backend, res, 0)
         on_update(res)
         while True:
             ctx = backend.context(res.best)
             cands, skipped = propose(levers, ctx, ev, s.min_gain)
             cands = [with_schedule(backend, ctx, res.best, c) for c in cands]
             res.not_applicable = skipped  # for the current best (an earlier reason may no longer hold)
-            fresh = [c for c in cands if (c.key, _key(res.best)) not in tried
-                     and any(k not in res.best or res.best[k] != v for k, v in c.overrides.items())  # not a no-op
+            fresh = [c for c in cands if (c.key, _key(res.best)) not in tried and _changes(c, res.best)
                      and tries.get((c.lever, c.value), 0) < s.max_tries_per_value]
             res.rankings.append([{"lever": c.lever, "value": c.value, "predicted": c.predicted,
                                   "evidence": c.evidence} for c in fresh])
@@ -325,10 +200,9 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
                 break
             c = fresh[0]
             if c.predicted < min(NO_GAIN, s.min_predicted):
-                res.not_tried += [{"lever": x.lever, "value": x.value, "predicted": x.predicted,
-                                   "reason": "the evidence predicts a slowdown" if x.predicted < 1 else
-                                             f"the evidence predicts no gain (< {100 * (NO_GAIN - 1):g}%)"}
-                                  for x in fresh]
+                res.not_tried += _not_tried(fresh, ["the evidence predicts a slowdown" if x.predicted < 1 else
+                                                    f"the evidence predicts no gain (< {100 * (NO_GAIN - 1):g}%)"
+                                                    for x in fresh])
                 res.status = "completed"
                 break
             if c.predicted < NO_GAIN:  # near-neutral: the models cannot tell it from 1.0, so the A/B decides
@@ -338,10 +212,9 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
             typical = sorted(ab_costs)[len(ab_costs) // 2] if ab_costs else 0.0
             need = typical + c.warmup_s_estimate + typical * s.confirm_rounds / max(1, s.rounds)
             if ab_costs and need > left():
-                res.not_tried += [{"lever": x.lever, "value": x.value, "predicted": x.predicted,
-                                   "reason": f"budget: ~{typical + x.warmup_s_estimate:.0f} s needed, "
-                                             f"{max(0.0, left()):.0f} s left of optimize.budget_s={s.budget_s:g}"}
-                                  for x in fresh]
+                res.not_tried += _not_tried(fresh, [f"budget: ~{typical + x.warmup_s_estimate:.0f} s needed, "
+                                                    f"{max(0.0, left()):.0f} s left of optimize.budget_s={s.budget_s:g}"
+                                                    for x in fresh])
                 res.status = "budget"
                 break
             tried.add((c.key, _key(res.best)))
@@ -360,8 +233,7 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
                    f"(predicted {c.predicted:.2f}x from {c.evidence}): {d.reason}")
             if d.accepted:
                 res.best = {**res.best, **c.overrides}
-                ev = backend.profile(res.best, len(res.profiles))
-                res.profiles.append({"settings": dict(res.best), **ev.as_dict()})
+                ev = _profiled(backend, res, len(res.profiles))
             on_update(res)
         if res.accepted():
             res.confirmation = confirm(backend, res.baseline, res.best, s, notice)
@@ -378,11 +250,28 @@ def _key(settings: dict[str, Any]) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in settings.items()))
 
 
+def _changes(c: Candidate, best: dict[str, Any]) -> bool:
+    """``c`` sets something ``best`` does not already have (not a no-op)."""
+    return any(k not in best or best[k] != v for k, v in c.overrides.items())
+
+
+def _profiled(backend: Backend, res: SearchResult, index: int) -> Evidence:
+    """A profile of the current best, kept in ``res.profiles``."""
+    ev = backend.profile(res.best, index)
+    res.profiles.append({"settings": dict(res.best), **ev.as_dict()})
+    return ev
+
+
+def _not_tried(fresh: list[Candidate], reasons: list[str]) -> list[dict]:
+    return [{"lever": x.lever, "value": x.value, "predicted": x.predicted, "reason": why}
+            for x, why in zip(fresh, reasons)]
+
+
 def confirm(backend: Backend, baseline: dict, best: dict, s: SearchSettings,
             notice: Callable[[str], None]) -> dict[str, Any]:
     """Baseline vs optimized, interleaved over ``confirm_rounds``: the end-to-end speedup with its interval. Windows of
     ``window_samples`` samples, not sized in steps: the baseline runs every window's samples too, often ten times
-    slower (12 steps of the optimized 8192-token budget made the naive baseline's windows 47 s each)."""
+    slower per sample than the optimized config, whose steps may hold many samples."""
     try:
         with time_limit(max(s.arm_timeout_s, 60.0) * 2):
             m = measure_pair(backend, baseline, best, dataclasses.replace(s, window_steps=0), s.confirm_rounds,
