@@ -94,6 +94,8 @@ def plot_waterfall(res: dict[str, Any], path: Path) -> Optional[str]:
     w = res["waterfall"]
     if not w["steps"]:
         return "no lever was accepted"
+    # imported here, not at the top: pyplot's import (~0.5 s) would otherwise be paid by every process that imports
+    # this package — the optimize commands at start, each of optimize-grid's fresh children — for one plot at most
     import matplotlib
 
     matplotlib.use("Agg")
