@@ -15,8 +15,8 @@ def throughput_metric(result: ABResult) -> str:
     ``samples`` per second. Over an epoch both give the same ratio (every arm trains every sample once, so the same
     real tokens); within a window of ``window_samples`` samples the real tokens are the better measure of the work
     done. A window that ends at a sample count over-weights batches holding many short samples when an arm's batches
-    differ in size (a token budget: 128 short samples or 16 long ones per batch); docs/optimize.md has a
-    measurement."""
+    differ in size (a token budget: 128 short samples or 16 long ones per batch); docs/optimize.md, "Why real tokens
+    per second", has a measurement."""
     windows = [w for arm in result.arms.values() for w in arm.windows]
     return "real_tokens" if windows and all(w.counts.get("real_tokens") for w in windows) else "samples"
 
