@@ -19,6 +19,7 @@ events this project needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 
@@ -41,3 +42,22 @@ class Callback:
 
     def on_fit_end(self, stats: Any) -> None:
         """Once, when the loop ends (``stats``: the trainer's ``TrainStats``)."""
+
+
+class AfterFirstStep(Callback):
+    """Calls ``action`` once, after the first step of the loop (or at its end, when it takes no step)."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action: Optional[Callable[[], None]] = action
+
+    def _once(self) -> None:
+        if self.action is not None:
+            action, self.action = self.action, None
+            action()
+
+    def on_step_end(self, step: int, step_ms: Optional[float]) -> bool:
+        self._once()
+        return False
+
+    def on_fit_end(self, stats: Any) -> None:
+        self._once()

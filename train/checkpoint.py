@@ -11,7 +11,7 @@ import random
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -114,3 +114,36 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# The keys of an optimizer's param group that say which kernels run it, not what it computes: a checkpoint written
+# by one implementation (fused AdamW on torch 2.13's CPU, single-tensor on torch 2.1) must load into another.
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def implementation(group: dict) -> str:
+    """A param group's AdamW implementation: ``fused``, ``foreach`` or ``single-tensor`` (torch's default chooser
+    picks foreach for a ``None`` on CUDA and single-tensor on CPU; ``None`` is shown as ``default``)."""
+    if group.get("fused"):
+        return "fused"
+    return {True: "foreach", False: "single-tensor"}.get(group.get("foreach"), "default")
+
+
+def optimizer_state_for(optimizer: Any, saved: dict) -> tuple[dict, Optional[str]]:
+    """``saved`` (an ``optimizer.state_dict()`` from a checkpoint) with each param group's implementation keys set to
+    ``optimizer``'s own, so ``optimizer.load_state_dict`` keeps the current run's kernels and places the ``step``
+    tensors as they need (a fused kernel asserts on a non-fused group's state, and the other way round). Returns
+    (state, note): ``note`` names both implementations when they differ (the run continues; its steps are not
+    bit-identical to the checkpoint's implementation), else None."""
+    groups, mine = saved["param_groups"], optimizer.param_groups
+    if len(groups) != len(mine):
+        return saved, None  # load_state_dict raises its own error on a different parameter layout
+    before = {implementation(g) for g in groups}
+    adapted = [{**g, **{k: m[k] for k in IMPLEMENTATION_KEYS if k in m}} for g, m in zip(groups, mine)]
+    after = {implementation(g) for g in adapted}
+    note = None
+    if before != after:
+        note = (f"the checkpoint's AdamW ran {'/'.join(sorted(before))}, this run uses {'/'.join(sorted(after))}: "
+                "the state is carried over; the kernels differ, so the steps are not bit-identical to an uninterrupted "
+                "run's")
+    return {**saved, "param_groups": adapted}, note

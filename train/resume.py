@@ -61,7 +61,7 @@ def full_state(trainer, model: torch.nn.Module, bundle, cfg, ctx: DistContext) -
     return {"format": FORMAT, **trainer.state_dict(), "model": model.state_dict(), "ranks": ranks,
             "world_size": ctx.world_size, "spec": asdict(model.spec), "label_names": list(bundle.corpus.label_names),
             "data_fingerprint": bundle.data_fingerprint, "tokenizer_fingerprint": bundle.tokenizer_info["fingerprint"],
-            "precision": trainer.policy.state(), "config": cfg.to_dict()}
+            "precision": trainer.policy.state(), "config": cfg.to_dict(), "torch": str(torch.__version__)}
 
 
 def write_state(path: Path, state: Optional[dict], ctx: DistContext, keep: Optional[int] = None) -> None:

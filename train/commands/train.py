@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from train.callbacks import AfterFirstStep
+from train.checkpoint import optimizer_state_for
 from train.commands.ranks import prepare_data_on_ranks, reduce_stats
 from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig, dump_config
@@ -127,8 +129,11 @@ def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional
             if checkpoint is not None and (done := complete_run(checkpoint.state, resolved.cfg, run_dir)) is not None:
                 say(f"--resume {checkpoint.path}: {done['_why']}", flush=True)  # its files are left as they are
                 return {**{k: v for k, v in done.items() if k != "_why"}, "nothing_trained": True}
-            _write_run_files(resolved, run_dir, ctx)
             run = _build(resolved, checkpoint, run_dir, ctx, device, t_start, data_s, say)
+            if checkpoint is None:
+                _write_run_files(resolved, run_dir, ctx)
+            else:  # a resume that crashes before it trains leaves the run's files as they were
+                run.built.trainer.add_callback(AfterFirstStep(lambda: _write_run_files(resolved, run_dir, ctx)))
             shutdown.phase = "compile warm-up"
             warm_up_for_run(run.built.compiled, run.built.trainer, run.built.model, run_dir)
         except (Interrupted, UserError) as exc:
@@ -188,8 +193,9 @@ def _check_resume(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir:
 
 
 def _write_run_files(resolved: Resolved, run_dir: Path, ctx: DistContext) -> None:
-    """``config.yaml`` (the resolved config, once; ``--resume`` replays it) and the run's tokenizer copy (what
-    ``--resume`` needs if caches are cleared; ``data.tokenizer.run_copy`` names it)."""
+    """``config.yaml`` (the resolved config; ``--resume`` replays it) and the run's tokenizer copy (what ``--resume``
+    needs if caches are cleared; ``data.tokenizer.run_copy`` names it): before a fresh run's first step, after a
+    resumed run's."""
     if not ctx.is_main:
         return
     atomic_write_text(run_dir / "config.yaml", dump_config(resolved.cfg))
@@ -238,7 +244,14 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
 def _restore_trainer(built: BuiltRun, checkpoint: Checkpoint, ctx: DistContext, say: Callable[..., None]) -> None:
     """Optimizer, scheduler, sampler position and counters from the checkpoint, then its RNG states (last)."""
     state, trainer = checkpoint.state, built.trainer
-    trainer.load_state_dict(state, state["ranks"][ctx.rank])
+    optimizer_state, note = optimizer_state_for(trainer.optimizer, state["optimizer"])  # this run's kernels apply
+    trainer.load_state_dict({**state, "optimizer": optimizer_state}, state["ranks"][ctx.rank])
+    written_by = state.get("torch")
+    if written_by and written_by != str(torch.__version__):
+        note = f"written by torch {written_by}, resumed on torch {torch.__version__}" + (f"; {note}" if note else
+                                                                                     ": the kernels may differ")
+    if note:
+        say(f"notice: --resume {checkpoint.path}: {note}", flush=True)
     if built.cfg.train.resume_apply == "optim.lr":
         apply_lr(trainer, built.cfg.optim.lr)
     step, total = trainer.start_step, trainer.total_steps
