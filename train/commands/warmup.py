@@ -7,10 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from train.compiling.warmup import plan_all_shapes, warm_up_for_run
+from train.config import dump_config
 from train.data import prepare_data
-from train.errors import Interrupted, UserError
-from train.setup import build_run, start_run, unlock_run_dir
+from train.distributed import DistContext
+from train.errors import Interrupted, UserError, atomic_write_text
+from train.resolve import resolve_run
+from train.setup import apply_threads_and_seed, build_run, make_run_dir, unlock_run_dir
 from train.shutdown import ShutdownRequest
+from train.tools.env import resolve_device
 
 
 def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
@@ -31,20 +35,22 @@ def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:
     with ShutdownRequest(cfg.train.shutdown_timeout_s, immediate=True) as shutdown:
         try:
             shutdown.phase = "set-up"
-            start = start_run(cfg)
-            run_dir = start.run_dir
+            run_dir, device = make_run_dir(cfg), resolve_device(cfg.train.device)
+            apply_threads_and_seed(cfg)
             shutdown.phase = "data preparation"
             bundle = prepare_data(cfg, run_dir, buckets_force)
-            shutdown.phase = "model set-up"
-            run = build_run(cfg, bundle, start.device, start.policy, splits=("train", "validation", "test"),
-                            compile=True)
+            shutdown.phase = "model set-up"  # the run's own decisions: the shapes warmed are the ones it trains
+            resolved = resolve_run(cfg, run_dir.name, bundle, device, DistContext())
+            atomic_write_text(run_dir / "config.yaml", dump_config(resolved.cfg))
+            run = build_run(resolved.cfg, resolved.bundle, device, resolved.policy, model=resolved.model,
+                            splits=("train", "validation", "test"), compile=True)
             shutdown.phase = "compile warm-up"
-            result = _warm(cfg, run, run_dir)
-        except Interrupted as exc:
+            result = _warm(resolved.cfg, run, run_dir)
+        except (Interrupted, UserError) as exc:  # nothing a later command could use: a new run directory goes
             if run_dir is not None and not existed:
                 unlock_run_dir(run_dir)
                 shutil.rmtree(run_dir, ignore_errors=True)
-                exc.args = (f"{exc.args[0]}; removed {run_dir}",)
+                exc.args = (f"{exc.args[0]}; removed {run_dir}",) if isinstance(exc, Interrupted) else exc.args
             raise
     return result
 
