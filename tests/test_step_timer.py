@@ -192,3 +192,18 @@ def test_sync_audit_passes_the_loop_and_catches_a_host_read(tiny_cfg, monkeypatc
     assert r["host_syncs"] == 5 and not r["passed"]
     assert r["first_syncs"][0]["step"] == 2 and r["first_syncs"][0]["what"] == "__float__" and any(
         f.startswith("trainer.py:") and f.endswith(" step") for f in r["first_syncs"][0]["stack"]), r
+
+
+def test_the_sync_debug_modes_own_notice_is_not_counted_as_a_host_sync() -> None:
+    """torch says "Synchronization debug mode is a prototype feature …" once, when the audit turns the mode on; only
+    its "called a synchronizing CUDA operation" warnings are syncs (the H200 run counted the notice as one)."""
+    from train.perf.host_syncs import SyncAudit
+
+    audit = SyncAudit()
+    audit._showwarning = lambda *a, **k: None
+    audit._cuda_warning(UserWarning("Synchronization debug mode is a prototype feature and does not yet detect all "
+                                    "synchronizing operations (Triggered internally at Module.cpp:1003.)"),
+                        UserWarning, "trainer.py", 1)
+    assert audit.host_syncs == 0
+    audit._cuda_warning(UserWarning("called a synchronizing CUDA operation"), UserWarning, "trainer.py", 2)
+    assert audit.host_syncs == 1
