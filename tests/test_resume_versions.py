@@ -146,3 +146,11 @@ def test_a_resume_that_crashes_before_it_trains_leaves_config_yaml(tiny, monkeyp
     monkeypatch.undo()
     report = run_training(cfg, time.perf_counter(), resume=str(list_checkpoints(run_dir)[0]))
     assert report["status"] == "completed" and "max_steps: 30" in (run_dir / "config.yaml").read_text()
+
+
+def test_the_precision_reason_of_a_resumed_run_is_said_once() -> None:
+    from train.precision import resumed_reason
+
+    once = resumed_reason("auto: measured 1.4x")
+    assert once == "resumed in the checkpoint's precision (auto: measured 1.4x)"
+    assert resumed_reason(resumed_reason(once)) == once  # was nested one level deeper with each resume

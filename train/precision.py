@@ -115,8 +115,20 @@ def machine_fingerprint(probe: ProbeShape) -> dict[str, Any]:
             "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads(), "probe": str(probe)}
 
 
+RESUMED = "resumed in the checkpoint's precision ({})"
+
+
+def resumed_reason(saved_reason: str) -> str:
+    """The reason of a resumed run's precision: the original decision's reason, said once however often the run was
+    resumed (a checkpoint written by a resumed run holds an already wrapped reason)."""
+    head, tail = RESUMED.split("{}")
+    while saved_reason.startswith(head) and saved_reason.endswith(tail):
+        saved_reason = saved_reason[len(head):-len(tail)]
+    return RESUMED.format(saved_reason)
+
+
 @dataclass
-class Decision:
+class PrecisionDecision:
     """A resolved precision: ``mode`` (fp32|bf16|fp16), ``reason`` (one sentence), ``source``
     (requested|rule|measured|cached|checkpoint), and the ``measurement`` behind a measured/cached one."""
 
@@ -132,12 +144,12 @@ def decision_cache_path(probe: ProbeShape, cache_dir: str) -> Path:
     return Path(decisions.cache_path(cache_dir, "precision-cpu", machine_fingerprint(probe), DECISION_FORMAT))
 
 
-def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> Decision:
+def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> PrecisionDecision:
     machine = machine_fingerprint(probe)
     path = str(decision_cache_path(probe, cache_dir)) if cache_dir else None
     cached = decisions.read_cached(path, machine, "mode", ("fp32", "bf16"))
     if cached is not None:
-        return Decision(cached["mode"], cached["reason"], "cached", cached["measurement"], path)
+        return PrecisionDecision(cached["mode"], cached["reason"], "cached", cached["measurement"], path)
     load = machine_load()
     m = measure_bf16_speedup(probe)
     mode = "bf16" if m["ratio"] >= BF16_MARGIN else "fp32"
@@ -147,14 +159,14 @@ def _cpu_measured(probe: ProbeShape, cache_dir: Optional[str]) -> Decision:
               f"(median of {m['repeats']}: fp32 {m['fp32_ms']:.2f} ms, bf16 {m['bf16_ms']:.2f} ms; "
               f"bf16 needs >= {BF16_MARGIN}x)")
     # a busy machine skews the two dtypes differently (bf16 measured slower under load once): used, not pinned
-    decision = Decision(mode, reason + decisions.busy_note(load), "measured", m, None)
+    decision = PrecisionDecision(mode, reason + decisions.busy_note(load), "measured", m, None)
     decision.cache_path = decisions.store(path, {"mode": mode, "reason": reason, "measurement": m,
                                                  "fingerprint": machine}, load)
     return decision
 
 
 def decide(mode: str, device: torch.device, probe: Optional[ProbeShape] = None,
-           cache_dir: Optional[str] = None) -> Decision:
+           cache_dir: Optional[str] = None) -> PrecisionDecision:
     """Resolve ``mode`` (auto|fp32|bf16|fp16) on ``device`` (see the module docstring for ``auto``).
 
     ``probe`` (default: the ``tiny`` model at 2,048 tokens) and ``cache_dir`` matter only for ``auto`` on a
@@ -167,20 +179,20 @@ def decide(mode: str, device: torch.device, probe: Optional[ProbeShape] = None,
         bf16_ok = torch.cuda.is_bf16_supported()
         if mode == "auto":
             if bf16_ok:
-                return Decision("bf16", "auto: CUDA device supports bf16 (no loss scaling needed)", "rule")
-            return Decision("fp16", "auto: CUDA device without bf16 support: fp16 with GradScaler", "rule")
+                return PrecisionDecision("bf16", "auto: CUDA device supports bf16 (no loss scaling needed)", "rule")
+            return PrecisionDecision("fp16", "auto: CUDA device without bf16 support: fp16 with GradScaler", "rule")
         if mode == "bf16" and not bf16_ok:
             raise UserError(f"train.precision=bf16: {torch.cuda.get_device_name(device)} has no bf16 support; "
                             "use fp16 or auto")
-        return Decision(mode, "requested", "requested")
+        return PrecisionDecision(mode, "requested", "requested")
     if mode == "fp16":
         raise UserError("train.precision=fp16 needs a CUDA device (fp16 autocast on CPU is slow or unsupported); "
                         "use fp32 or auto")
     if mode != "auto":
-        return Decision(mode, "requested", "requested")
+        return PrecisionDecision(mode, "requested", "requested")
     if not cpu_native_bf16():
-        return Decision("fp32", "auto: this CPU has no native bf16 (no AVX512-BF16/AMX in /proc/cpuinfo), so bf16 "
-                                "autocast would be emulated: fp32 by rule", "rule")
+        return PrecisionDecision("fp32", "auto: this CPU has no native bf16 (no AVX512-BF16/AMX in /proc/cpuinfo), so "
+                                 "bf16 autocast would be emulated: fp32 by rule", "rule")
     return _cpu_measured(probe or ProbeShape(PROBE_MAX_TOKENS, 256, 1024), cache_dir)
 
 
@@ -196,7 +208,7 @@ class PrecisionPolicy:
     measurement: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     @classmethod
-    def from_decision(cls, d: Decision, device: torch.device) -> "PrecisionPolicy":
+    def from_decision(cls, d: PrecisionDecision, device: torch.device) -> "PrecisionPolicy":
         scaler = make_grad_scaler(device.type) if d.mode == "fp16" else None
         return cls(mode=d.mode, reason=d.reason, device=device, scaler=scaler, source=d.source,
                    measurement=d.measurement)
@@ -233,8 +245,8 @@ class PrecisionPolicy:
         except UserError as exc:
             raise UserError(f"{where} was trained in {mode}, which this device cannot continue ({exc}); resume on a "
                             f"device with {mode} support or start a new run") from None
-        return cls.from_decision(Decision(mode, f"resumed in the checkpoint's precision ({saved.get('reason', mode)})",
-                                          "checkpoint", saved.get("measurement")), device)
+        why = resumed_reason(saved.get("reason") or mode)
+        return cls.from_decision(PrecisionDecision(mode, why, "checkpoint", saved.get("measurement")), device)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint records (plain values): mode, reason, source."""

@@ -27,7 +27,7 @@ from train.data.attention import AttentionChoice, apply_attention, choose_packed
 from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, broadcast_from_main
 from train.models.dropout import decide_fast_dropout
-from train.precision import Decision, PrecisionPolicy
+from train.precision import PrecisionDecision, PrecisionPolicy
 from train.setup import build_model, check_packing, probe_steps
 
 
@@ -83,7 +83,7 @@ def precision_policy(cfg: RunConfig, device: torch.device, ctx: DistContext,
         return policy
     mine = broadcast_from_main((policy.mode, policy.reason, policy.source, policy.measurement) if ctx.is_main else None,
                                ctx)
-    return policy if ctx.is_main else PrecisionPolicy.from_decision(Decision(*mine), device)
+    return policy if ctx.is_main else PrecisionPolicy.from_decision(PrecisionDecision(*mine), device)
 
 
 def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.device, ctx: DistContext,

@@ -121,7 +121,7 @@ def measure_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: di
 
 def _cache_key(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, device: torch.device,
                compiled: bool) -> dict[str, Any]:
-    return {**decisions.machine_key(device),
+    return {**decisions.machine_identity(device),
             "model": str(getattr(model, "spec", type(model).__name__)), "precision": policy.mode,
             "compiled": compiled, "shape": list(batch["input_ids"].shape), "label_slots": int(batch["labels"].shape[0])}
 

@@ -131,7 +131,7 @@ def measure_layouts(step: Callable[[dict], Any], cfg: RunConfig, bundle: DataBun
 def _fingerprint(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
                  device: torch.device) -> dict[str, Any]:
     b = cfg.batching
-    return {**decisions.machine_key(device),
+    return {**decisions.machine_identity(device),
             "model": [type(model).__name__, sum(p.numel() for p in model.parameters()),
                       str(getattr(model, "spec", ""))], "precision": policy.mode, "data": bundle.data_fingerprint,
             "batching": [b.num_buckets, b.max_tokens, b.batch_size, b.round_to, b.pack_len, b.pack_rows, b.pack_window,

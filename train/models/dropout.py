@@ -122,7 +122,7 @@ def unswappable(model: nn.Module) -> list[str]:
 
 
 def _fingerprint(model: nn.Module, precision: str, batch: dict) -> dict[str, Any]:
-    return {**decisions.machine_key(next(model.parameters()).device),
+    return {**decisions.machine_identity(next(model.parameters()).device),
             "model": [type(getattr(model, "inner", model)).__name__, sum(p.numel() for p in model.parameters()),
                       str(getattr(model, "spec", ""))], "precision": precision,
             "shape": list(batch["input_ids"].shape)}

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from train.errors import atomic_write_text
 
 
-def machine_key(device: Any) -> dict[str, Any]:
+def machine_identity(device: Any) -> dict[str, Any]:
     """What every cached ``auto`` decision is valid for on ``device`` (a ``torch.device``): the GPU's name, or the
     CPU model and a hash of its flags; the torch version; torch's thread count. The start of each fingerprint."""
     import torch

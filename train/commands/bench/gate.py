@@ -8,9 +8,9 @@ compared with a committed baseline (``bench/baseline-cpu.json``; ``bench/baselin
   data, the tokenizer and the seeded samplers, so they must match (relative tolerance 1e-6);
 * **timing** is compared only as **in-run ratios** (optimized/naive, optimized/hf-style, hf-style/naive,
   optimized-packed/optimized), never as absolute times on a shared CPU, and only against ratios **measured on the same
-  kind of machine** (:func:`machine_key`: CPU model, performance flags, cores and threads, or the GPU's name): a band
-  measured on one CPU bounds its noise, not another CPU's systematic offset. The baseline file holds one timing entry
-  per machine; on a machine without one the ratios are shown, not
+  kind of machine** (:func:`baseline_machine_key`: CPU model, performance flags, cores and threads, or the GPU's
+  name): a band measured on one CPU bounds its noise, not another CPU's systematic offset. The baseline file holds
+  one timing entry per machine; on a machine without one the ratios are shown, not
   gated, and ``bench-baseline`` adds it. A ratio may fall at most its band below the baseline's, each ratio's band
   the larger of ``bench_gate.band_floor`` and twice the largest relative deviation of that ratio ``bench-baseline``
   measured over ``bench_gate.repeats`` runs (at most 0.9); a GPU entry (``absolute_allowed``) also gates samples/s
@@ -53,7 +53,7 @@ def default_baseline(device: torch.device) -> Path:
     return Path("bench") / ("baseline-gpu.json" if device.type == "cuda" else "baseline-cpu.json")
 
 
-def machine_key(device: torch.device) -> str:
+def baseline_machine_key(device: torch.device) -> str:
     """Which timing entry of a baseline applies here: ``cuda:<GPU name>``, or ``cpu:<model>|<performance flags>|<logical
     cores>c|<torch threads>t`` (e.g. ``cpu:AMD EPYC|avx2,fma,avx512f|2c|2t``)."""
     facts = machine_facts(device)
@@ -104,8 +104,8 @@ class Check:
 def compare(baseline: dict[str, Any], now: dict[str, Any], machine: str = "", device_name: Optional[str] = None
             ) -> list[Check]:
     """Every check of ``now`` (:func:`figures`) against ``baseline`` (a baseline file's dict): context and exact figures
-    always; ratios (and absolute figures where allowed) against the timing entry of ``machine`` (:func:`machine_key`),
-    shown but not gated when the baseline has none. Pure: no I/O."""
+    always; ratios (and absolute figures where allowed) against the timing entry of ``machine``
+    (:func:`baseline_machine_key`), shown but not gated when the baseline has none. Pure: no I/O."""
     checks = [Check("data fingerprint", "context", baseline["data_fingerprint"], now["data_fingerprint"], "equal",
                     baseline["data_fingerprint"] == now["data_fingerprint"], "other data: make bench-baseline"),
               Check("precision per row", "context", baseline["precision"], now["precision"], "equal",
@@ -193,7 +193,7 @@ def run_gate(cfg: RunConfig, notice: Callable[[str], None] = print) -> tuple[boo
     start, bundle = _setup(cfg, "bench-gate-")
     t0 = time.perf_counter()
     now = measure(cfg, start.device, bundle, lambda *a, **k: None)
-    machine = machine_key(start.device)
+    machine = baseline_machine_key(start.device)
     checks = compare(baseline, now, machine, collect_env(start.device)["device"])
     passed = all(c.ok for c in checks)
     gated = machine in baseline["machines"]
@@ -253,7 +253,7 @@ def write_baseline(cfg: RunConfig, notice: Callable[[str], None] = print) -> dic
         elif old["machines"]:
             notice(f"exact figures, data or precision changed: the timing entries of {sorted(old['machines'])} were "
                    "measured on other figures and are dropped; run make bench-baseline on those machines again")
-    machine = machine_key(start.device)
+    machine = baseline_machine_key(start.device)
     machines[machine] = entry
     new = {"schema_version": SCHEMA_VERSION, "created": created, **common, "machines": machines,
            "settings": {"bench": cfg.to_dict()["bench"], "bench_gate": cfg.to_dict()["bench_gate"],
