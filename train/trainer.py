@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from train.callbacks import Callback
@@ -32,6 +31,7 @@ from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
 from train.profiling.ranges import null_ranges
 from train.step_record import StepRecord, TrainStats
+from train.tasks import task_for
 from train.tools.progress import progress_bar
 from train.tracking.loggers import MetricLogger, NullLogger
 
@@ -86,6 +86,7 @@ class Trainer:
         self.train_loader, self.eval_loader = train_loader, eval_loader
         self.logger: MetricLogger = logger if logger is not None else NullLogger()
         self.num_classes = num_classes
+        self.task = task_for(cfg.model.task)  # the batch's loss and held-out quality (train/tasks/)
         t = cfg.train
         if train_loader is None:
             self.total_steps = t.max_steps or 1
@@ -173,7 +174,7 @@ class Trainer:
         with self.ranges("forward"):
             with self.guard.forward_context():  # hooks only while diagnosing a bad step
                 logits = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # [B or N, C] fp32
-            loss = F.cross_entropy(logits, labels)  # fp32, outside autocast
+            loss = self.task.loss(logits, labels)  # fp32, outside autocast (classification: logits [B or N, C])
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
         with self.ranges("backward"):
@@ -204,7 +205,7 @@ class Trainer:
         """Forward + backward on the last step's batch, no optimizer step (for the numerics guard's diagnosis)."""
         ids, mask, labels, packed = self._last_inputs
         self.optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(ids, mask, self.policy.blocks_autocast, **packed), labels)
+        loss = self.task.loss(self.model(ids, mask, self.policy.blocks_autocast, **packed), labels)
         loss.backward()
         return loss.detach()
 
@@ -255,15 +256,14 @@ class Trainer:
         """Evaluate on ``eval_loader``; a signal during it abandons it (said, recorded in ``stats.abandoned_eval``)."""
         try:
             result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device, self.dist,
-                              phase="periodic evaluation")
+                              phase="periodic evaluation", task=self.task)
         except EvaluationAbandoned as exc:
             self.stats.abandoned_eval = f"periodic evaluation at step {step}"
             result = {"accuracy": None, "unavailable_reason": str(exc)}
         else:
             self.stats.evals.append({"step": step, **result})
             self.logger.log({"step": step, "event": "eval", **{f"eval_{k}": v for k, v in result.items()}})
-        msg = (f"step {step}/{self.total_steps}: eval accuracy {result['accuracy']:.4f}, macro-F1 "
-               f"{result['macro_f1']:.4f}" if result["accuracy"] is not None else
+        msg = (f"step {step}/{self.total_steps}: {self.task.eval_line(result)}" if result["accuracy"] is not None else
                f"step {step}/{self.total_steps}: no evaluation ({result.get('unavailable_reason')})")
         if not bar.disable:
             bar.write(msg)

@@ -309,7 +309,7 @@ def _evaluate(run: Run, stats) -> Optional[tuple[dict, dict]]:
 
     def on(split: str) -> dict:
         return evaluate(built.model, built.loaders[split], built.policy, built.bundle.num_classes, run.device, run.ctx,
-                        phase="final evaluation")
+                        phase="final evaluation", task=built.trainer.task)
 
     try:
         last = stats.evals[-1] if stats.evals and stats.evals[-1]["step"] == built.trainer.total_steps else None

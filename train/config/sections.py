@@ -124,6 +124,10 @@ class ModelConfig(Frozen):
     generator draw, compared with a threshold — a quarter of the draws of ``bernoulli_`` and no float conversion —,
     so a different random stream): ``true``, ``false``, or ``auto``: swapped only where one training
     step measures faster with it (interval above 1.0; measured once, cached; train/models/dropout.py)."""
+    task: str = allowed("classification", choices=("classification", "causal-lm"))
+    """What the model learns (train/tasks/): ``classification`` (one label per text: cross-entropy over ``[N, C]``
+    logits) or ``causal-lm`` (next-token prediction over ``text`` or ``prompt`` + ``completion`` rows, the loss on
+    the trained tokens only; ``hf:`` decoders such as ``hf:llama``; docs/models.md)."""
     source: str = "builtin"
     """``builtin`` (the encoder above), ``hf:<dir>`` (a local Hugging Face model directory, never downloaded),
     ``hf:<model_type>`` (e.g. ``hf:bert``: random init sized by ``preset``) or ``python:package.module:function``

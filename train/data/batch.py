@@ -23,12 +23,14 @@ def move(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
 
 def packed_inputs(batch: dict, device: torch.device) -> dict[str, Any]:
     """A packed batch's extra forward arguments (train/data/packing.py): ``position_ids`` and ``seq_index``
-    (LongTensor[R, C], on ``device``) and ``num_seqs`` (its label slots); ``{}`` for an ordinary batch."""
+    (LongTensor[R, C], on ``device``) and ``num_seqs`` (its samples' slots: a causal-LM batch says it, a classifier's
+    is its label slots); ``{}`` for an ordinary batch."""
     if "position_ids" not in batch:
         return {}
     nb = device.type == "cuda"
     return {"position_ids": batch["position_ids"].to(device, non_blocking=nb),
-            "seq_index": batch["seq_index"].to(device, non_blocking=nb), "num_seqs": int(batch["labels"].shape[0])}
+            "seq_index": batch["seq_index"].to(device, non_blocking=nb),
+            "num_seqs": int(batch.get("num_seqs", batch["labels"].shape[0]))}
 
 
 def batch_samples(batch: dict) -> int:

@@ -1,0 +1,54 @@
+"""The task seam (train/tasks/): the step's loss and the held-out figures come from the run's task."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.tasks import IGNORE_INDEX, TASKS, CausalLM, Classification, task_for
+
+
+def test_the_tasks_by_name() -> None:
+    assert set(TASKS) == {"classification", "causal-lm"}
+    assert isinstance(task_for("classification"), Classification) and isinstance(task_for("causal-lm"), CausalLM)
+
+
+def test_classification_loss_is_todays_cross_entropy() -> None:
+    logits, labels = torch.randn(5, 3), torch.tensor([0, 2, 1, 1, 0])
+    assert torch.equal(Classification().loss(logits, labels), F.cross_entropy(logits, labels))
+
+
+def test_causal_lm_loss_is_the_mean_over_trained_targets_only() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 7)
+    labels = torch.tensor([[3, 1, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX, 6, 2, IGNORE_INDEX]])
+    picked = [(0, 0, 3), (0, 1, 1), (1, 1, 6), (1, 2, 2)]
+    manual = torch.stack([-F.log_softmax(logits[b, t], -1)[y] for b, t, y in picked]).mean()
+    assert torch.allclose(CausalLM().loss(logits, labels), manual, atol=1e-6)
+
+
+def test_causal_lm_metrics_give_loss_per_target_token_perplexity_and_accuracy() -> None:
+    logits = torch.full((1, 3, 4), -10.0)
+    logits[0, 0, 2] = 10.0  # right
+    logits[0, 1, 1] = 10.0  # wrong (target 3)
+    labels = torch.tensor([[2, 3, IGNORE_INDEX]])
+    m = CausalLM().metrics(0, torch.device("cpu"))
+    m.update(logits, labels, {"samples": 1})
+    out = m.result(m.sums())
+    expected = (F.cross_entropy(logits[0, :2], labels[0, :2], reduction="sum") / 2).item()
+    assert out["loss"] == pytest.approx(expected) and out["perplexity"] == pytest.approx(math.exp(expected))
+    assert out["accuracy"] == 0.5 and out["target_tokens"] == 2 and out["samples"] == 1
+    empty = CausalLM().metrics(0, torch.device("cpu"))
+    assert empty.result(empty.sums()) is None
+
+
+def test_classification_metrics_match_torchmetrics_and_mean_loss() -> None:
+    logits, labels = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 0.0]]), torch.tensor([0, 1, 1])
+    m = Classification().metrics(2, torch.device("cpu"))
+    m.update(logits, labels, {})
+    out = m.result(m.sums())
+    assert out["accuracy"] == pytest.approx(2 / 3) and out["samples"] == 3
+    assert out["loss"] == pytest.approx(F.cross_entropy(logits, labels).item())
