@@ -20,6 +20,8 @@ class TrainStats:
     padded_tokens: int = 0
     steady_samples: int = 0
     steady_real_tokens: int = 0
+    target_tokens: int = 0  # causal LM: the tokens trained as next-token targets
+    steady_target_tokens: int = 0
     truncated_in_collate: int = 0
     seq_lens: set = field(default_factory=set)
     batch_shapes: set = field(default_factory=set)
@@ -33,6 +35,7 @@ class TrainStats:
         """Count one step (``steady``: not this process's first, cold step)."""
         self.steps, self.samples = rec.step, self.samples + rec.samples
         self.real_tokens += rec.real_tokens
+        self.target_tokens += rec.target_tokens
         self.padded_tokens += rec.padded_tokens
         self.truncated_in_collate += rec.truncated
         self.seq_lens.add(rec.seq_len)
@@ -41,6 +44,7 @@ class TrainStats:
             self.steady_shape_counts[(rec.rows, rec.seq_len)] += 1
             self.steady_samples += rec.samples
             self.steady_real_tokens += rec.real_tokens
+            self.steady_target_tokens += rec.target_tokens
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class StepRecord:
     ``loss``: the batch's mean cross-entropy, an fp32 scalar tensor on the device (not read back: no sync);
     ``grad_norm``: the pre-clip global gradient norm in true units (device tensor, or None when clipping computes
     none); ``rows`` × ``seq_len`` the batch's shape (rows hold several samples when packed); ``samples``,
-    ``real_tokens`` (tokens that are not padding) and ``truncated`` (samples cut to fit) counts; ``ms`` the step's
+    ``real_tokens`` (tokens that are not padding), ``target_tokens`` (causal LM: tokens trained as targets; 0 for a
+    classifier) and ``truncated`` (samples cut to fit) counts; ``ms`` the step's
     duration in milliseconds when the host knows it (always on a CPU; on CUDA only when resolved), else None.
     """
 
@@ -63,6 +68,7 @@ class StepRecord:
     real_tokens: int
     truncated: int
     ms: Optional[float] = None
+    target_tokens: int = 0
 
     @property
     def padded_tokens(self) -> int:

@@ -188,7 +188,8 @@ class Trainer:
         b, seq = ids.shape
         rec = StepRecord(step=self.stats.steps + 1, loss=loss.detach(), grad_norm=clip.grad_norm, rows=b, seq_len=seq,
                          samples=batch_samples(batch), real_tokens=int(batch["real_tokens"]),
-                         truncated=int(batch.get("truncated", 0)), ms=ms)
+                         truncated=int(batch.get("truncated", 0)), ms=ms,
+                         target_tokens=int(batch.get("target_tokens", 0)))
         self.last_grad_norm, self.last_batch_shape = clip.grad_norm, (b, seq)
         self._last_inputs = (ids, mask, labels, packed)
         if count:

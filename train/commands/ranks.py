@@ -20,7 +20,8 @@ def reduce_stats(stats: TrainStats, ctx: DistContext) -> None:
     """Turn this rank's counters into job totals (sums over ranks; shapes: union). No-op single-process."""
     if not ctx.enabled:
         return
-    names = ("samples", "real_tokens", "padded_tokens", "steady_samples", "steady_real_tokens", "truncated_in_collate")
+    names = ("samples", "real_tokens", "padded_tokens", "steady_samples", "steady_real_tokens", "target_tokens",
+             "steady_target_tokens", "truncated_in_collate")
     totals = all_reduce_sum(torch.tensor([getattr(stats, n) for n in names], dtype=torch.float64), ctx)
     for name, value in zip(names, totals.tolist()):
         setattr(stats, name, int(value))

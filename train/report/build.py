@@ -90,6 +90,7 @@ def build_report(r: ReportInputs) -> dict[str, Any]:
         "status": "completed",
         "run_id": r.run_dir.name,
         "run_dir": str(r.run_dir),
+        "task": r.cfg.model.task,
         "quality": _quality(r),
         "data": _data(r.cfg, r.bundle),
         "batching": _batching(r),
@@ -119,6 +120,9 @@ def _perf(r: ReportInputs) -> dict[str, Any]:
         "wall_time_s": r.wall_s,
         **r.memory,
     }
+    if r.cfg.model.task == "causal-lm":  # what a language model is trained on: the tokens that are targets
+        perf["throughput_target_tokens_per_s"] = _ratio(stats.steady_target_tokens, steady_s)
+        perf["train_target_tokens_seen"] = stats.target_tokens
     if stats.steps < 2:
         perf["throughput_unavailable_reason"] = "fewer than 2 steps: no steady-state steps after the first (cold) one"
     if r.data_prep_s is not None:
@@ -144,6 +148,10 @@ def _quality(r: ReportInputs) -> dict[str, Any]:
         "test_samples_evaluated": test_eval.get("samples"),
         "evals": r.stats.evals,
     }
+    if cfg.model.task == "causal-lm":
+        quality.update({"eval_perplexity": final_eval.get("perplexity"), "eval_target_tokens": final_eval.get(
+            "target_tokens"), "test_loss": test_eval.get("loss"), "test_perplexity": test_eval.get("perplexity"),
+            "test_majority_class_accuracy": None, "eval_macro_f1": None, "test_macro_f1": None})
     train_samples = len(r.bundle.splits["train"])
     for name, split, result in (("eval", "validation", final_eval), ("test", "test", test_eval)):
         if result and result.get("accuracy") is None:
