@@ -52,3 +52,11 @@ def test_classification_metrics_match_torchmetrics_and_mean_loss() -> None:
     out = m.result(m.sums())
     assert out["accuracy"] == pytest.approx(2 / 3) and out["samples"] == 3
     assert out["loss"] == pytest.approx(F.cross_entropy(logits, labels).item())
+
+
+def test_the_built_in_encoder_under_causal_lm_is_refused_in_one_line(wndb, tmp_path) -> None:
+    from tests.conftest import assert_clean_error, run_cli, tiny_overrides
+
+    proc = run_cli("train", *tiny_overrides(wndb, tmp_path, "model.task=causal-lm", "train.run_id=lm"))
+    assert_clean_error(proc, "model.task=causal-lm needs a decoder", "model.source=hf:llama")
+    assert not (tmp_path / "runs" / "lm").exists()  # nothing half-written

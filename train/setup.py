@@ -228,6 +228,10 @@ def build_model(cfg: RunConfig, bundle, hf_config: Optional[str] = None) -> torc
         from train.models import build_external
 
         return build_external(cfg, bundle, hf_config)
+    if m.task != "classification":
+        raise UserError(f"model.task={m.task} needs a decoder: the built-in model is an encoder classifier; set "
+                        "model.source=hf:llama (or hf:qwen2, hf:gpt2: random init sized by model.preset) or "
+                        "hf:<a local causal-LM directory>")
     spec = resolve_spec(m.preset, bundle.vocab_size, bundle.num_classes, cfg.data.max_len, m.dropout, m.pooling,
                         num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads, ffn_size=m.ffn_size)
     if spec.hidden_size % spec.num_heads:
