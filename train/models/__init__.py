@@ -7,8 +7,10 @@
 * ``python:package.module:function``: any ``nn.Module`` factory (train/models/custom.py states the contract).
 
 Every such model is wrapped (:class:`~train.models.wrap.ExternalClassifier`) so the trainer calls it like the
-built-in encoder: ``forward(input_ids, attention_mask, blocks_context)`` → fp32 logits. transformers is imported
-only lazily, when a ``hf:`` source is built: ``import train`` never imports it.
+built-in encoder: ``forward(input_ids, attention_mask, blocks_context)`` → fp32 logits. With ``model.task=causal-lm``
+a ``hf:`` decoder (``hf:llama``, ``hf:qwen2``, ``hf:gpt2``, or an ``AutoModelForCausalLM`` directory) is wrapped as
+:class:`~train.models.causal.ExternalCausalLM` instead: logits [B, T, V] per token (``causal.py``).
+transformers is imported only lazily, when a ``hf:`` source is built: ``import train`` never imports it.
 
 ``external.py`` holds the logic (source kinds, the model directory's tokenizer, :func:`build_external`); this package
 re-exports it.
@@ -16,6 +18,7 @@ re-exports it.
 
 from __future__ import annotations
 
+from train.models.causal import CausalLMSpec, ExternalCausalLM
 from train.models.external import (
     DEFAULT_CACHE_DIR,
     TOKENIZER_FILES,
@@ -26,5 +29,5 @@ from train.models.external import (
 )
 from train.models.wrap import ExternalClassifier, ExternalSpec
 
-__all__ = ["ExternalClassifier", "ExternalSpec", "build_external", "source_kind", "model_dir_tokenizer",
-           "model_supports_packing", "TOKENIZER_FILES", "DEFAULT_CACHE_DIR"]
+__all__ = ["ExternalClassifier", "ExternalSpec", "ExternalCausalLM", "CausalLMSpec", "build_external", "source_kind",
+           "model_dir_tokenizer", "model_supports_packing", "TOKENIZER_FILES", "DEFAULT_CACHE_DIR"]

@@ -6,10 +6,13 @@ builds and wraps it (:class:`~train.models.wrap.ExternalClassifier`). transforme
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from train.errors import UserError
 from train.models.wrap import ExternalClassifier
+
+if TYPE_CHECKING:
+    from train.models.causal import ExternalCausalLM
 
 
 def source_kind(source: str) -> str:
@@ -111,12 +114,24 @@ def _convert_tokenizer(source: str, d: Path, cache_dir: Optional[str]) -> str:
     return str(out)
 
 
-def model_supports_packing(source: str) -> bool:
+def model_supports_packing(source: str, task: str = "classification") -> bool:
     """Whether the model ``model.source`` names can run packed rows (per-sample positions, block-diagonal mask),
     as far as is known without building it: the built-in encoder; a Hugging Face architecture with a known head
     whose base model takes ``position_ids`` (train/models/packed.py; exactness is checked when it is built);
-    a ``python:`` model only once built (it declares ``supports_packing`` itself): False here."""
+    a ``python:`` model only once built (it declares ``supports_packing`` itself): False here.
+    ``task="causal-lm"``: a decoder-only Hugging Face causal LM whose base model takes ``position_ids``
+    (train/models/causal.py; exactness is checked when it is built)."""
     kind = source_kind(source)
+    if task == "causal-lm":
+        if kind not in ("hf-dir", "hf-type"):
+            return False
+        from train.models.causal import decoder_only
+        from train.models.hf import import_transformers
+        from train.models.packed import takes_position_ids
+
+        model_type = _hf_model_type(source, kind)
+        return model_type is not None and decoder_only(import_transformers(), model_type) is None and \
+            takes_position_ids(model_type) is None
     if kind == "builtin":
         from train.models.encoder import EncoderClassifier
 
@@ -140,8 +155,11 @@ def _hf_model_type(source: str, kind: str) -> Optional[str]:
         return None
 
 
-def build_external(cfg, bundle, hf_config: Optional[str] = None) -> ExternalClassifier:
+def build_external(cfg, bundle, hf_config: Optional[str] = None) -> Union[ExternalClassifier, "ExternalCausalLM"]:
     """The wrapped model for ``cfg.model.source`` sized to ``bundle`` (vocabulary, classes, ``data.max_len``).
+
+    ``model.task=causal-lm``: a Hugging Face decoder wrapped as :class:`~train.models.causal.ExternalCausalLM`
+    (:func:`train.models.causal.build_causal_lm`: logits [B, T, V], its own refusals); otherwise a classifier:
 
     ``hf_config``: a checkpoint's ``spec["hf_config"]`` (JSON): rebuild exactly that architecture (resume).
     Weights come from the model directory when it has them, else from torch's RNG (seeded by the run).
@@ -154,6 +172,10 @@ def build_external(cfg, bundle, hf_config: Optional[str] = None) -> ExternalClas
     """
     from train.models.packed import probe_packing
 
+    if getattr(cfg.model, "task", "classification") == "causal-lm":
+        from train.models.causal import build_causal_lm
+
+        return build_causal_lm(cfg, bundle, hf_config)
     kind = source_kind(cfg.model.source)
     if kind == "python":
         from train.models.custom import build_custom

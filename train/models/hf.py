@@ -22,6 +22,7 @@ from train.models.wrap import ExternalClassifier, ExternalSpec
 PRESET_KEYS: dict[str, tuple[str, str, str, str]] = {
     "default": ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"),
     "distilbert": ("n_layers", "dim", "n_heads", "hidden_dim"),
+    "gpt2": ("n_layer", "n_embd", "n_head", "n_inner"),
 }
 """The architecture's config keys for (num_layers, hidden_size, num_heads, ffn_size), per model_type."""
 
@@ -172,21 +173,22 @@ def _mismatch(model, info: dict, path: Path, resize: bool) -> Optional[str]:
     return f"{name} is {list(shape) if shape else '?'} in {path.name} but {want} by config.json{more}"
 
 
-def _load(cfg, config, kind: str, fresh: bool):
-    """The transformers model: weights from the directory when it has them (and not ``fresh``), else random.
+def _load(cfg, config, kind: str, fresh: bool, auto_class: str = "AutoModelForSequenceClassification"):
+    """The transformers model (``auto_class``: the Auto class that builds it; ``AutoModelForCausalLM`` for
+    ``model.task=causal-lm``): weights from the directory when it has them (and not ``fresh``), else random.
 
     Raises:
         UserError: a weights file that cannot be read (truncated, corrupt), or weights of the body missing or of
             another shape than config.json says (naming the first parameter with both shapes).
     """
     tf = import_transformers()
-    auto = tf.AutoModelForSequenceClassification
+    auto = getattr(tf, auto_class)
     src = cfg.model.source
     d = Path(src[3:]).expanduser()
     attn = {"attn_implementation": hf_attn_implementation()}
     if fresh or kind != "hf-dir" or not any((d / f).is_file() for f in WEIGHT_FILES):
         return auto.from_config(config, **attn)
-    resize = cfg.model.num_labels_mismatch == "resize"
+    resize = cfg.model.num_labels_mismatch == "resize" and auto_class == "AutoModelForSequenceClassification"
     path = _weight_file(d)
     fix = "fix config.json or re-save the model with save_pretrained"
     try:  # mismatched sizes are collected (not raised) so that the message can name the first one and its shapes

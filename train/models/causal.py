@@ -1,0 +1,368 @@
+"""Causal language models (``model.task=causal-lm``): Hugging Face decoders built offline and wrapped for the trainer.
+
+* ``hf:<dir>``: a local ``AutoModelForCausalLM`` directory (``config.json`` + weights), loaded offline;
+* ``hf:<model_type>`` (``hf:llama``, ``hf:qwen2``, ``hf:gpt2``, …): a random init from ``AutoConfig.for_model``
+  sized by ``model.preset`` (:func:`causal_preset`: the family's own key names, grouped-query attention, head_dim,
+  tied embeddings, positions = ``data.max_len``), the vocabulary sized to the tokenizer, then ``model.hf_overrides``.
+
+An encoder (BERT, RoBERTa, …: a masked-LM architecture, or an encoder-decoder) is refused in one line.
+
+:class:`ExternalCausalLM` gives the trainer the contract's forward (``/work/contract/causal-lm.md``):
+``forward(input_ids, attention_mask, blocks_context, position_ids=None, seq_index=None, num_seqs=None)`` → fp32
+logits [B, T, V]; the loss is the task's (train/tasks/causal_lm.py), never the model's (no labels are passed).
+
+**Packed rows** run exactly like the samples one by one: each sample's own positions (``position_ids`` restart at 0)
+and a block-causal mask built from ``seq_index`` — token i attends to token j iff both belong to the same sample and
+j ≤ i (a padding token attends only to itself, so no softmax row is empty) — given to the model as a 4-D mask
+[R, 1, C, C], which transformers (4.53+ ``masking_utils``, 5.x alike) passes to every layer as it is. Its form
+depends on the attention implementation (:func:`packed_attention_mask`): ``sdpa`` takes a boolean mask, ``eager``
+(torch 2.1, where transformers refuses SDPA) adds the mask to the scores, so it gets an additive float mask (0 or
+the dtype's minimum). Sliding-window layers (Qwen2 with ``use_sliding_window``) get their own mask with the window
+applied, as a ``{layer type: mask}`` dict. Whether it is exact is not assumed: :func:`probe_causal_packing` runs
+short samples packed and one by one and enables packing only when the logits agree; otherwise
+``supports_packing = False`` with a one-line ``packing_reason`` naming the architecture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from train.errors import UserError
+
+EXACT_ATOL = 1e-5
+"""Packed vs one-by-one logits: the largest gap allowed, relative to the logits' scale (at least 1)."""
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""``config.layer_types`` values whose masks :class:`ExternalCausalLM` builds for packed rows."""
+POSITION_KEYS = {"gpt2": "n_positions"}
+"""model_type → the config key of its position table size (default ``max_position_embeddings``)."""
+FIX_DECODER = ("model.task=causal-lm needs a decoder-only language model (AutoModelForCausalLM: e.g. llama, qwen2, "
+               "gpt2): point model.source at such a directory or use hf:llama / hf:qwen2 / hf:gpt2 for a random init")
+FIX_ENCODER = f"{FIX_DECODER}, or set model.task=classification to fine-tune this encoder as a classifier"
+
+
+def _fix(what: str) -> str:
+    return FIX_ENCODER if what.startswith("an encoder (") else FIX_DECODER
+
+
+@dataclass
+class CausalLMSpec:
+    """What a checkpoint records about a causal LM (checked on resume, field by field; plain fields only, so a
+    ``weights_only`` load reads it). ``hf_config``: the Hugging Face config as JSON, so a resume rebuilds the same
+    architecture; ``hidden_size`` / ``num_layers``: 0 where the config does not say."""
+
+    source: str
+    vocab_size: int
+    max_len: int
+    hidden_size: int = 0
+    num_layers: int = 0
+    hf_config: str = ""
+    task: str = "causal-lm"
+
+
+def causal_block_mask(seq_index: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """BoolTensor[R, C, C]: True where query i may attend to key j — the same sample (``seq_index`` ≥ 0) and
+    j ≤ i (and i - j < ``window`` when given); a padding token (``seq_index`` -1) attends to itself only."""
+    c = seq_index.shape[1]
+    idx = torch.arange(c, device=seq_index.device)
+    causal = idx[None, :] <= idx[:, None]  # [C(query), C(key)]
+    if window is not None:
+        causal = causal & (idx[:, None] - idx[None, :] < window)
+    same = (seq_index[:, :, None] == seq_index[:, None, :]) & (seq_index[:, None, :] >= 0)
+    eye = torch.eye(c, dtype=torch.bool, device=seq_index.device)
+    return (same & causal) | (eye & (seq_index[:, :, None] < 0))
+
+
+# --- version / implementation differences: the one place ---------------------------------------------------------
+def packed_attention_mask(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The 4-D mask [R, 1, C, C] a Hugging Face decoder takes as is for ``allowed`` [R, C, C] (True = attend).
+
+    transformers 4.53+ and 5.x both return a 4-D ``attention_mask`` unchanged from ``create_causal_mask`` (and the
+    sliding-window variant) and hand it to the attention function of ``config._attn_implementation``:
+
+    * ``sdpa`` (torch ≥ 2.1.1; transformers 4.55 and 5.x): ``F.scaled_dot_product_attention(attn_mask=…)`` takes a
+      boolean mask, True = attend (no dtype to match under autocast);
+    * ``eager`` (torch 2.1.0, where transformers 4.55 refuses SDPA; or asked for): ``scores + attention_mask``, so an
+      additive float mask: 0 where allowed, ``finfo(dtype).min`` where blocked (GPT-2's eager path in 4.55 also
+      applies its own causal buffer on top: the intersection is the same mask).
+
+    Without a mask, transformers 5.x (torch ≥ 2.6) would infer packed rows from restarting ``position_ids``; 4.55
+    under torch 2.1 does not, so the explicit mask is used everywhere (and verified by :func:`probe_causal_packing`).
+    """
+    if attn_implementation == "sdpa":
+        return allowed[:, None]
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed[:, None], zero, torch.finfo(dtype).min)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class ExternalCausalLM(nn.Module):
+    """A Hugging Face causal LM called as the causal-LM task expects (``/work/contract/causal-lm.md``).
+
+    forward(input_ids LongTensor[B, T], attention_mask BoolTensor[B, T] (True = real token), blocks_context,
+    position_ids=None, seq_index=None, num_seqs=None) → logits FloatTensor[B, T, V], fp32 whatever precision the
+    forward ran in. ``blocks_context`` (the precision policy's autocast) is entered around the inner model's whole
+    forward. Padded batches: positions count real tokens (``cumsum(attention_mask) - 1``: 0, 1, … for right padding,
+    left padding alike) and the model's own causal + padding mask. Packed rows (``position_ids``, ``seq_index``
+    given; ``num_seqs`` is not needed): the block-causal mask (module docstring), where :func:`probe_causal_packing`
+    found it exact (``supports_packing``; ``packing_reason`` says why or why not). The model is never given labels:
+    the loss is the task's.
+    """
+
+    supports_packing = False  # the class default; probe_causal_packing sets it per instance
+
+    def __init__(self, inner: nn.Module, spec: CausalLMSpec, kind: str = "hf") -> None:
+        super().__init__()
+        self.inner = inner
+        self.spec = spec
+        self.kind = kind
+        self.packing_reason = "not checked"
+        config = inner.config
+        self.attn_implementation = str(getattr(config, "_attn_implementation", None) or "eager")
+        types = getattr(config, "layer_types", None)
+        self.layer_types = tuple(dict.fromkeys(types or ("full_attention",)))
+        window = getattr(config, "sliding_window", None)
+        # a window on some layers (config.layer_types: Qwen2, Gemma 2/3, …) or, without layer types, on every layer
+        # (Mistral): the packed mask applies it where the model's own mask would
+        self.sliding_window = window if window and ("sliding_attention" in self.layer_types or not types) else None
+        self.window_per_layer_type = bool(types)
+
+    def set_packing(self, supported: bool, reason: str) -> tuple[bool, str]:
+        self.supports_packing, self.packing_reason = supported, reason
+        return supported, reason
+
+    def packed_mask(self, seq_index: torch.Tensor) -> Any:
+        """The attention mask for packed rows: one 4-D mask (with the sliding window when every layer has it), or
+        ``{layer type: mask}`` when only some layers have a sliding window."""
+        dtype = next(self.inner.parameters()).dtype
+        if self.sliding_window is None or self.window_per_layer_type:
+            full = packed_attention_mask(causal_block_mask(seq_index), self.attn_implementation, dtype)
+            if self.sliding_window is None:
+                return full
+        window = packed_attention_mask(causal_block_mask(seq_index, int(self.sliding_window)),
+                                       self.attn_implementation, dtype)
+        return {"full_attention": full, "sliding_attention": window} if self.window_per_layer_type else window
+
+    def packed_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      seq_index: torch.Tensor) -> torch.Tensor:
+        """The inner model's logits for packed rows (no autocast entered, no dtype change, no support check)."""
+        return self.inner(input_ids=input_ids, attention_mask=self.packed_mask(seq_index), position_ids=position_ids,
+                          use_cache=False).logits
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                blocks_context: Callable[[], ContextManager] = contextlib.nullcontext,
+                position_ids: Optional[torch.Tensor] = None, seq_index: Optional[torch.Tensor] = None,
+                num_seqs: Optional[int] = None) -> torch.Tensor:
+        """Logits FloatTensor[B, T, V] (packed rows: [R, C, V]). Raises ValueError for packed rows on a model
+        without them (``supports_packing`` false)."""
+        if position_ids is not None:
+            if not self.supports_packing:
+                raise ValueError(f"{self.spec.source}: packed rows are not supported by this model "
+                                 f"({self.packing_reason})")
+            if seq_index is None:
+                raise ValueError(f"{self.spec.source}: packed rows need seq_index (the sample of each token, -1 on "
+                                 "padding) for the block-causal mask")
+            with blocks_context():
+                out = self.packed_logits(input_ids, position_ids, seq_index)
+            return out.float()
+        mask = attention_mask.to(torch.long)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        with blocks_context():
+            out = self.inner(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        return out.float()
+
+
+# --- packing probe -------------------------------------------------------------------------------------------------
+def _probe_batch(vocab: int, lengths: tuple[int, ...], device: torch.device) -> tuple[list[torch.Tensor], dict]:
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, max(1, vocab), (n,), generator=gen) for n in lengths]
+    c = sum(lengths) + 2  # two padding tokens at the end
+    ids, pos = torch.zeros(1, c, dtype=torch.long), torch.zeros(1, c, dtype=torch.long)
+    seq = torch.full((1, c), -1, dtype=torch.long)
+    at = 0
+    for k, s in enumerate(seqs):
+        ids[0, at:at + len(s)], pos[0, at:at + len(s)], seq[0, at:at + len(s)] = s, torch.arange(len(s)), k
+        at += len(s)
+    batch = {"input_ids": ids.to(device), "attention_mask": (seq >= 0).to(device), "position_ids": pos.to(device),
+             "seq_index": seq.to(device), "num_seqs": len(seqs)}
+    return [s.to(device) for s in seqs], batch
+
+
+@torch.no_grad()
+def probe_causal_packing(wrapper: ExternalCausalLM) -> tuple[bool, str]:
+    """Run short random samples packed into one row (with padding) and one by one (fp32, eval mode, no grad, RNG
+    untouched) and set ``wrapper.supports_packing`` / ``packing_reason``: True only when every real token's logits
+    agree within :data:`EXACT_ATOL` (relative to the logits' scale). Refused, with the reason naming the
+    architecture: a base model without ``position_ids``, layer types with no known mask (e.g. chunked attention),
+    a forward that rejects the 4-D mask, logits that differ. Returns ``(supported, reason)``."""
+    from train.models.packed import takes_position_ids
+
+    inner = wrapper.inner
+    model_type = getattr(inner.config, "model_type", "?")
+    arch = f"{type(inner).__name__} (model_type {model_type}, {wrapper.attn_implementation} attention)"
+    why = takes_position_ids(model_type)
+    if why is not None:
+        return wrapper.set_packing(False, f"{arch}: {why}")
+    unknown = [t for t in wrapper.layer_types if t not in KNOWN_LAYER_TYPES]
+    if unknown:
+        return wrapper.set_packing(False, f"{arch}: layer types {', '.join(unknown)} have no block-causal mask here "
+                                          f"(packed: {', '.join(KNOWN_LAYER_TYPES)})")
+    lengths: tuple[int, ...] = (5, 3)
+    if wrapper.sliding_window is not None and int(wrapper.sliding_window) < 64:  # a window short samples would not see
+        lengths = (int(wrapper.sliding_window) + 3, 3)
+    device = next(inner.parameters()).device
+    seqs, batch = _probe_batch(wrapper.spec.vocab_size, lengths, device)
+    was_training = inner.training
+    inner.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            ref = [inner(input_ids=s[None], use_cache=False).logits[0].float() for s in seqs]
+            try:
+                packed = wrapper.packed_logits(batch["input_ids"], batch["position_ids"], batch["seq_index"]).float()
+            except (TypeError, ValueError, RuntimeError) as exc:
+                text = str(exc).splitlines()[0][:120] if str(exc) else ""
+                return wrapper.set_packing(False, f"{arch}: its forward rejects the 4-D block-causal mask "
+                                                  f"({type(exc).__name__}: {text})")
+    finally:
+        inner.train(was_training)
+    got = torch.cat([packed[0, sum(lengths[:k]):sum(lengths[:k + 1])] for k in range(len(lengths))])
+    want = torch.cat(ref)
+    gap = float((got - want).abs().max())
+    scale = max(1.0, float(want.abs().max()))
+    if gap <= EXACT_ATOL * scale:
+        form = "boolean" if wrapper.attn_implementation == "sdpa" else "additive float"
+        return wrapper.set_packing(True, f"{arch}: per-sample positions and a 4-D {form} block-causal mask"
+                                         f"{' (+ its sliding window)' if wrapper.sliding_window else ''} (max logit "
+                                         f"gap {gap:.1e} vs unpacked)")
+    return wrapper.set_packing(False, f"{arch}: packed rows are not exact here (logits differ from unpacked by "
+                                      f"{gap:.1e})")
+
+
+# --- building ------------------------------------------------------------------------------------------------------
+def decoder_only(tf, model_type: str, config: Any = None) -> Optional[str]:
+    """None when ``model_type`` is a decoder-only causal LM in the installed transformers, else what it is instead
+    (``an encoder``, ``an encoder-decoder``, ``not a causal language model``)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    causal = getattr(auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", {})
+    masked = getattr(auto, "MODEL_FOR_MASKED_LM_MAPPING_NAMES", {})
+    if config is not None and getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder"
+    if model_type in masked:  # BERT, RoBERTa, …: a causal head exists (as a decoder) but the model is an encoder
+        return "an encoder (a masked-language model)"
+    if model_type not in causal:
+        return "not a causal language model (transformers has no AutoModelForCausalLM for it)"
+    return None
+
+
+def causal_preset(tf, model_type: str, preset: str, vocab_size: int, max_len: int, pad_id: Optional[int],
+                  overrides: Optional[dict] = None, bos_id: Optional[int] = None,
+                  eos_id: Optional[int] = None) -> dict[str, Any]:
+    """The ``AutoConfig.for_model`` keywords of a random-init causal LM: ``model.preset``'s sizes under the family's
+    key names (:func:`train.models.hf.preset_sizes`: GPT-2's ``n_layer`` / ``n_embd`` / ``n_head`` / ``n_inner``),
+    the vocabulary, the position table (``max_position_embeddings``, GPT-2's ``n_positions``) = ``max_len``, tied
+    input/output embeddings, and for families with grouped-query attention (a ``num_key_value_heads`` key: Llama,
+    Qwen2, Mistral, …) two query heads per key/value head (all heads when their number is odd) and ``head_dim`` =
+    hidden / heads — computed after ``overrides`` (``model.hf_overrides``, applied last) unless they set them."""
+    from train.models.hf import PRESET_KEYS, preset_sizes
+
+    overrides = dict(overrides or {})
+    defaults = tf.AutoConfig.for_model(model_type)
+    kwargs: dict[str, Any] = {**preset_sizes(model_type, preset), "vocab_size": vocab_size,
+                              POSITION_KEYS.get(model_type, "max_position_embeddings"): max_len,
+                              "tie_word_embeddings": True, "pad_token_id": pad_id, "bos_token_id": bos_id,
+                              "eos_token_id": eos_id}
+    kwargs.update(overrides)
+    if hasattr(defaults, "num_key_value_heads"):
+        _, hidden_key, heads_key, _ = PRESET_KEYS.get(model_type, PRESET_KEYS["default"])
+        heads, hidden = int(kwargs[heads_key]), int(kwargs[hidden_key])
+        kwargs.setdefault("num_key_value_heads", heads // 2 if heads % 2 == 0 else heads)
+        kwargs.setdefault("head_dim", hidden // heads)
+    return kwargs
+
+
+def _causal_config(cfg, bundle, kind: str, hf_config: Optional[str]):
+    """The transformers config of this run's causal LM (the checkpoint's JSON, the directory, or the model type)."""
+    from train.models.hf import _config, import_transformers
+
+    tf = import_transformers()
+    src = cfg.model.source
+    if hf_config or kind == "hf-dir":
+        return _config(cfg, bundle, kind, hf_config)
+    model_type = src[3:]
+    if model_type not in tf.CONFIG_MAPPING:
+        raise UserError(f"model.source={src}: {model_type!r} is neither a directory nor a transformers model_type "
+                        "(e.g. hf:llama, hf:qwen2, hf:gpt2)")
+    what = decoder_only(tf, model_type)
+    if what is not None:
+        raise UserError(f"model.source={src}: model_type {model_type!r} is {what}; {_fix(what)}")
+    kwargs = causal_preset(tf, model_type, cfg.model.preset, bundle.vocab_size, cfg.data.max_len, bundle.pad_id,
+                           cfg.model.hf_overrides, getattr(bundle, "bos_id", None), getattr(bundle, "eos_id", None))
+    try:
+        return tf.AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"model.source={src}: cannot build its config ({str(exc).splitlines()[0][:160]})") from None
+
+
+def _check_causal_fits(cfg, bundle, config, kind: str) -> None:
+    """Raises UserError: an encoder (or encoder-decoder, or no causal head), a vocabulary smaller than the
+    tokenizer's, a position table shorter than ``data.max_len``."""
+    from train.models.hf import import_transformers
+
+    src = cfg.model.source
+    what = decoder_only(import_transformers(), config.model_type, config)
+    if what is not None:
+        where = f"{Path(src[3:]).expanduser()} holds" if kind == "hf-dir" else "the config is"
+        raise UserError(f"model.source={src}: {where} a {type(config).__name__.removesuffix('Config')} model "
+                        f"(model_type {config.model_type!r}), {what}; {_fix(what)}")
+    if config.vocab_size < bundle.vocab_size:
+        raise UserError(f"model.source={src}: the model's vocabulary ({config.vocab_size}) is smaller than the "
+                        f"tokenizer's ({bundle.vocab_size}); give the model directory its tokenizer.json or set "
+                        "data.tokenizer_path to the model's tokenizer")
+    key = POSITION_KEYS.get(config.model_type, "max_position_embeddings")
+    positions = getattr(config, key, None)
+    if positions is not None and positions < cfg.data.max_len:
+        raise UserError(f"model.source={src}: {key}={positions} is below data.max_len={cfg.data.max_len}; lower "
+                        f"data.max_len to {positions} or less")
+
+
+def build_causal_lm(cfg, bundle, hf_config: Optional[str] = None) -> ExternalCausalLM:
+    """The wrapped causal LM for ``cfg.model.source`` sized to ``bundle`` (``vocab_size``, ``pad_id``; ``bos_id`` /
+    ``eos_id`` when it has them) and ``cfg.data.max_len``, its packing probed (:func:`probe_causal_packing`).
+
+    ``hf_config``: a checkpoint's ``spec["hf_config"]`` (JSON): rebuild exactly that architecture (resume), weights
+    from torch's RNG (the checkpoint's are loaded after). Otherwise weights come from the model directory when it has
+    them, else from torch's RNG (seeded by the run).
+
+    Raises:
+        UserError: a ``builtin`` or ``python:`` source (not yet a causal LM here), a missing directory or config, an
+            encoder / encoder-decoder / architecture without a causal-LM head, a vocabulary smaller than the
+            tokenizer's, a position table shorter than ``data.max_len``, weights that do not fit the config.
+    """
+    from train.models.external import source_kind
+    from train.models.hf import _load, config_json
+
+    src = cfg.model.source
+    kind = source_kind(src)
+    if kind not in ("hf-dir", "hf-type"):
+        raise UserError(f"model.source={src}: model.task=causal-lm runs Hugging Face decoders only: use "
+                        "hf:<model dir> (an AutoModelForCausalLM directory) or hf:llama / hf:qwen2 / hf:gpt2")
+    config = _causal_config(cfg, bundle, kind, hf_config)
+    _check_causal_fits(cfg, bundle, config, kind)
+    inner = _load(cfg, config, kind, fresh=hf_config is not None, auto_class="AutoModelForCausalLM")
+    c = inner.config
+    size = {k: int(getattr(c, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers")}
+    spec = CausalLMSpec(source=src, vocab_size=int(c.vocab_size), max_len=cfg.data.max_len,
+                        hidden_size=size["hidden_size"], num_layers=size["num_hidden_layers"],
+                        hf_config=config_json(c))
+    model = ExternalCausalLM(inner, spec, "hf")
+    probe_causal_packing(model)
+    return model
+
