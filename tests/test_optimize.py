@@ -4,6 +4,7 @@ out of memory, raises, hangs), the interval logic, the timeout, the budget, the 
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from train.commands.optimize.arms import ArmTimeout, failure_reason, time_limit
+from train.commands.optimize.deadline import Deadline, budget_reason, overshoot_allowed
 from train.commands.optimize.judging import amortise, quality_verdict
 from train.commands.optimize.levers import CATALOGUE
 from train.commands.optimize.outputs import write_outputs
@@ -129,19 +131,262 @@ def test_search_keeps_the_fast_lever_and_rejects_the_rest_with_reasons():
     assert w["steps"][0]["lever"] == "fast=on" and w["adds_up"] is not None
 
 
-def test_budget_stops_the_search_and_lists_what_was_not_tried():
-    t = [0.0]
+class SimClock:
+    """Simulated seconds: the Deadline and the simulated arms share it, nothing sleeps."""
 
-    def clock() -> float:
-        t[0] += 10.0  # every look at the clock: 10 s later
-        return t[0]
+    def __init__(self) -> None:
+        self.t = 0.0
 
-    levers = tuple(lever(f"l{i}", {f"fake.speed{i}": 1.0}, 1.5 - i / 10) for i in range(4))
-    res = search(FakeBackend(), levers, {}, settings(budget_s=60.0), clock=clock, notice=lambda _m: None)
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class SimArm:
+    """A step of ``step_s / speed`` simulated seconds and 8 samples (the window's time is the arm's own ``seconds``);
+    a build of ``build_s``, a quality read of ``quality_s``."""
+
+    def __init__(self, backend: "SimBackend", settings: dict[str, Any]) -> None:
+        self.b, self.s, self.seen = backend, settings, 0
+        self.b.clock.advance(self.b.build_s)
+
+    def warmup(self, samples: int) -> float:
+        while self.seen < samples:
+            self.step()
+        return 0.0
+
+    def step(self) -> dict[str, float]:
+        speed = 1.0
+        for k, v in self.s.items():
+            if k.startswith("fake.speed"):
+                speed *= v
+        dt = self.b.step_s / speed
+        self.b.clock.advance(dt)
+        self.b.steps_at.append(self.b.clock.t)
+        self.seen += 8
+        return {"samples": 8, "seconds": dt}
+
+    def quality(self) -> dict[str, Any]:
+        self.b.clock.advance(self.b.quality_s)
+        return {"loss": 1.0, "nonfinite_steps": 0, "samples_seen": self.seen}
+
+    def close(self) -> None:
+        pass
+
+
+class SimBackend(FakeBackend):
+    """FakeBackend on simulated time: a profile of ``profile_s`` (it builds the baseline and steps it), arms whose
+    steps take ``step_s`` (at speed 1)."""
+
+    def __init__(self, clock: SimClock, step_s: float = 0.25, build_s: float = 1.0, quality_s: float = 0.5,
+                 profile_s: float = 3.0) -> None:
+        super().__init__()
+        self.clock, self.step_s, self.build_s, self.quality_s, self.profile_s = (clock, step_s, build_s, quality_s,
+                                                                               profile_s)
+        self.steps_at: list[float] = []
+
+    def profile(self, settings: dict[str, Any], index: int) -> Evidence:
+        self.profiles += 1
+        self.clock.advance(self.profile_s)
+        return Evidence(step_ms=1e3 * self.step_s, compute_share=0.5, samples_per_s=8 / self.step_s)
+
+    def arm(self, name: str, settings: dict[str, Any]) -> SimArm:
+        self.built.append(dict(settings))
+        return SimArm(self, settings)
+
+
+BUDGET_WORDS = re.compile(r"budget: (?P<what>.+?) needs ~(?P<need>\d+) s(?: and ~(?P<held>\d+) s are held for "
+                          r"(?P<why>[^;]+))?; (?P<left>\d+) s left of (?P<limit>\S+)")
+
+
+def budget_texts(res: Any) -> list[str]:
+    """Every reason the search gave that mentions the budget."""
+    texts = [n["reason"] for n in res.not_tried] + [d.reason for d in res.decisions] + [res.stop_reason or ""]
+    conf = res.confirmation or {}
+    texts += [conf.get("unavailable_reason") or "", conf.get("cut_short") or ""]
+    return [t for t in texts if "budget:" in t]
+
+
+def assert_consistent(texts: list[str], kept: bool) -> None:
+    """Each ``needs ~N s (and ~H s are held for …); L s left`` says a shortage: N + H > L; a hold is said only once
+    something is kept (or, within an A/B, its candidate clears min_gain), and says what for."""
+    for t in texts:
+        for m in BUDGET_WORDS.finditer(t):
+            need, held, left = int(m["need"]), int(m["held"] or 0), int(m["left"])
+            assert need + held > left, t
+            if m["held"]:
+                assert "final confirmation" in m["why"], t
+                assert kept, t
+        if not BUDGET_WORDS.search(t):
+            assert "has passed" in t, t
+
+
+SIM_LEVERS = (lever("fast", {"fake.speed": 2.0}, 1.9), lever("same", {"fake.speed_s": 1.0}, 1.5),
+              lever("other", {"fake.speed_o": 1.0}, 1.4), lever("more", {"fake.speed_m": 1.0}, 1.3))
+
+
+@pytest.mark.parametrize("budget", [20.0, 45.0, 60.0, 90.0, 120.0, 180.0])
+def test_the_search_ends_within_its_budget_and_says_why_it_stopped(budget):
+    """Windows of a fixed simulated time: wherever the budget falls (before the first A/B, inside one, before the
+    confirmation), the search ends by budget + overshoot_allowed — here within one window of it — and every reason
+    adds up. On today's code the first A/B and the confirmation ran whatever was left (292 s for a 20 s budget)."""
+    clock = SimClock()
+    backend = SimBackend(clock)
+    dl = Deadline(budget, start=0.0, clock=clock)
+    clock.advance(5.0)  # the command's set-up and data preparation, before the search: spent too
+    res = search(backend, SIM_LEVERS, {}, settings(budget_s=budget, rounds=5, confirm_rounds=6),
+                 notice=lambda _m: None, deadline=dl)
+    window_s = 24 / 8 * backend.step_s  # 24-sample windows of 8-sample steps
+    assert clock.t <= budget + 2 * window_s, (clock.t, res.stop_reason)
+    assert clock.t <= budget + overshoot_allowed(budget)
+    assert res.seconds == pytest.approx(clock.t)
+    assert res.status in ("budget", "completed")
+    assert_consistent(budget_texts(res), kept=bool(res.accepted()))
+    if res.status == "budget":
+        assert res.stop_reason or any("cut short" in d.reason for d in res.decisions)
+    if res.accepted():  # something kept: the confirmation ran, or the reason says why it could not
+        conf = res.confirmation
+        assert (conf["ratio"] and conf["ratio"]["low"] is not None) or conf["unavailable_reason"].startswith("budget:")
+    if budget >= 45:  # the confirmation is held for once "fast" clears min_gain
+        assert res.confirmation["ratio"]["low"] is not None
+    if budget >= 60:  # room for everything (the whole search takes ~54 s)
+        assert res.status == "completed" and [d.candidate.lever for d in res.accepted()] == ["fast"]
+        assert res.confirmation["cut_short"] is None and len(res.decisions) == 4
+
+
+def test_nothing_kept_holds_nothing_back_for_a_confirmation():
+    """The 180 s run that stopped at 123 s with "budget: ~28 s needed, 57 s left": the time was held for a
+    confirmation that could never run. With nothing kept, every A/B that fits is measured, and no reason speaks of a
+    hold."""
+    clock = SimClock()
+    levers = tuple(lever(f"n{i}", {f"fake.speed{i}": 1.0}, 1.5 - i / 20) for i in range(10))  # 12 s per A/B
+    res = search(SimBackend(clock), levers, {}, settings(budget_s=57.0), notice=lambda _m: None,
+                 deadline=Deadline(57.0, start=0.0, clock=clock))  # a 3 s profile, 4 A/Bs: 51 s; 6 s left
+    assert not res.accepted() and res.confirmation is None
+    texts = budget_texts(res)
+    assert texts and not any("held" in t for t in texts)
+    assert_consistent(texts, kept=False)
+    # it stopped because the next A/B's two rounds did not fit, not earlier: nothing was held
+    m = BUDGET_WORDS.search(res.stop_reason)
+    assert m and int(m["need"]) > int(m["left"]) and not m["held"], res.stop_reason
+    assert int(m["left"]) == 6 and clock.t == 51.0 and len(res.decisions) == 4
+    assert len(res.not_tried) == 6 and all(n["reason"] == res.not_tried[0]["reason"] for n in res.not_tried)
+
+
+def test_a_kept_lever_holds_its_confirmation_and_says_so():
+    clock = SimClock()
+    res = search(SimBackend(clock), SIM_LEVERS, {}, settings(budget_s=45.0, confirm_rounds=6),
+                 notice=lambda _m: None, deadline=Deadline(45.0, start=0.0, clock=clock))
+    assert [d.candidate.lever for d in res.accepted()] == ["fast"]
+    texts = budget_texts(res)
+    assert any("held for the final confirmation" in t for t in texts), texts
+    assert_consistent(texts, kept=True)
+    assert res.status == "budget" and len(res.decisions) < len(SIM_LEVERS)
+    assert res.confirmation["ratio"]["low"] is not None and clock.t <= 45.0 + 2 * 0.75
+
+
+def test_the_baselines_profile_and_the_set_up_count_against_the_budget():
+    """Set-up (20 s) and a profile of the baseline (60 s) take 80 % of a 100 s budget: no A/B fits what is left, so
+    none is started and the search ends within the allowed overshoot, saying why."""
+    clock = SimClock()
+    backend = SimBackend(clock, profile_s=60.0)
+    dl = Deadline(100.0, start=0.0, clock=clock)
+    clock.advance(20.0)
+    res = search(backend, SIM_LEVERS, {}, settings(budget_s=100.0), notice=lambda _m: None, deadline=dl)
+    assert clock.t <= 100.0 + overshoot_allowed(100.0)
+    assert res.status == "budget" and not res.decisions and not backend.built
+    assert res.stop_reason.startswith("budget: its A/B (2 rounds at the least) needs ~")
+    assert_consistent(budget_texts(res), kept=False)
+    assert {n["lever"] for n in res.not_tried} == {"fast", "same", "other", "more"}
+    # the set-up alone past the budget: not even the first profile
+    clock2 = SimClock()
+    dl2 = Deadline(100.0, start=0.0, clock=clock2)
+    clock2.advance(101.0)
+    backend2 = SimBackend(clock2)
+    res2 = search(backend2, SIM_LEVERS, {}, settings(budget_s=100.0), notice=lambda _m: None, deadline=dl2)
+    assert res2.status == "budget" and backend2.profiles == 0 and "has passed" in res2.stop_reason
+
+
+def test_an_ab_that_cannot_finish_its_rounds_is_cut_short_and_judged_on_what_it_has():
+    from train.commands.optimize.pairs import measure_pair
+
+    clock = SimClock()
+    backend = SimBackend(clock, step_s=1.0, build_s=0.0, quality_s=0.0)  # windows of 3 s
+    dl = Deadline(32.0, start=0.0, clock=clock)  # warm-ups 2 × 3 s, then 4 rounds of 6 s fit, not 5
+    m = measure_pair(backend, {}, {"fake.speed": 1.0}, settings(rounds=5), 5, deadline=dl)
+    assert m.result.rounds == 4 and all(len(a.windows) == 4 for a in m.result.arms.values())
+    assert m.cut_short == ("cut short after 4 timed round(s): budget: round 5 of 5 needs ~6 s; 2 s left of "
+                           "optimize.budget_s=32")
+    assert backend.steps_at[-1] == 30.0  # no window started that would end past the deadline
+    assert m.quality_best and m.quality_candidate  # read where the rounds stopped
+    assert_consistent([m.cut_short], kept=False)
+    # via the search: the decision says it was cut short
+    clock = SimClock()
+    backend = SimBackend(clock, step_s=1.0, build_s=0.0, quality_s=0.0, profile_s=0.0)
+    res = search(backend, (lever("fast", {"fake.speed": 2.0}, 1.9),), {},
+                 settings(budget_s=25.0, confirm_rounds=2), notice=lambda _m: None,
+                 deadline=Deadline(25.0, start=0.0, clock=clock))
+    d = res.decisions[0]
+    assert "cut short after" in d.reason and res.status == "budget" and clock.t <= 25.0 + 3.0
+
+
+def test_a_warm_up_stops_at_the_deadline():
+    """Warm-up steps are untimed but not free: none starts once the deadline has passed (OutOfTime), and the search
+    records the A/B as not measured, for the budget."""
+    from train.commands.optimize.deadline import OutOfTime
+    from train.commands.optimize.pairs import measure_pair
+
+    clock = SimClock()
+    backend = SimBackend(clock, step_s=1.0, build_s=0.0, quality_s=0.0)
+    with pytest.raises(OutOfTime, match=r"^budget: warming candidate up \(16 of 24 samples\) not started"):
+        measure_pair(backend, {}, {"fake.speed": 1.0}, settings(rounds=5), 5,
+                     deadline=Deadline(5.0, start=0.0, clock=clock))  # best's 3 steps, then 2 of candidate's
+    assert clock.t == 5.0
+
+    class Optimistic(SimBackend):  # its profile says 10x faster than its arms run: the A/B starts, and cannot finish
+        def profile(self, settings: dict[str, Any], index: int) -> Evidence:
+            ev = super().profile(settings, index)
+            ev.samples_per_s *= 10
+            return ev
+
+    clock = SimClock()
+    backend = Optimistic(clock, step_s=1.0, build_s=0.0, quality_s=0.0, profile_s=1.0)
+    res = search(backend, (lever("same", {"fake.speed_s": 1.0}, 1.9),), {}, settings(budget_s=6.0),
+                 notice=lambda _m: None, deadline=Deadline(6.0, start=0.0, clock=clock))
+    assert res.decisions[0].reason.startswith("budget: warming candidate up (16 of 24 samples) not started")
+    assert not res.accepted() and clock.t <= 6.0 + 1.0
     assert res.status == "budget"
-    assert len(res.decisions) >= 1
-    assert res.not_tried and all(n["reason"].startswith("budget:") for n in res.not_tried)
-    assert len(res.decisions) + len(res.not_tried) == 4
+
+
+def test_the_arm_time_limit_bounds_an_ab_by_its_windows_too():
+    """optimize.arm_timeout_s is a bound of the same kind: a slow candidate's A/B stops starting windows before it,
+    not only when SIGALRM interrupts a hang."""
+    clock = SimClock()
+    backend = SimBackend(clock, step_s=1.0, build_s=0.0, quality_s=0.0, profile_s=0.0)
+    res = search(backend, (lever("slow", {"fake.speed": 0.5}, 1.9),), {},
+                 settings(budget_s=1000.0, arm_timeout_s=40.0), notice=lambda _m: None,
+                 deadline=Deadline(1000.0, start=0.0, clock=clock))
+    d = res.decisions[0]
+    assert "optimize.arm_timeout_s=40" in d.reason and "cut short" in d.reason
+    assert d.seconds <= 40.0
+
+
+def test_budget_reason_never_claims_a_shortage_that_is_not_one():
+    clock = SimClock()
+    for budget, at, held, need in [(180, 123, 0, 28), (180, 123, 35, 28), (60, 59.6, 0, 0.3), (60, 10, 49.5, 0.6),
+                                   (60, 61, 0, 5), (30, 0, 0, 29.9)]:
+        clock.t = 0.0
+        dl = Deadline(budget, start=0.0, clock=clock).less(held, "the final confirmation of what was kept")
+        clock.t = at
+        why = budget_reason(dl, "its A/B", need)
+        if need + held <= budget - at:
+            assert why is None, why
+        else:
+            assert why is not None and why.startswith("budget: its A/B")
+            assert_consistent([why], kept=True)
+    assert overshoot_allowed(20) == 30 and overshoot_allowed(900) == 90
 
 
 def test_interrupt_returns_the_partial_result_and_writes_a_valid_report(tmp_path):
@@ -421,6 +666,27 @@ def test_real_arms_of_one_config_learn_identically_however_they_are_interleaved(
         torch.rand(1000)
         c.run.trainer.step()
     assert c.quality()["loss"] != qa["loss"]
+
+
+def test_the_real_profile_times_a_step_without_the_profiler_and_stops_at_the_deadline(tiny_cfg, tmp_path):
+    """The profile gives the search its first time estimates (a step before the profiler records, its build), and
+    starts no step that would end past the command's deadline: OutOfTime, with a reason that adds up."""
+    from train.commands.optimize.backend import RunBackend
+    from train.commands.optimize.deadline import OutOfTime
+    from train.data import prepare_data
+
+    cfg = tiny_cfg("batching.method=optimal", "optimize.profile_steps=2")
+    bundle = prepare_data(cfg, None, notice=lambda _m: None)
+    backend = RunBackend(cfg, bundle, torch.device("cpu"), tmp_path / "o", notice=lambda _m: None,
+                         deadline=Deadline(600.0))
+    ev = backend.profile({}, 0)
+    assert ev.unprofiled_samples_per_s > 0 and ev.samples_per_s > 0 and ev.steps_s > 0
+    clock = SimClock()
+    backend.deadline = Deadline(10.0, start=0.0, clock=clock)
+    clock.advance(10.0)  # spent before the profile
+    with pytest.raises(OutOfTime, match=r"^budget: the profile's step 1 of 5 not started: optimize.budget_s=10 has "
+                                        r"passed"):
+        backend.profile({}, 1)
 
 
 def test_the_real_backend_scales_the_schedule_by_the_measured_samples_per_step(tiny_cfg, tmp_path):

@@ -230,7 +230,7 @@ def cmd_optimize(args: argparse.Namespace, t_start: float) -> int:
     from train.commands.optimize import run_optimize
 
     cfg = load_cfg(args)
-    res = run_optimize(cfg, config_path=args.config)
+    res = run_optimize(cfg, config_path=args.config, t_start=t_start)
     conf = (res.get("confirmation") or {}).get("ratio")
     kept = [f"{d['lever']}={d['value']}" for d in res["decisions"] if d["accepted"]]
     status = {"budget": f"stopped by optimize.budget_s={cfg.optimize.budget_s:g}"}.get(res["status"], res["status"])

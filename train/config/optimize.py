@@ -15,8 +15,11 @@ class OptimizeConfig(Frozen):
     the current best, keep it when it clears ``min_gain`` and the quality guard, re-profile, repeat."""
 
     budget_s: float = allowed(900.0, gt=0)
-    """Wall-clock budget of the search in seconds (profiles, A/Bs and the final confirmation included); candidates
-    that no longer fit are listed as not tried."""
+    """Wall-clock budget of the whole command in seconds, from its start to its written outputs: set-up, data
+    preparation, profiles, every A/B and the final confirmation count. Work whose estimate (from measured times) no
+    longer fits is not started — a candidate is listed as not tried, an A/B runs the rounds that fit — and once a lever
+    is kept the final confirmation's estimate is held back; the command ends within ``budget_s`` + max(10 %, 30 s)
+    (what cannot be split: a window, a build, the outputs' writing; docs/optimize.md, "The budget")."""
     levers: Optional[str] = None
     """Comma-separated lever names to consider (train/commands/optimize/levers.py ``CATALOGUE``); null = all that
     apply on this device and model."""
@@ -45,7 +48,9 @@ class OptimizeConfig(Frozen):
     """The fixed held-out slice of the quality guard: the first this-many validation samples (the test split when
     there is no validation split)."""
     arm_timeout_s: float = allowed(600.0, gt=0)
-    """One candidate's A/B (build, warm-up, rounds, quality check) longer than this is stopped and rejected as hung."""
+    """One candidate's A/B (build, warm-up, rounds, quality check) may take this long, never past ``budget_s``: no
+    timed window starts that would end after it (the A/B is judged on the rounds it has), and an A/B still running
+    at it (a hang) is stopped and rejected."""
     confirm_rounds: int = allowed(8, ge=2)
     """Rounds of the final confirmation: the baseline vs the optimized config, interleaved."""
     profile_steps: int = allowed(4, ge=2)

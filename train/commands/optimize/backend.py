@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from train.commands.optimize.deadline import Deadline, OutOfTime, budget_reason
 from train.commands.optimize.levers import BATCHING, batching_settings
 from train.commands.optimize.proposals import Evidence, LeverContext
 from train.commands.optimize.schedule import SCHEDULE_KEYS, schedule_in_samples
@@ -115,8 +116,9 @@ class RunBackend:
     ``bundle``. Profiles are written to ``out_dir/profiles/<n>/summary.{json,md}``."""
 
     def __init__(self, base: RunConfig, bundle: Any, device: torch.device, out_dir: Path,
-                 notice: Callable[[str], None] = print) -> None:
+                 notice: Callable[[str], None] = print, deadline: Optional[Deadline] = None) -> None:
         self.base, self.bundle, self.device, self.out_dir, self.notice = base, bundle, device, out_dir, notice
+        self.deadline = deadline
         self.default_threads = torch.get_num_threads()
         self._policies: dict[str, PrecisionPolicy] = {}
         self._quality: Optional[list[dict]] = None
@@ -222,11 +224,16 @@ class RunBackend:
                 if k in SCHEDULE_KEYS and cfg.value(k) != v}
 
     def profile(self, settings: dict[str, Any], index: int) -> Evidence:
-        """A short torch.profiler window on ``settings`` (2 untimed steps, then ``optimize.profile_steps`` captured)
-        and the attribution of ``make profile``, reduced to the shares the levers read."""
+        """A short torch.profiler window on ``settings`` (3 untimed steps — the second, before the profiler starts
+        recording, times the step for the search's first estimates —, then ``optimize.profile_steps`` captured) and
+        the attribution of ``make profile``, reduced to the shares the levers read.
+
+        Raises:
+            OutOfTime: the next step (as long as the last) would end past the command's deadline.
+        """
         cfg = self.cfg(settings)
         steps = cfg.optimize.profile_steps
-        pcfg = cfg.with_values({"profile.wait": 1, "profile.warmup": 1, "profile.active": steps}).profile
+        pcfg = cfg.with_values({"profile.wait": 2, "profile.warmup": 1, "profile.active": steps}).profile
         out = self.out_dir / "profiles" / str(index)
         arm = RunArm(self, cfg)
         try:
@@ -235,15 +242,25 @@ class RunBackend:
             window.attach(trainer)
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            samples = []
-            for step in range(1, steps + 3):
+            samples, ms = [], []
+            for step in range(1, steps + 4):
+                why = None if self.deadline is None else budget_reason(
+                    self.deadline, f"the profile's step {step} of {steps + 3}", ms[-1] / 1e3 if ms else 1e-9)
+                if why is not None:
+                    window.close()
+                    raise OutOfTime(why)
                 rec = trainer.step(resolve=True)
                 samples.append(rec.samples)
+                ms.append(rec.ms or 0.0)
                 for cb in tuple(trainer.callbacks):
                     cb.on_step_end(step, rec.ms)
             if not window.done:
                 window.close()
-            return self._evidence(cfg, window, samples[2:], out)
+            ev = self._evidence(cfg, window, samples[3:], out)
+            ev.steps_s = sum(ms) / 1e3
+            # step 2: the profiler still waits, and the first step's one-off work (allocation, the loader) is done
+            ev.unprofiled_samples_per_s = samples[1] / (ms[1] / 1e3) if ms[1] else None
+            return ev
         finally:
             arm.close()
 

@@ -5,13 +5,13 @@ written after every decision (docs/optimize.md)."""
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from train.commands.optimize.backend import RunBackend
+from train.commands.optimize.deadline import Deadline, overshoot_allowed
 from train.commands.optimize.levers import CATALOGUE, select
 from train.commands.optimize.outputs import write_outputs
 from train.commands.optimize.results import SearchResult
@@ -44,13 +44,17 @@ def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str
 
 
 def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
-                 config_path: Optional[str] = None) -> dict[str, Any]:
+                 config_path: Optional[str] = None, t_start: Optional[float] = None) -> dict[str, Any]:
     """Run the search on ``cfg`` and write its outputs; returns optimize.json's dict (``status`` completed, budget or
-    interrupted). SIGTERM and Ctrl-C end the search with what was measured so far written.
+    interrupted). SIGTERM and Ctrl-C end the search with what was measured so far written. ``t_start``: the
+    command's start (``time.perf_counter()``, taken by ``python -m train`` before torch is imported; None: now) —
+    ``optimize.budget_s`` counts from it, so the set-up, the data's preparation and every phase after them spend the
+    one :class:`~train.commands.optimize.deadline.Deadline`.
 
     Raises:
         UserError: an unknown lever in ``optimize.levers``, bad data or config.
     """
+    deadline = Deadline(cfg.optimize.budget_s, start=t_start)
     try:
         levers = select(cfg.optimize.lever_names(), CATALOGUE)
     except ValueError as exc:
@@ -61,20 +65,20 @@ def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
     base, notes = baseline_settings(start.cfg, start.policy.mode)
     for n in notes:
         notice(f"optimize: {n}")
-    backend = RunBackend(start.cfg, bundle, start.device, out_dir, notice)
+    backend = RunBackend(start.cfg, bundle, start.device, out_dir, notice, deadline=deadline)
     facts = machine_facts(start.device)
     meta = {"config": config_path or "the built-in defaults", "device": device_name(start.device),
-            "budget_s": cfg.optimize.budget_s,
+            "budget_s": cfg.optimize.budget_s, "overshoot_allowed_s": overshoot_allowed(cfg.optimize.budget_s),
+            "set_up_s": deadline.elapsed(),
             "load": facts.get("load_1min"), "notes": notes, "torch": torch.__version__,
             "optimized_yaml": str(out_dir / "optimized.yaml"), "levers": [lv.name for lv in levers],
             "min_gain": cfg.optimize.min_gain, "quality_tolerance": cfg.optimize.quality_tolerance,
             "planned_steps": backend.planned_steps(), "planned_samples": backend.planned_samples()}
     settings = SearchSettings.from_config(cfg.optimize, backend.planned_samples())
-    t0 = time.monotonic()
     bar = progress_bar(int(settings.budget_s), "optimize (s of budget)", cfg.train.progress)
 
     def update(res: SearchResult) -> None:
-        bar.n = min(int(settings.budget_s), int(time.monotonic() - t0))
+        bar.n = min(int(settings.budget_s), int(deadline.elapsed()))
         bar.refresh()
         best = start.cfg.with_values({**res.best, "train.run_id": None, "train.overwrite": False})
         write_outputs(out_dir, res.as_dict(), meta, best)
@@ -85,7 +89,7 @@ def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
     old = signal.signal(signal.SIGTERM, on_term)
     try:
         res = search(backend, levers, base, settings, planned_steps=backend.planned_steps(),
-                     notice=lambda m: (bar.clear(), notice(m), bar.refresh()), on_update=update)
+                     notice=lambda m: (bar.clear(), notice(m), bar.refresh()), on_update=update, deadline=deadline)
     finally:
         signal.signal(signal.SIGTERM, old)
         bar.close()

@@ -38,10 +38,14 @@ def _load(x: Any) -> str:
 def render_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
     """optimize.md from optimize.json's dict."""
     lines = [f"# make optimize — {meta.get('config')}", "",
-             f"Status: **{res['status']}** after {res['seconds']:.0f} s (budget {meta.get('budget_s'):g} s) on "
+             f"Status: **{res['status']}** after {res['seconds']:.0f} s since the command started (budget "
+             f"{meta.get('budget_s'):g} s"
+             + (f", at most {meta['overshoot_allowed_s']:g} s past it" if meta.get("overshoot_allowed_s") else "")
+             + ") on "
              f"{meta.get('device')}; 1-minute load {_load(meta.get('load'))} at the start. Baseline: the config as "
              "given"
-             + (f" ({', '.join(f'{k}={v}' for k, v in res['baseline'].items())})" if res["baseline"] else "") + ".",
+             + (f" ({', '.join(f'{k}={v}' for k, v in res['baseline'].items())})" if res["baseline"] else "") + "."
+             + (f" Stopped: {res['stop_reason']}." if res.get("stop_reason") else ""),
              "", "## Profiles (the evidence)", "",
              "| # | settings | step ms | padding | compute | memory | launch | data wait | optimizer | dropout mask |"
              " attention | top op |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -82,7 +86,8 @@ def render_markdown(res: dict[str, Any], meta: dict[str, Any]) -> str:
         lines.append(f"| **confirmed: optimized vs baseline, interleaved** | {format_ratio(conf.get('ratio'))} | "
                      + ("adds up (within the product)" if w["adds_up"] else
                         "does not add up: the levers interact" if w["adds_up"] is False else
-                        conf.get("unavailable_reason", "not measured")) + " |")
+                        conf.get("unavailable_reason", "not measured"))
+                     + (f"; {conf['cut_short']}" if conf.get("cut_short") else "") + " |")
     y = meta.get("optimized_yaml")
     lines += ["", f"Optimized config: `{y}` → `make train CONFIG={y}`", ""]
     return "\n".join(lines)

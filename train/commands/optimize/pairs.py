@@ -11,7 +11,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from train.commands.optimize.arms import ArmSet
+from train.commands.optimize.deadline import Deadline
 from train.perf.ab import ABResult
+
+MIN_ROUNDS = 2
+"""The fewest timed rounds that give an interval: an A/B is started only when this many fit the deadline, and one
+cut short before its quality read is read where it stopped only once it has them."""
 
 
 @dataclass
@@ -25,6 +30,11 @@ class PairMeasurement:
     quality_best: dict
     quality_candidate: dict
     horizon: Optional[dict] = None
+    cut_short: Optional[str] = None
+    """Why the deadline ended the A/B early (fewer timed rounds, or no training on to the horizon); None: it ran as
+    planned."""
+    timings: dict = dataclasses.field(default_factory=dict)
+    """What :meth:`ArmSet.timings` measured (seconds per sample per arm, the fixed seconds): later estimates."""
 
 
 def window_for(backend: Any, settings: Any, at_least: int, steps: int, at_most: Optional[int] = None) -> int:
@@ -52,7 +62,10 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
                  names: tuple[str, str] = ("best", "candidate"),
                  extend: Callable[[ABResult], bool] = lambda _r: False,
                  horizon: Callable[[ABResult, dict[str, int]], Optional[int]] = lambda _r, _seen: None,
-                 passing: Optional[int] = None, settled: Callable[[dict], bool] = lambda _h: False) -> PairMeasurement:
+                 passing: Optional[int] = None, settled: Callable[[dict], bool] = lambda _h: False,
+                 deadline: Optional[Deadline] = None,
+                 hold: Optional[Callable[[ABResult], Optional[Deadline]]] = None,
+                 quality_read_s: float = 0.0) -> PairMeasurement:
     """Build both arms, warm them untimed to the same samples seen, interleave ``rounds`` windows of
     :func:`window_for` samples (``s.window_steps`` steps of the arm with the most samples per step,
     ``s.max_window_samples`` at the most, ``s.window_samples`` at the least), read both quality figures when both
@@ -63,14 +76,20 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
     shorter than the A/B itself — both qualities are read at the first round boundary where both arms have seen at
     least that many samples, and that read is the ``horizon`` (``note`` says where) unless ``horizon()`` names a
     later one; when ``settled(that read)`` (the search: the candidate fails the quality guard there, so no speed
-    makes it a keeper) the A/B is not extended. Exceptions propagate (the caller records them); both arms are
-    closed either way."""
+    makes it a keeper) the A/B is not extended. ``deadline``: no window starts unless the rest of its round fits it,
+    leaving room for both quality reads (``quality_read_s`` each, until one is timed), and training on to the horizon
+    stops when it passes (:class:`ArmSet`, which asks ``hold`` after every round for an earlier one; a warm-up it
+    stops raises :class:`~train.commands.optimize.deadline.OutOfTime`); ``cut_short`` then says so — the result
+    holds the rounds completed, the quality read where they stopped (none with fewer than :data:`MIN_ROUNDS`).
+    Exceptions propagate (the caller records them); both arms are closed either way."""
     window = window_for(backend, (best, cand), s.window_samples, getattr(s, "window_steps", 0),
                         getattr(s, "max_window_samples", None))
     warm_samples, before = quality_point(s, rounds, window)
     quality: list[dict] = []
     passed: dict[str, Any] = {}
-    with ArmSet(backend, backend.device) as arms:
+    with ArmSet(backend, backend.device, deadline, hold) as arms:
+        # the rounds leave room for both quality reads (timed once one is done, else ``quality_read_s``)
+        arms.tail = lambda: 0.0 if quality else 2 * (max(arms.quality_s) if arms.quality_s else quality_read_s)
         def read(r: int = -1) -> None:
             if r == before - 1 and not quality:
                 quality.extend(arms.quality(n) for n in names)
@@ -85,9 +104,11 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
         warm = arms.warm(names[1], warm_samples)
         read()
         result = arms.interleave(rounds, window, on_round=read)
-        q_best, q_cand = quality
+        if not quality and result.rounds >= MIN_ROUNDS:  # cut short before the read: both arms where they stopped
+            quality.extend(arms.quality(n) for n in names)
+        q_best, q_cand = quality or ({}, {})
         for _ in range(s.max_extensions):
-            if not extend(result) or (passed and settled(passed)):
+            if arms.stopped or not extend(result) or (passed and settled(passed)):
                 break
             more = arms.interleave(rounds, window, on_round=read)
             for name, arm in more.arms.items():
@@ -95,12 +116,16 @@ def measure_pair(backend: Any, best: dict, cand: dict, s: Any, rounds: int,
                                               for w in arm.windows]
             result = ABResult(result.arms, result.rounds + more.rounds, result.load_start, more.load_end)
         out = PairMeasurement(result, warm, q_best, q_cand, horizon=passed or None)
-        target = horizon(result, dict(arms.seen))
+        if arms.stopped:
+            out.cut_short = f"cut short after {result.rounds} timed round(s): {arms.stopped}"
+        target = None if arms.stopped else horizon(result, dict(arms.seen))
         if target:
-            for n in names:
-                arms.train_to(n, target)
-            out.horizon = {"samples": target, **{n: arms.quality(n) for n in names}}
-        return out
+            if all(arms.train_to(n, target) for n in names):
+                out.horizon = {"samples": target, **{n: arms.quality(n) for n in names}}
+            else:
+                out.cut_short = f"not trained on to the horizon's {target} samples: {arms.stopped}"
+    out.timings = arms.timings()
+    return out
 
 
 def horizon_target(result: ABResult, seen: dict[str, int], want: Optional[int], available_s: float,

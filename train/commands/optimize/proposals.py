@@ -38,6 +38,12 @@ class Evidence:
     top_op: Optional[str] = None
     peak_memory_bytes: Optional[int] = None
     memory_total_bytes: Optional[int] = None
+    unprofiled_samples_per_s: Optional[float] = None
+    """Samples per second of the profile's second step, before the profiler records (its overhead — 2× and more on a
+    CPU — and the first step's one-off work left out): where the search's time estimates start, before an A/B has
+    timed a window."""
+    steps_s: Optional[float] = None
+    """Seconds of all the profile's steps: the profile's wall time less this is its build."""
     notes: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

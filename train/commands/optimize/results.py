@@ -45,6 +45,10 @@ class SearchResult:
     confirmation: Optional[dict] = None
     status: str = "running"
     seconds: float = 0.0
+    """Since the command started (its deadline's start: data preparation and set-up included)."""
+    stop_reason: Optional[str] = None
+    """Why the budget ended the search (``status`` budget): the work that did not fit, what was held and what was
+    left."""
 
     def accepted(self) -> list[Decision]:
         return [d for d in self.decisions if d.accepted]
@@ -66,7 +70,8 @@ class SearchResult:
                 "adds_up": None if final is None or not steps else bool(low <= final <= high)}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "seconds": self.seconds, "baseline": self.baseline, "best": self.best,
+        return {"status": self.status, "seconds": self.seconds, "stop_reason": self.stop_reason,
+                "baseline": self.baseline, "best": self.best,
                 "decisions": [d.as_dict() for d in self.decisions], "profiles": self.profiles,
                 "rankings": self.rankings, "not_applicable": self.not_applicable, "not_tried": self.not_tried,
                 "confirmation": self.confirmation, "waterfall": self.waterfall()}

@@ -36,6 +36,9 @@ class SearchSettings:
     max_window_samples: Optional[int] = None
     """... and at most this many samples (``window_samples`` at the least): the planned run's samples ÷ ``rounds``,
     so that an A/B's timed rounds never train each arm more than the run itself does."""
+    quality_samples: int = 0
+    """The held-out samples of a quality read (``optimize.quality_samples``): how long one takes, before one is
+    timed."""
     horizon_samples: Optional[int] = None
     """Where a candidate that changes the optimizer steps per sample is judged (``optimize.horizon_fraction`` of the
     planned run's samples); None: after :meth:`quality_samples_seen`, as every other candidate."""
@@ -53,4 +56,4 @@ class SearchSettings:
         return cls(o.budget_s, o.rounds, o.window_samples, o.min_gain, o.quality_tolerance, o.arm_timeout_s,
                    o.confirm_rounds, min_predicted=o.min_predicted, window_steps=o.window_steps,
                    max_window_samples=planned_samples // o.rounds if planned_samples else None,
-                   horizon_samples=horizon)
+                   quality_samples=o.quality_samples, horizon_samples=horizon)
