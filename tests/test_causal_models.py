@@ -1,4 +1,4 @@
-"""Causal language models (train/models/causal.py, ``model.task=causal-lm``): tiny Llama, Qwen2 and GPT-2 built
+"""Causal language models (train/models/causal.py, causal_build.py, ``model.task=causal-lm``): tiny Llama, Qwen2 and GPT-2 built
 offline; each packed sample's per-token loss equals its loss alone (fp32, 1e-5), padded batches likewise; the
 encoder-directory, vocabulary and position refusals; random-init sizing per preset; a directory's weights and a
 checkpoint's config rebuilt. Runs on transformers 5.x (torch 2.13, sdpa) and 4.55 (torch 2.1, eager)."""
@@ -16,7 +16,8 @@ from train.compat import hf_attn_implementation, load_state
 from train.config import load_config
 from train.errors import UserError
 from train.models import build_external, model_supports_packing
-from train.models.causal import CausalLMSpec, ExternalCausalLM, causal_block_mask, causal_preset, probe_causal_packing
+from train.models.causal import CausalLMSpec, ExternalCausalLM, causal_block_mask, probe_causal_packing
+from train.models.causal_build import causal_preset
 
 transformers = pytest.importorskip("transformers")
 

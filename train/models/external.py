@@ -125,7 +125,7 @@ def model_supports_packing(source: str, task: str = "classification") -> bool:
     if task == "causal-lm":
         if kind not in ("hf-dir", "hf-type"):
             return False
-        from train.models.causal import decoder_only
+        from train.models.causal_build import decoder_only
         from train.models.hf import import_transformers
         from train.models.packed import takes_position_ids
 
@@ -159,7 +159,7 @@ def build_external(cfg, bundle, hf_config: Optional[str] = None) -> Union[Extern
     """The wrapped model for ``cfg.model.source`` sized to ``bundle`` (vocabulary, classes, ``data.max_len``).
 
     ``model.task=causal-lm``: a Hugging Face decoder wrapped as :class:`~train.models.causal.ExternalCausalLM`
-    (:func:`train.models.causal.build_causal_lm`: logits [B, T, V], its own refusals); otherwise a classifier:
+    (:func:`train.models.causal_build.build_causal_lm`: logits [B, T, V], its own refusals); otherwise a classifier:
 
     ``hf_config``: a checkpoint's ``spec["hf_config"]`` (JSON): rebuild exactly that architecture (resume).
     Weights come from the model directory when it has them, else from torch's RNG (seeded by the run).
@@ -173,9 +173,9 @@ def build_external(cfg, bundle, hf_config: Optional[str] = None) -> Union[Extern
     from train.models.packed import probe_packing
 
     if getattr(cfg.model, "task", "classification") == "causal-lm":
-        from train.models.causal import build_causal_lm
+        from train.models.causal_build import build_causal_lm
 
-        return build_causal_lm(cfg, bundle, hf_config)
+        return build_causal_lm(cfg, bundle, source_kind(cfg.model.source), hf_config)
     kind = source_kind(cfg.model.source)
     if kind == "python":
         from train.models.custom import build_custom

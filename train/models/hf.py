@@ -52,7 +52,7 @@ def preset_sizes(model_type: str, preset: str) -> dict[str, int]:
     return dict(zip(keys, (p["num_layers"], p["hidden_size"], p["num_heads"], p["ffn_size"])))
 
 
-def _config(cfg, bundle, kind: str, hf_config: Optional[str]):
+def hf_model_config(cfg, bundle, kind: str, hf_config: Optional[str]):
     """The transformers config for this run (from the checkpoint's JSON, the directory, or the model type)."""
     tf = import_transformers()
     src = cfg.model.source
@@ -173,7 +173,7 @@ def _mismatch(model, info: dict, path: Path, resize: bool) -> Optional[str]:
     return f"{name} is {list(shape) if shape else '?'} in {path.name} but {want} by config.json{more}"
 
 
-def _load(cfg, config, kind: str, fresh: bool, auto_class: str = "AutoModelForSequenceClassification"):
+def load_hf_model(cfg, config, kind: str, fresh: bool, auto_class: str = "AutoModelForSequenceClassification"):
     """The transformers model (``auto_class``: the Auto class that builds it; ``AutoModelForCausalLM`` for
     ``model.task=causal-lm``): weights from the directory when it has them (and not ``fresh``), else random.
 
@@ -223,9 +223,9 @@ def _load(cfg, config, kind: str, fresh: bool, auto_class: str = "AutoModelForSe
 
 def build_hf(cfg, bundle, kind: str, hf_config: Optional[str] = None) -> ExternalClassifier:
     """The wrapped transformers model (see :func:`train.models.build_external`). Raises UserError (bad input)."""
-    config = _config(cfg, bundle, kind, hf_config)
+    config = hf_model_config(cfg, bundle, kind, hf_config)
     _check_fits(cfg, bundle, config)
-    inner = _load(cfg, config, kind, fresh=hf_config is not None)
+    inner = load_hf_model(cfg, config, kind, fresh=hf_config is not None)
     size = {k: int(getattr(config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers")}
     spec = ExternalSpec(source=cfg.model.source, num_classes=bundle.num_classes, vocab_size=int(config.vocab_size),
                         max_len=cfg.data.max_len, hidden_size=size["hidden_size"], num_layers=size["num_hidden_layers"],
