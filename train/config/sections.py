@@ -24,6 +24,11 @@ class DataConfig(Frozen):
     """Column/key holding the input text (file and HF sources)."""
     label_field: str = "label"
     """Column/key holding the label: a string, or an int in ``[0, num_classes)``."""
+    prompt_field: str = "prompt"
+    """``model.task=causal-lm``: column/key of a row's prompt (context only, never a target); a row has either a
+    text (every token trained) or a prompt + completion."""
+    completion_field: str = "completion"
+    """``model.task=causal-lm``: column/key of a row's completion (its tokens and the EOS after it are the targets)."""
     num_classes: Optional[int] = allowed(None, ge=2)
     """For int labels: the number of classes (labels outside ``[0, num_classes)`` are an error).
     Default: max label + 1."""
@@ -40,7 +45,8 @@ class DataConfig(Frozen):
     max_len: int = allowed(128, ge=3)
     """Maximum sequence length in tokens, ``[CLS]`` and ``[SEP]`` included; longer inputs are truncated and counted."""
     vocab_size: int = allowed(8192, ge=10)
-    """WordPiece vocabulary size when the tokenizer is trained on the training split."""
+    """Vocabulary size when the tokenizer is trained on the training split: WordPiece, or for ``model.task=causal-lm``
+    a byte-level BPE (it has at least its 257 base tokens: the 256 bytes and ``<|endoftext|>``)."""
     tokenizer_path: Optional[str] = None
     """A user-supplied ``tokenizer.json`` (Hugging Face tokenizers format); None = train WordPiece and cache it."""
     cache_dir: str = ".cache/deep-model-perf"

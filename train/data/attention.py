@@ -32,8 +32,9 @@ import torch
 from train.compat import flex_attention_functions
 from train.config import RunConfig
 from train.data.bundle import DataBundle
+from train.data.causal_collate import pack_collate_for
 from train.data.loaders import pack_layout
-from train.data.packing import PackCollate, pack_rows
+from train.data.packing import pack_rows
 from train.errors import UserError
 from train.perf.ab import Arm, interleave
 from train.precision import PrecisionPolicy
@@ -91,7 +92,8 @@ def probe_batch(cfg: RunConfig, bundle: DataBundle) -> dict:
     ids = np.random.default_rng([cfg.train.seed, 7]).permutation(len(lengths))[: cfg.batching.pack_window]
     rows = pack_rows(lengths[ids], layout.capacity, cfg.train.seed)[: layout.rows]
     items = [(r, split.ids[int(ids[j])], 0) for r, row in enumerate(rows) for j in row]
-    return PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs).collate_items(items)
+    return pack_collate_for(bundle.task, bundle.pad_id, layout.capacity, layout.rows,
+                            layout.max_seqs).collate_items(items)
 
 
 def measure_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,

@@ -34,9 +34,9 @@ import torch
 
 from train.config import RunConfig
 from train.data.bundle import DataBundle, bucket_plan
-from train.data.collate import PadCollate
+from train.data.causal_collate import pack_collate_for, pad_collate_for
 from train.data.loaders import pack_layout
-from train.data.packing import PackCollate, PackedBatchSampler
+from train.data.packing import PackedBatchSampler
 from train.data.sampler import BucketBatchSampler
 from train.perf.ab import Arm, bootstrap_interval, interleave
 from train.precision import PrecisionPolicy
@@ -82,7 +82,7 @@ def measure_layouts(step: Callable[[dict], Any], cfg: RunConfig, bundle: DataBun
     ids_of = bundle.splits["train"].ids
     sampler = BucketBatchSampler(lengths, bounds, batch_size=b.batch_size, max_tokens=b.max_tokens,
                                  round_batch_to=8 if b.round_to % 8 == 0 else 1)
-    collate = PadCollate(bundle.pad_id, bounds, "bound")
+    collate = pad_collate_for(bundle.task, bundle.pad_id, bounds, "bound")
     bucket_batches: list[tuple[dict, int]] = []  # (a full batch of the bucket, batches per epoch)
     for k, size in enumerate(sampler.batch_sizes):
         members = np.flatnonzero(sampler.bucket_of == k)
@@ -90,7 +90,7 @@ def measure_layouts(step: Callable[[dict], Any], cfg: RunConfig, bundle: DataBun
             bucket_batches.append((collate([(ids_of[i], 0) for i in members[:size].tolist()]),
                                    math.ceil(len(members) / size)))
     layout = pack_layout(cfg, lengths)
-    pack = PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs)
+    pack = pack_collate_for(bundle.task, bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs)
     packed_batches = [pack.collate_items([(r, ids_of[i], 0) for r, i in batch]) for batch in itertools.islice(
         PackedBatchSampler(lengths, layout.capacity, layout.rows, seed=cfg.train.seed, window=b.pack_window),
         repeats + 1)]

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 import train.data.cache as cache  # the modules themselves, not the package: no package <-> submodule import loop
+import train.data.causal_prepare as causal_prepare
 import train.data.prepare as prepare
 from train.config import RunConfig
 from train.data.buckets import BucketPlan
@@ -43,6 +44,14 @@ class DataBundle:
     """report.json ``data.cache`` facts: ``cache`` (hit|miss|off), ``cache_dir`` or ``cache_unavailable_reason``."""
     classes_without_training_examples: list = field(default_factory=list)
     """Label names present in validation/test but never in training (warned about; report.json ``data``)."""
+    task: str = "classification"
+    """``model.task``: ``classification`` (a sample's label is its class) or ``causal-lm`` (a sample's label is its
+    ``n_prompt``; train/data/causal_prepare.py); the loaders' collates follow it."""
+    bos_id: Optional[int] = None
+    """Causal LM: the tokenizer's BOS id (None: it has none); samples start with it iff
+    ``tokenizer_info["roles"]["add_bos"]``."""
+    eos_id: Optional[int] = None
+    """Causal LM: the EOS id every sample ends with (``pad_id`` is EOS's when the tokenizer has no pad token)."""
 
     @property
     def num_classes(self) -> int:
@@ -114,7 +123,7 @@ def _build(cfg: RunConfig, entry: Optional[Path] = None) -> cache.Prepared:
         except OSError as exc:
             raise _scratch_error(scratch_root, exc) from None
     try:
-        tok_info = prepare.build(cfg, tmp)
+        tok_info = (causal_prepare.build if cfg.model.task == "causal-lm" else prepare.build)(cfg, tmp)
         if entry is not None:
             cache.publish(tmp, entry)
         built = cache.load(entry if entry is not None else tmp)
@@ -152,7 +161,8 @@ def prepare_splits(cfg: RunConfig) -> cache.Prepared:
         why = why or f"data.tokenizer_path={d.tokenizer_path!r} cannot be read"
     if why is not None:
         return _with_cache(_build(cfg), {"cache": "off", "cache_unavailable_reason": why})
-    entry = Path(d.cache_dir) / "data" / cache.cache_key(d, source_sha, user_tok)
+    causal = causal_prepare.lm_cache_parts(cfg) if cfg.model.task == "causal-lm" else None
+    entry = Path(d.cache_dir) / "data" / cache.cache_key(d, source_sha, user_tok, causal)
     cache.remove_dead_writers(entry.parent)  # what a killed writer left behind
     hit = cache.load(entry)
     if hit is not None:
@@ -177,14 +187,22 @@ def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: 
                  notice: Callable[[str], None] = print) -> DataBundle:
     """Load (or reuse), split, tokenize and plan the buckets. Raises UserError for any bad input."""
     p = prepare_splits(cfg)
-    unseen = check_classes({name: p.corpus.split(name).labels for name in ("train", "validation", "test")},
-                           p.corpus.label_names, notice)
+    task, roles = cfg.model.task, p.tokenizer_info.get("roles") or {}
+    if task == "causal-lm":  # no classes; the samples left out said once
+        unseen: list = []
+        dropped = causal_prepare.drop_notice(p.splits, cfg.data.max_len)
+        if dropped is not None:
+            notice(dropped)
+    else:
+        unseen = check_classes({name: p.corpus.split(name).labels for name in ("train", "validation", "test")},
+                               p.corpus.label_names, notice)
     bounds, pad_to, plan, source = bucket_plan(cfg, p.splits["train"].lengths, p.data_fingerprint,
                                                p.tokenizer_info["fingerprint"], run_dir, buckets_force, notice)
     check_token_budget(cfg.batching.max_tokens, bounds, cfg.data.max_len)
     return DataBundle(corpus=p.corpus, splits=p.splits, tokenizer_info=p.tokenizer_info, vocab_size=p.vocab_size,
                       pad_id=p.pad_id, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source,
-                      data_fingerprint=p.data_fingerprint, cache=p.cache, classes_without_training_examples=unseen)
+                      data_fingerprint=p.data_fingerprint, cache=p.cache, classes_without_training_examples=unseen,
+                      task=task, bos_id=roles.get("bos_id"), eos_id=roles.get("eos_id"))
 
 
 def fit_bucket_plan(cfg: RunConfig) -> BucketPlan:

@@ -7,7 +7,9 @@ Parsing WordNet and encoding 117k texts takes seconds on every run; what they pr
 * the split and label settings (``val_fraction``, ``test_fraction``, ``max_samples``, the fields, ``num_classes``),
 * the tokenizer: a user ``tokenizer.json``'s fingerprint, or the trained recipe (``FORMAT_VERSION`` and
   ``vocab_size``; training is deterministic, so the same texts give the same tokenizer),
-* ``max_len``.
+* ``max_len``,
+* for ``model.task=causal-lm`` also the task, the prompt/completion fields, the BOS/EOS/pad roles' files and the
+  byte-level BPE recipe (train/data/causal_prepare.py); a classification entry's key does not change.
 
 Those go into the key of ``<data.cache_dir>/data/<key>/``. An entry holds ``meta.json`` (names, counts,
 fingerprints, the tokenizer facts), a copy of the tokenizer (``tokenizer.json``) and, per split, ``.npy`` arrays:
@@ -120,13 +122,17 @@ def source_fingerprint(cfg: DataConfig) -> tuple[Optional[str], Optional[str]]:
     return _file_sha256([path]), None
 
 
-def cache_key(cfg: DataConfig, source_sha: str, user_tokenizer_fp: Optional[str]) -> str:
-    """The entry name: SHA-256 (first 20 hex) over everything the prepared data depends on (module docstring)."""
+def cache_key(cfg: DataConfig, source_sha: str, user_tokenizer_fp: Optional[str],
+              task_parts: Optional[dict[str, Any]] = None) -> str:
+    """The entry name: SHA-256 (first 20 hex) over everything the prepared data depends on (module docstring);
+    ``task_parts``: what another task than classification adds or replaces (train/data/causal_prepare.py), so a
+    classification entry keeps its key."""
     parts = {"format": CACHE_FORMAT, "source_sha256": source_sha, "source_kind": cfg.source if cfg.source == "wordnet"
              else Path(cfg.source).suffix.lower(), "text_field": cfg.text_field, "label_field": cfg.label_field,
              "num_classes": cfg.num_classes, "val_fraction": cfg.val_fraction, "test_fraction": cfg.test_fraction,
              "max_samples": cfg.max_samples, "max_len": cfg.max_len,
              "tokenizer": user_tokenizer_fp or f"wordpiece-v{FORMAT_VERSION}-{cfg.vocab_size}"}
+    parts.update(task_parts or {})
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -296,7 +302,8 @@ def load(entry: Path) -> Optional[Prepared]:
             splits[name] = TokenizedSplit(ids=Ragged(arr["ids"], offsets), labels=np.asarray(arr["labels"]),
                                           lengths=np.diff(offsets).astype(np.int32),
                                           truncated=meta["splits"][name]["truncated"],
-                                          unk_only_words=meta["splits"][name].get("unk_only_words"))
+                                          unk_only_words=meta["splits"][name].get("unk_only_words"),
+                                          dropped=meta["splits"][name].get("dropped", 0))
             texts[name] = TextSplit(Texts(arr["texts"], np.asarray(arr["text_offsets"])), splits[name].labels)
     except (OSError, ValueError, KeyError):
         return None

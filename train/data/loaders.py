@@ -11,9 +11,10 @@ from torch.utils.data import DataLoader
 
 from train.config import RunConfig
 from train.data.bundle import DataBundle
-from train.data.collate import PadCollate, TokenDataset
+from train.data.causal_collate import pack_collate_for, pad_collate_for
+from train.data.collate import TokenDataset
 from train.data.grouping import LengthGroupedBatchSampler
-from train.data.packing import PackCollate, PackedBatchSampler, RowDataset
+from train.data.packing import PackedBatchSampler, RowDataset
 from train.data.sampler import BucketBatchSampler, ShardedBatchSampler
 from train.errors import UserError
 
@@ -56,7 +57,9 @@ def eval_batch_rows(bundle: DataBundle, cfg: RunConfig) -> list[list[int]]:
 
 def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, device: torch.device,
                 world_size: int = 1, rank: int = 0) -> DataLoader:
-    """A DataLoader over ``split`` with a :class:`BucketBatchSampler` and :class:`PadCollate`.
+    """A DataLoader over ``split`` with a :class:`BucketBatchSampler` and the task's padded-batch collate
+    (``bundle.task``: :func:`~train.data.causal_collate.pad_collate_for`; packed training batches:
+    :func:`~train.data.causal_collate.pack_collate_for`).
 
     Training: seeded shuffle, the configured token budget and ``drop_last``. Evaluation: no
     shuffle, nothing dropped, the same buckets and batch sizes, each bucket's last (partial) batch filled up to
@@ -76,8 +79,8 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
                                     window=b.pack_window, drop_last=b.drop_last, world_size=world_size, rank=rank)
         compiled = cfg.compile.enabled == "true" or (cfg.compile.enabled == "auto" and device.type == "cuda")
         return DataLoader(RowDataset(bundle.splits[split]), batch_sampler=packed,
-                          collate_fn=PackCollate(bundle.pad_id, layout.capacity, layout.rows, layout.max_seqs,
-                                                 static_rows=compiled).collate_items,
+                          collate_fn=pack_collate_for(bundle.task, bundle.pad_id, layout.capacity, layout.rows,
+                                                      layout.max_seqs, static_rows=compiled).collate_items,
                           num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
                           persistent_workers=cfg.data.num_workers > 0, generator=generator)
     batches: BucketBatchSampler | LengthGroupedBatchSampler | ShardedBatchSampler
@@ -96,6 +99,6 @@ def make_loader(bundle: DataBundle, split: str, cfg: RunConfig, train: bool, dev
         batches = sampler if train or world_size == 1 else ShardedBatchSampler(sampler, world_size, rank)
     rows = eval_batch_rows(bundle, cfg) if not train and bundle.pad_to == "bound" else None
     return DataLoader(TokenDataset(bundle.splits[split]), batch_sampler=batches,
-                      collate_fn=PadCollate(bundle.pad_id, bundle.bounds, bundle.pad_to, rows),
+                      collate_fn=pad_collate_for(bundle.task, bundle.pad_id, bundle.bounds, bundle.pad_to, rows),
                       num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
                       persistent_workers=cfg.data.num_workers > 0, generator=generator)

@@ -25,6 +25,7 @@ import shutil
 import sys
 from array import array
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -159,6 +160,62 @@ def read_texts(path: Path, offsets: np.ndarray, chunk: Optional[int] = None) -> 
                 yield [data[i:j].decode("utf-8") for i, j in zip(rel[:-1], rel[1:])]
 
 
+@dataclass
+class Gathered:
+    """A source read into a cache entry's directory, split by split, before tokenization: ``scan`` (the compact
+    per-row facts), ``text_offsets`` (per split, the byte offsets of its texts in ``<split>.texts.npy``) and
+    ``training`` (the training split's texts for the tokenizer)."""
+
+    scan: Scan
+    text_offsets: dict[str, np.ndarray]
+    training: TrainingTexts
+
+
+def gather(cfg: RunConfig, out: Path, scan: Callable[..., Scan] = scan_source) -> Gathered:
+    """Steps 1 and 2 (module docstring): read the source with ``scan`` (:func:`~train.data.sources.scan_source`'s
+    signature), then write each split's ``texts`` / ``text_offsets`` / ``labels`` (the scan's labels, by row)."""
+    d = cfg.data
+    shown = cfg.train.progress
+    scratch = out / SCRATCH
+    sink = _TextSink(scratch)
+    try:
+        with progress_bar(None, "reading data", shown, unit="row") as bar:  # type: ignore[arg-type]
+            scanned: Scan = scan(d, sink, bar.update)
+    finally:
+        row_offsets = sink.close()
+    text_offsets: dict[str, np.ndarray] = {}
+    fingerprint, chars = "", set()
+    for name in SPLITS:
+        idx = scanned.splits[name]
+        text_offsets[name] = cache._offsets(row_offsets[idx + 1] - row_offsets[idx])
+        fp, ch = _gather(scratch, row_offsets[idx], row_offsets[idx + 1], out / f"{name}.texts.npy", name == "train")
+        np.save(out / f"{name}.text_offsets.npy", text_offsets[name])
+        np.save(out / f"{name}.labels.npy", scanned.labels[idx])
+        if name == "train":
+            fingerprint, chars = fp, ch
+    scratch.unlink()
+    del row_offsets
+
+    train_rows = len(scanned.splits["train"])
+
+    def batches() -> Iterator[list[str]]:
+        with progress_bar(train_rows, "training the tokenizer", shown, unit="row") as tbar:
+            for texts in read_texts(out / "train.texts.npy", text_offsets["train"]):
+                yield texts
+                tbar.update(len(texts))
+
+    return Gathered(scanned, text_offsets, TrainingTexts(batches, fingerprint, chars))
+
+
+def save_tokenizer(tok, tok_info: dict, out: Path) -> None:
+    """The entry's own copy of the tokenizer, ``out/tokenizer.json``: the file it came from, else serialised."""
+    tok_file = Path(tok_info.get("path") or "")
+    if tok_file.is_file():
+        shutil.copyfile(tok_file, out / "tokenizer.json")
+    else:
+        tok.save(str(out / "tokenizer.json"))  # the tokenizer cache could not be written: the entry still has its own
+
+
 def build(cfg: RunConfig, out: Path) -> dict:
     """Prepare the configured data into the empty directory ``out`` (the files of a cache entry, ``meta.json`` last)
     and return the tokenizer facts (report.json ``data.tokenizer``: ``source`` trained / cache-hit / user, ``path``).
@@ -168,42 +225,14 @@ def build(cfg: RunConfig, out: Path) -> dict:
         OSError: ``out`` cannot be written.
     """
     d = cfg.data
-    shown = cfg.train.progress
-    scratch = out / SCRATCH
-    sink = _TextSink(scratch)
-    try:
-        with progress_bar(None, "reading data", shown, unit="row") as bar:  # type: ignore[arg-type]
-            scan: Scan = scan_source(d, sink, bar.update)
-    finally:
-        row_offsets = sink.close()
-    text_offsets: dict[str, np.ndarray] = {}
-    fingerprint, chars = "", set()
-    for name in SPLITS:
-        idx = scan.splits[name]
-        text_offsets[name] = cache._offsets(row_offsets[idx + 1] - row_offsets[idx])
-        fp, ch = _gather(scratch, row_offsets[idx], row_offsets[idx + 1], out / f"{name}.texts.npy", name == "train")
-        np.save(out / f"{name}.text_offsets.npy", text_offsets[name])
-        np.save(out / f"{name}.labels.npy", scan.labels[idx])
-        if name == "train":
-            fingerprint, chars = fp, ch
-    scratch.unlink()
-    del row_offsets
-
-    train_rows = len(scan.splits["train"])
-
-    def batches() -> Iterator[list[str]]:
-        with progress_bar(train_rows, "training the tokenizer", shown, unit="row") as tbar:
-            for texts in read_texts(out / "train.texts.npy", text_offsets["train"]):
-                yield texts
-                tbar.update(len(texts))
-
-    tok, tok_info = load_or_train(TrainingTexts(batches, fingerprint, chars), d.vocab_size, d.cache_dir,
-                                  d.tokenizer_path)
+    g = gather(cfg, out)
+    scan, text_offsets = g.scan, g.text_offsets
+    tok, tok_info = load_or_train(g.training, d.vocab_size, d.cache_dir, d.tokenizer_path)
     tok.no_truncation()
     tok.no_padding()
     words = WordCacheEncoder.for_tokenizer(tok)
     splits: dict[str, dict] = {}
-    with progress_bar(sum(map(len, scan.splits.values())), "tokenizing", shown, unit="row") as bar:
+    with progress_bar(sum(map(len, scan.splits.values())), "tokenizing", cfg.train.progress, unit="row") as bar:
         for name in SPLITS:
             splits[name] = _encode_split(tok, out, name, text_offsets[name], d.max_len, bar.update, words)
     if words is not None and words.mismatch is not None:  # not expected: then every text is encoded directly
@@ -211,13 +240,9 @@ def build(cfg: RunConfig, out: Path) -> dict:
               "directly instead (slower, exact)", file=sys.stderr, flush=True)
         for name in SPLITS:
             splits[name] = _encode_split(tok, out, name, text_offsets[name], d.max_len, lambda _n: None)
-    tok_file = Path(tok_info.get("path") or "")
-    if tok_file.is_file():
-        shutil.copyfile(tok_file, out / "tokenizer.json")
-    else:
-        tok.save(str(out / "tokenizer.json"))  # the tokenizer cache could not be written: the entry still has its own
+    save_tokenizer(tok, tok_info, out)
     cache.write_meta(out, cache.meta_for(scan.name, scan.label_names, tok_info, tok.get_vocab_size(), pad_id(tok),
-                                         fingerprint, splits))
+                                         g.training.fingerprint, splits))
     return tok_info
 
 

@@ -9,7 +9,7 @@ import os
 import re
 import socket
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,13 @@ def _field(record: dict, name: str, what: str, loc: str) -> Any:
     return record[name]
 
 
-def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+def jsonl_records(path: Path, expect: str) -> Iterator[tuple[dict, str]]:
+    """``(record, "file:line")`` for each non-blank line of a JSONL file; ``expect`` says what a record holds (for
+    the message when a line is JSON but not an object).
+
+    Raises:
+        UserError: a line that is not UTF-8, not JSON or not an object (file:line).
+    """
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             loc = f"{path}:{lineno}"
@@ -49,36 +55,38 @@ def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
                 raise UserError(f"{loc}: malformed JSON ({exc.msg} at column {exc.colno}); "
                                 "each line must be one JSON object") from None
             if not isinstance(record, dict):
-                raise UserError(f"{loc}: expected a JSON object with {cfg.text_field!r} and {cfg.label_field!r}")
-            text = _field(record, cfg.text_field, "text", loc)
-            label = _field(record, cfg.label_field, "label", loc)
-            yield str(text) if text is not None else "", text, label, loc
+                raise UserError(f"{loc}: expected a JSON object with {expect}")
+            yield record, loc
+
+
+def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+    for record, loc in jsonl_records(path, f"{cfg.text_field!r} and {cfg.label_field!r}"):
+        text = _field(record, cfg.text_field, "text", loc)
+        label = _field(record, cfg.label_field, "label", loc)
+        yield str(text) if text is not None else "", text, label, loc
 
 
 _INT = re.compile(r"[-+]?[0-9]+")  # ASCII digits only (str.isdigit accepts '²')
 _FLOAT = re.compile(r"[-+]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?")
 
 
-def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+def csv_records(path: Path, check_header: Callable[[list[str]], None]) -> Iterator[tuple[dict, str]]:
+    """``(record, "file:line")`` for each row of a CSV file (UTF-8, a header line); ``check_header(columns)`` raises
+    for missing columns before the first row.
+
+    Raises:
+        UserError: not UTF-8, malformed CSV, a row with another number of columns than the header.
+    """
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:  # utf-8-sig: a leading BOM is not data
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
-            for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
-                if name not in header:
-                    raise UserError(f"{path}:1: no {what} column {name!r} (columns: {', '.join(header) or 'none'}); "
-                                    f"set data.{what}_field to the right name")
+            check_header(list(header))
             for record in reader:
                 loc = f"{path}:{reader.line_num}"
                 if None in record or any(v is None for v in record.values()):
                     raise UserError(f"{loc}: expected {len(header)} columns as in the header, got a different count")
-                label: Any = record[cfg.label_field].strip()
-                if _INT.fullmatch(label):
-                    label = int(label)
-                elif _FLOAT.fullmatch(label):  # as the JSONL reader: a classifier's label is a class id or a name
-                    raise UserError(f"{loc}: label {label!r} must be a string or an integer "
-                                    "(a float label: use integer class ids 0..K-1 or class names)")
-                yield record[cfg.text_field], record[cfg.text_field], label, loc
+                yield record, loc
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}: not valid UTF-8 (byte offset {exc.start} of a read block); "
                         "re-encode the file as UTF-8") from None
@@ -86,20 +94,50 @@ def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
         raise UserError(f"{path}: malformed CSV ({exc})") from None
 
 
-def _parquet_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+    def check_header(header: list[str]) -> None:
+        for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
+            if name not in header:
+                raise UserError(f"{path}:1: no {what} column {name!r} (columns: {', '.join(header) or 'none'}); "
+                                f"set data.{what}_field to the right name")
+
+    for record, loc in csv_records(path, check_header):
+        label: Any = record[cfg.label_field].strip()
+        if _INT.fullmatch(label):
+            label = int(label)
+        elif _FLOAT.fullmatch(label):  # as the JSONL reader: a classifier's label is a class id or a name
+            raise UserError(f"{loc}: label {label!r} must be a string or an integer "
+                            "(a float label: use integer class ids 0..K-1 or class names)")
+        yield record[cfg.text_field], record[cfg.text_field], label, loc
+
+
+def parquet_columns(path: Path, wanted: list[str], check: Callable[[list[str]], None]) -> dict[str, list]:
+    """The columns of ``wanted`` that the Parquet file has, as lists; ``check(columns)`` raises for missing ones.
+
+    Raises:
+        UserError: not a readable Parquet file.
+    """
     import pyarrow.parquet as pq
 
     try:
         schema_names = pq.read_schema(path).names
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         raise UserError(f"{path}: not a readable Parquet file ({exc.__class__.__name__}: {exc})") from None
-    for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
-        if name not in schema_names:
-            raise UserError(f"{path}: no {what} column {name!r} (columns: {', '.join(schema_names)}); "
-                            f"set data.{what}_field")
-    table = pq.read_table(path, columns=[cfg.text_field, cfg.label_field])
-    texts = table.column(cfg.text_field).to_pylist()
-    labels = table.column(cfg.label_field).to_pylist()
+    check(list(schema_names))
+    present = [name for name in wanted if name in schema_names]
+    table = pq.read_table(path, columns=present)
+    return {name: table.column(name).to_pylist() for name in present}
+
+
+def _parquet_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+    def check(schema_names: list[str]) -> None:
+        for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
+            if name not in schema_names:
+                raise UserError(f"{path}: no {what} column {name!r} (columns: {', '.join(schema_names)}); "
+                                f"set data.{what}_field")
+
+    columns = parquet_columns(path, [cfg.text_field, cfg.label_field], check)
+    texts, labels = columns[cfg.text_field], columns[cfg.label_field]
     for i, (text, label) in enumerate(zip(texts, labels)):
         yield str(text) if text is not None else "", text, label, f"{path}: row {i}"
 
@@ -116,7 +154,13 @@ def hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
         return False, f"{host}:{port} cannot be reached ({exc.__class__.__name__}: {exc.strerror or exc})"
 
 
-def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[Row]:
+def hf_records(spec: str) -> Iterator[tuple[str, int, dict, str]]:
+    """``(split name, row number, record, location)`` for each row of every split of the Hugging Face dataset
+    ``hf:NAME[:CONFIG]`` (offline, from the local cache, when the Hub cannot be reached).
+
+    Raises:
+        UserError: ``datasets`` missing, the dataset not cached offline, or it cannot be loaded.
+    """
     name, _, config_name = spec[3:].partition(":")
     online, why = (False, "HF_HUB_OFFLINE is set") if os.environ.get("HF_HUB_OFFLINE") == "1" else hub_reachable()
     if not online:  # before `import datasets`, which reads these: use the local cache only, no retries
@@ -136,29 +180,49 @@ def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[Row]:
         raise UserError(f"data.source={spec!r}: could not load the dataset ({exc.__class__.__name__}: {exc})") from None
     for split_name, ds in dsd.items():
         for i, record in enumerate(ds):
-            loc = f"{spec}[{split_name}] row {i}"
-            text = _field(record, cfg.text_field, "text", loc)
-            label = _field(record, cfg.label_field, "label", loc)
-            yield f"{split_name}:{i}:{text}", text, label, loc
+            yield split_name, i, record, f"{spec}[{split_name}] row {i}"
 
 
-def rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
-    """The source's name and its rows (:data:`Row`), read lazily by the reader for ``data.source``: WordNet, a
-    Hugging Face dataset (``hf:``) or a .jsonl/.csv/.parquet file. Raises UserError: no such file, a directory, or
-    an unsupported file type."""
+def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[Row]:
+    for split_name, i, record, loc in hf_records(spec):
+        text = _field(record, cfg.text_field, "text", loc)
+        label = _field(record, cfg.label_field, "label", loc)
+        yield f"{split_name}:{i}:{text}", text, label, loc
+
+
+def source_rows(cfg: DataConfig, wordnet_rows: Callable[[DataConfig], Iterator],
+                hf_rows: Callable[[str, DataConfig], Iterator],
+                file_rows: Callable[[Path, DataConfig], Iterator]) -> tuple[str, Iterator]:
+    """The source's name and the rows of the reader for ``data.source``: ``wordnet_rows(cfg)``, ``hf_rows(spec, cfg)``
+    for ``hf:``, or ``file_rows(path, cfg)`` for a .jsonl/.csv/.parquet file (it picks by ``path.suffix``).
+
+    Raises:
+        UserError: no such file, a directory, or an unsupported file type.
+    """
     src = cfg.source
     if src == "wordnet":
-        return "wordnet", _wordnet_rows(cfg)
+        return "wordnet", wordnet_rows(cfg)
     if src.startswith("hf:"):
-        return src, _hf_rows(src, cfg)
+        return src, hf_rows(src, cfg)
     path = Path(src)
     if path.is_dir():
         raise UserError(f"data.source={src!r} is a directory; give one .jsonl/.csv/.parquet file in it")
     if not path.is_file():
         raise UserError(f"data.source={src!r}: no such file; give a .jsonl/.csv/.parquet path, 'wordnet' or "
                         "'hf:NAME[:CONFIG]'")
-    readers = {".jsonl": _jsonl_rows, ".json": _jsonl_rows, ".csv": _csv_rows, ".parquet": _parquet_rows}
-    reader = readers.get(path.suffix.lower())
-    if reader is None:
+    if path.suffix.lower() not in FILE_TYPES:
         raise UserError(f"data.source={src!r}: unsupported file type {path.suffix!r}; use .jsonl, .csv or .parquet")
-    return path.name, reader(path, cfg)
+    return path.name, file_rows(path, cfg)
+
+
+FILE_TYPES = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+"""File suffix → format."""
+
+
+def rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
+    """The source's name and its rows (:data:`Row`), read lazily by the reader for ``data.source``: WordNet, a
+    Hugging Face dataset (``hf:``) or a .jsonl/.csv/.parquet file. Raises UserError: no such file, a directory, or
+    an unsupported file type."""
+    readers = {"jsonl": _jsonl_rows, "csv": _csv_rows, "parquet": _parquet_rows}
+    return source_rows(cfg, _wordnet_rows, _hf_rows,
+                       lambda path, c: readers[FILE_TYPES[path.suffix.lower()]](path, c))

@@ -234,20 +234,29 @@ def scan_source(cfg: DataConfig, on_text: Callable[[str], None],
         return f"{name}: row {i}"
 
     ids, label_names = labels.finish(cfg, list(wordnet.LEXNAMES) if name == "wordnet" else None, loc_of)
+    return Scan(name=name, label_names=label_names, labels=ids, splits=split_rows(fractions, cfg), rows=n)
+
+
+def split_rows(fractions: array, cfg: DataConfig) -> dict[str, np.ndarray]:
+    """Per split, the int64 row numbers of the rows whose :func:`stable_fraction` are ``fractions`` (float64, by row),
+    ordered by that hash, ``max_samples`` applied (:func:`split_of`'s rule, vectorized).
+
+    Raises:
+        UserError: the training split is empty.
+    """
     u = np.frombuffer(fractions, dtype=np.float64)
     order = np.argsort(u, kind="stable")  # as sorted(): equal hashes (equal keys) keep their row order
     su = u[order]
     test, val = cfg.test_fraction, cfg.val_fraction
     splits = {"test": order[su < test], "validation": order[(su >= test) & (su < test + val)],
-              "train": order[su >= test + val]}  # split_of's rule, vectorized
+              "train": order[su >= test + val]}
     if cfg.max_samples is not None:
         tenth = max(1, cfg.max_samples // 10)
         caps = {"train": cfg.max_samples, "validation": tenth, "test": tenth}
         splits = {s: idx[: caps[s]] for s, idx in splits.items()}
     if not splits["train"].size:
-        raise UserError(f"data.source={cfg.source!r}: the training split is empty ({n} examples in all)")
-    return Scan(name=name, label_names=label_names, labels=ids, splits={s: splits[s].astype(np.int64) for s in SPLITS},
-                rows=n)
+        raise UserError(f"data.source={cfg.source!r}: the training split is empty ({len(u)} examples in all)")
+    return {s: splits[s].astype(np.int64) for s in SPLITS}
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:

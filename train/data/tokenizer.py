@@ -45,6 +45,8 @@ class TokenizedSplit:
     """``[UNK]`` tokens in the encoded texts (before truncation): with WordPiece each is one whole word the vocabulary
     cannot spell (longer than 100 characters, or a character it never saw). None for a cache entry written before it was
     counted."""
+    dropped: int = 0
+    """Causal LM: samples left out because no target fits in ``max_len`` (a completion truncated away)."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -161,23 +163,26 @@ def load_or_train(train_texts: Sequence[str] | TrainingTexts, vocab_size: int, c
     texts_fp = train_texts.fingerprint if isinstance(train_texts, TrainingTexts) else texts_fingerprint(train_texts)
     key = hashlib.sha256(f"v{FORMAT_VERSION}:{vocab_size}:{texts_fp}".encode()).hexdigest()[:16]
     path = Path(cache_dir) / "tokenizers" / f"wordpiece-{vocab_size}-{key}.json"
-    if path.is_file():
-        try:
-            tok = Tokenizer.from_file(str(path))
-            source = "cache-hit"
-        except Exception:  # a corrupt cache entry is retrained, never fatal
-            tok, source = None, "trained"
-    else:
-        tok, source = None, "trained"
-    if tok is None:
-        tok = train_wordpiece(train_texts, vocab_size)
-        try:
-            with atomic_path(path) as tmp:
-                tok.save(str(tmp))
-        except OSError:
-            pass  # an unwritable cache costs a retrain next time, nothing more
+    tok, source = cached_tokenizer(path, lambda: train_wordpiece(train_texts, vocab_size))
     return tok, {"source": source, "path": str(path), "vocab_size": tok.get_vocab_size(),
                  "fingerprint": tokenizer_fingerprint(tok)}
+
+
+def cached_tokenizer(path: Path, train: Callable[[], Tokenizer]) -> tuple[Tokenizer, str]:
+    """``(tokenizer, "cache-hit")`` read from ``path``, or ``(train(), "trained")`` saved there (atomically; a corrupt
+    entry is retrained, an unwritable cache costs a retrain next time, nothing more)."""
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path)), "cache-hit"
+        except Exception:  # a corrupt cache entry is retrained, never fatal
+            pass
+    tok = train()
+    try:
+        with atomic_path(path) as tmp:
+            tok.save(str(tmp))
+    except OSError:
+        pass
+    return tok, "trained"
 
 
 def pad_id(tok: Tokenizer) -> int:
