@@ -193,7 +193,33 @@ def bucket_json_with_float_bounds(wndb, tmp):  # issue 21 #8: once silently acce
 
 def run_id_that_exists(wndb, tmp):  # issue 21 #1: once two runs shared one directory
     assert main(["train", *tiny_overrides(wndb, tmp, "train.max_steps=2", "train.run_id=bad")]) == 0
-    return [], ["run directory", "exists already", "--resume", "train.overwrite=true"]
+    return [], ["run directory", "exists already", "continue it with --resume", "--overwrite (train.overwrite=true)"]
+
+
+def resume_an_hf_model_as_builtin(wndb, tmp):  # once "model source=hf:bert but this config gives None"
+    pytest.importorskip("transformers")
+    run_dir = _run_with_checkpoints(wndb, tmp, "model.source=hf:bert", "model.hf_overrides={num_hidden_layers: 1, "
+                                    "hidden_size: 32, num_attention_heads: 2, intermediate_size: 64}")
+    return ["--resume", str(run_dir), "model.source=builtin"], [
+        "these settings cannot change mid-run (checkpoint → requested): model.source 'hf:bert' → 'builtin'"]
+
+
+def config_that_is_a_directory(wndb, tmp):  # once "config file … does not exist"
+    (tmp / "configs").mkdir()
+    return ["--config", str(tmp / "configs")], [f"config file {tmp / 'configs'} is a directory",
+                                                "give one YAML file"]
+
+
+def config_file_with_comments_only(wndb, tmp):  # once a silent run on the defaults
+    p = tmp / "empty.yaml"
+    p.write_text("# my settings, to do\n\n", encoding="utf-8")
+    return ["--config", str(p)], [f"{p}: empty config file", "remove --config to use the defaults, or add settings"]
+
+
+def multi_label_jsonl(wndb, tmp):  # once "must be a string or an integer"
+    p = write_jsonl(tmp / "d.jsonl", [{"text": "a b", "label": "x"}, {"text": "c d", "label": ["x", "y"]}])
+    return [f"data.source={p}"], [f"{p}:2: label ['x', 'y'] is a list: multi-label rows are not supported (one "
+                                  "label per row)"]
 
 
 def disk_full_reported_as_runtime_error(wndb, tmp):  # issue 21 #7: torch 2.13's zip writer, no errno
@@ -300,7 +326,9 @@ CASES: list[Case] = [missing_data, empty_data, malformed_jsonl, malformed_csv_ro
                      hf_model_dir_missing, hf_config_without_classification_head, hf_num_labels_mismatch,
                      hf_weights_that_do_not_match_the_config, python_model_that_does_not_import,
                      python_model_whose_forward_does_not_fit, data_source_is_a_directory, csv_float_labels,
-                     run_id_outside_the_output_dir, packed_model_that_cannot_pack, *CONFIG_VALUE_CASES]
+                     run_id_outside_the_output_dir, packed_model_that_cannot_pack, resume_an_hf_model_as_builtin,
+                     config_that_is_a_directory, config_file_with_comments_only, multi_label_jsonl,
+                     *CONFIG_VALUE_CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
@@ -373,3 +401,27 @@ def test_packed_samples_longer_than_pack_len_are_truncated_counted_and_said(tiny
     assert "training samples longer than 8 tokens are truncated to it" in out
     b = report["batching"]
     assert b["truncated_in_collate"] > 0 and b["dropped_samples"] == 0
+
+
+def test_a_reused_optimize_run_id_is_told_to_overwrite_never_to_resume(tmp_path: Path, capsys) -> None:
+    """``optimize`` has no ``--resume`` (argparse: unrecognized arguments): the refusal offers what the command has."""
+    (tmp_path / "runs" / "X").mkdir(parents=True)
+    (tmp_path / "runs" / "X" / "optimize.json").write_text("{}")
+    code = main(["optimize", "--config", "configs/naive-cpu.yaml", "--run-id", "X",
+                 f"train.output_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"run directory {tmp_path / 'runs' / 'X'} exists already" in err
+    assert "choose another --run-id (train.run_id), or replace its run with --overwrite" in err
+    assert "--resume" not in err
+
+
+@pytest.mark.parametrize("text", ["", "  \n\n", "# only comments\n# here\n", "---\n"])
+def test_an_empty_config_file_is_refused_not_a_silent_run_on_the_defaults(text: str, tmp_path: Path) -> None:
+    from train.config import load_config
+    from train.errors import UserError
+
+    p = tmp_path / "c.yaml"
+    p.write_text(text, encoding="utf-8")
+    with pytest.raises(UserError, match="empty config file .* remove --config to use the defaults, or add settings"):
+        load_config(str(p))

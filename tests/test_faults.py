@@ -278,3 +278,83 @@ def test_three_epochs_with_two_workers_do_not_stall_at_epoch_boundaries(wndb, tm
     steps = report["perf"]["steps"]
     assert steps > 3 * 10 and report["status"] == "completed"
     assert time.monotonic() - t0 < 120  # an epoch-boundary stall waits on a dead worker for minutes
+
+
+# -- leftovers of a kill: the atomic writes' temporary files -------------------------------------------------------
+
+def test_a_resume_removes_the_temporary_files_a_killed_write_left_and_nothing_else(wndb, tmp_path, capsys) -> None:
+    """A ``kill -9`` during ``checkpoint.pt``'s write leaves ``.checkpoint.pt.<8 random>.tmp`` (the checkpoint's size);
+    once a successful resume kept it. The run's other files, whatever their names, stay."""
+    assert _train(wndb, tmp_path, "train.checkpoint_every=2", "train.run_id=k") == 0
+    run_dir = tmp_path / "runs" / "k"
+    (run_dir / "checkpoint.pt").rename(run_dir / ".checkpoint.pt.k9ed0ut7.tmp")  # killed before the rename
+    (run_dir / "report.json").unlink()
+    (run_dir / "checkpoints" / ".step-00000006.pt.ab_12cd3.tmp").write_bytes(b"PK\x03\x04 partial")
+    kept = [run_dir / "notes.tmp", run_dir / ".notes.tmp", run_dir / ".checkpoint.pt.bak", run_dir / ".x.short.tmp"]
+    for path in kept:
+        path.write_text("mine")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"notice: removed 2 temporary file(s) of an interrupted write from {run_dir}: " in out
+    assert ".checkpoint.pt.k9ed0ut7.tmp (0." in out and "checkpoints/.step-00000006.pt.ab_12cd3.tmp" in out
+    assert sorted(p.name for p in run_dir.rglob("*.tmp")) == [".notes.tmp", ".x.short.tmp", "notes.tmp"]
+    assert all(path.read_text() == "mine" for path in kept)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed" and report["resumed_from"]["step"] == 4
+
+
+def test_a_run_killed_in_its_first_checkpoint_is_told_what_happened_and_how_to_start_again(wndb, tmp_path,
+                                                                                           capsys) -> None:
+    """No complete checkpoint: once ``no checkpoint in …/checkpoints (periodic checkpoints need
+    train.checkpoint_every …)``, which blamed a setting, and left the temporary file (182 MB on the smoke config)."""
+    assert _train(wndb, tmp_path, "train.max_steps=4", "train.run_id=k") == 0
+    run_dir = tmp_path / "runs" / "k"
+    temp = run_dir / ".checkpoint.pt.k9ed0ut7.tmp"
+    (run_dir / "checkpoint.pt").rename(temp)  # its first (and only) checkpoint, killed before the rename
+    (run_dir / "report.json").unlink()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert (f"--resume {run_dir}: no complete checkpoint was written before the run was killed or crashed, so there "
+            f"is nothing to resume; the unfinished write left .checkpoint.pt.k9ed0ut7.tmp (0.") in err
+    assert f"start it again with python -m train train --config {run_dir / 'config.yaml'} --overwrite, which " \
+           "removes that temporary file; with train.checkpoint_every=500 the run's only checkpoint is its last " \
+           "step's: set a smaller train.checkpoint_every" in err
+    assert temp.is_file()  # a refused command changes nothing
+    assert main(["train", "--config", str(run_dir / "config.yaml"), "--overwrite"]) == 0  # the advice works
+    assert not temp.exists() and json.loads((run_dir / "report.json").read_text())["status"] == "completed"
+
+
+def test_kill_9_during_the_first_checkpoint_write(wndb, tmp_path, capsys) -> None:
+    """A real ``kill -9`` while the first periodic checkpoint is written (the process waits there:
+    ``DMP_PAUSE_AT=checkpoint write step-00000002.pt``): its temporary file is left, ``--resume`` says what happened
+    in one line, and the advised ``--overwrite`` run completes and removes it."""
+    pause = tmp_path / "pause"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DMP_PAUSE_AT": "checkpoint write step-00000002.pt",
+           "DMP_PAUSE_FILE": str(pause)}
+    argv = tiny_overrides(wndb, tmp_path, "train.max_steps=6", "train.checkpoint_every=2", "train.run_id=k")
+    proc = subprocess.Popen([sys.executable, "-m", "train", "train", *argv], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (pause.is_file() and pause.read_text().endswith("\n")):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the run never reached its first checkpoint"
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL, in the middle of the checkpoint's write
+    proc.communicate()
+    run_dir = tmp_path / "runs" / "k"
+    temps = list((run_dir / "checkpoints").glob(".step-00000002.pt.*.tmp"))
+    assert len(temps) == 1 and temps[0].stat().st_size > 0
+    assert not list((run_dir / "checkpoints").glob("step-*.pt")) and not (run_dir / "checkpoint.pt").exists()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no complete checkpoint was written before the run was killed" in err, err
+    assert f"the unfinished write left checkpoints/{temps[0].name} (" in err
+    assert "checkpoint_every" not in err  # it was set below max_steps: the setting is not what went wrong
+    assert main(["train", "--config", str(run_dir / "config.yaml"), "--overwrite"]) == 0
+    assert not list(run_dir.rglob("*.tmp"))
+    assert json.loads((run_dir / "report.json").read_text())["status"] == "completed"
+

@@ -78,8 +78,8 @@ def test_two_resumes_of_one_run_cannot_both_train(wndb, tmp_path) -> None:
 
 def test_a_refused_resume_releases_the_run_for_the_next_command_in_this_process(tiny_cfg) -> None:
     # an in-process caller that catches the refusal (a notebook, a test, a launcher) must be able to resume next
-    from train import setup
     from train.commands.train import run_training
+    from train.tools import run_lock
 
     cfg = tiny_cfg("train.run_id=refused", "train.max_steps=4", "train.eval_every=100")
     run_training(cfg, time.perf_counter())
@@ -87,4 +87,4 @@ def test_a_refused_resume_releases_the_run_for_the_next_command_in_this_process(
     with pytest.raises(UserError):
         run_training(tiny_cfg("train.run_id=refused", "train.max_steps=4", "model.hidden_size=64"),
                      time.perf_counter(), resume=str(run_dir))
-    assert str(run_dir.resolve()) not in setup._LOCKS
+    assert str(run_dir.resolve()) not in run_lock._LOCKS

@@ -18,6 +18,7 @@ import torch
 
 from train.compat import load_state
 from train.errors import UserError, atomic_path
+from train.shutdown import pause_point
 
 
 def state_nbytes(state: Any) -> int:
@@ -59,6 +60,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     try:
         with atomic_path(path) as tmp:
             torch.save(state, tmp)
+            pause_point(f"checkpoint write {path.name}")  # a test hook: kill -9 here leaves the temporary file
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise UserError(full) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -167,6 +168,45 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+ATOMIC_TEMP = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+"""The name of :func:`atomic_path`'s temporary file: ``.<name>.<mkstemp's 8 random characters>.tmp``."""
+
+
+def atomic_temps(directory: str | os.PathLike) -> list[tuple[Path, int]]:
+    """The temporary files of :func:`atomic_path` under ``directory`` (its subdirectories too, symlinks not followed):
+    what a write killed before its rename left, or a live writer's. ``(path, bytes)`` each, sorted by path; only
+    names matching :data:`ATOMIC_TEMP`."""
+    found = []
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            path = Path(root, name)
+            if ATOMIC_TEMP.fullmatch(name) and not path.is_symlink():
+                try:
+                    found.append((path, path.stat().st_size))
+                except OSError:
+                    continue
+    return sorted(found)
+
+
+def remove_atomic_temps(directory: str | os.PathLike) -> list[tuple[Path, int]]:
+    """Remove :func:`atomic_temps` of ``directory``; returns those removed. Call it only while no other process
+    writes there (a run directory's writer lock held)."""
+    removed = []
+    for path, size in atomic_temps(directory):
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        removed.append((path, size))
+    return removed
+
+
+def describe_temps(temps: list[tuple[Path, int]], root: Path) -> str:
+    """``.checkpoint.pt.k2j4h6g8.tmp (182.4 MB), …`` (paths relative to ``root``, three named at most)."""
+    shown = ", ".join(f"{p.relative_to(root)} ({size / 1e6:.1f} MB)" for p, size in temps[:3])
+    return shown + (f" and {len(temps) - 3} more" if len(temps) > 3 else "")
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import yaml
 
 from train.callbacks import Callback
 from train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from train.distributed import DistContext, agreed, any_rank, gather_to_main
-from train.errors import UserError, atomic_write_text
+from train.errors import UserError, atomic_temps, atomic_write_text, describe_temps
 
 FORMAT = 1
 CHECKPOINT_DIR = "checkpoints"
@@ -138,11 +139,43 @@ def find_resume_checkpoint(target: str) -> tuple[Path, Path]:
                         "(runs are under train.output_dir, e.g. runs/<id>)")
     found = resume_candidates(p)
     if not found:
-        raise UserError(f"--resume {target}: no checkpoint in {p / CHECKPOINT_DIR} (periodic checkpoints need "
-                        "train.checkpoint_every; a finished run's final state is checkpoint.pt)")
+        raise UserError(_no_checkpoint(target, p))
     if not (p / "config.yaml").is_file():
         raise UserError(f"--resume {target}: {p / 'config.yaml'} is missing; cannot rebuild the run's config")
     return p, found[0]
+
+
+def _no_checkpoint(target: str, run_dir: Path) -> str:
+    """Why ``--resume target`` (``run_dir``, with no checkpoint) has nothing to resume, and what to do. A run that
+    started (``config.yaml``) and holds no checkpoint was stopped before its first one was complete (a kill during
+    that write leaves its temporary file, the checkpoint's full size, which ``--overwrite`` removes).
+
+    Raises:
+        UserError: the run is still being written (its writer lock is held): its first checkpoint may be on the way.
+    """
+    if not (run_dir / "config.yaml").is_file():
+        return (f"--resume {target}: no checkpoint in {run_dir / CHECKPOINT_DIR} (periodic checkpoints need "
+                "train.checkpoint_every; a finished run's final state is checkpoint.pt)")
+    from train.tools.run_lock import lock_holder
+
+    if (pid := lock_holder(run_dir)) is not None:
+        raise UserError(f"--resume {target}: the run is still being written (pid {pid}) and has no checkpoint yet; "
+                        "wait for its first checkpoint (train.checkpoint_every) or for it to finish")
+    temps = atomic_temps(run_dir)
+    left = f"; the unfinished write left {describe_temps(temps, run_dir)}" if temps else ""
+    removes = ", which removes " + ("that temporary file" if len(temps) == 1 else "those temporary files")
+    try:
+        train = (yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {})["train"]
+        every, steps = train.get("checkpoint_every"), train.get("max_steps")
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        every, steps = 1, None
+    hint = ""
+    if not every or (steps and every >= steps):  # no periodic checkpoint: the only one is the last step's
+        hint = (f"; with train.checkpoint_every={every if every else 'null'} the run's only checkpoint is its last "
+                "step's: set a smaller train.checkpoint_every so a killed run can resume")
+    return (f"--resume {target}: no complete checkpoint was written before the run was killed or crashed, so there "
+            f"is nothing to resume{left}; start it again with python -m train train --config "
+            f"{run_dir / 'config.yaml'} --overwrite{removes if temps else ''}{hint}")
 
 
 def load_resume(target: str, say=print) -> tuple[Path, dict[str, Any]]:
@@ -209,8 +242,8 @@ def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bund
             if key == "max_len":
                 raise UserError(f"{where}: its position table holds {have} positions but data.max_len={want[key]}; "
                                 f"set data.max_len={have}")
-            raise UserError(f"{where}: model {key}={have} but this config gives {want.get(key)}; "
-                            "resume with the run's own config")
+            gives = f"this config gives {want[key]}" if key in want else "this config's model has no such setting"
+            raise UserError(f"{where}: model {key}={have} but {gives}; resume with the run's own config")
     return state
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import random
 import secrets
 import shutil
@@ -26,11 +25,12 @@ import numpy as np
 import torch
 
 from train.config import RunConfig, dump_config
-from train.errors import UserError, atomic_write_text
+from train.errors import UserError, atomic_write_text, describe_temps, remove_atomic_temps
 from train.models.encoder import EncoderClassifier, resolve_spec
 from train.precision import PrecisionPolicy
 from train.tools.cores import usable_cores
 from train.tools.env import resolve_device
+from train.tools.run_lock import LOCK_FILE, lock_run_dir, unlock_run_dir
 
 
 def seed_everything(seed: int) -> None:
@@ -72,7 +72,8 @@ RUN_OUTPUTS = ("report.json", "metrics.jsonl", "checkpoint.pt", "checkpoints")
 """What a run directory's earlier run leaves that ``train.overwrite=true`` removes (a new run would mix with it)."""
 
 
-def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path:
+def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False,
+                 continue_flag: Optional[str] = None) -> Path:
     """Create ``<train.output_dir>/<train.run_id>`` and return it.
 
     Without ``train.run_id`` a new id (:func:`new_run_id`) is created exclusively (a directory that exists
@@ -80,7 +81,10 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
     edited: ``start_run`` and ``run_training`` make the resolved config with it). An explicit
     ``train.run_id`` is created exclusively too: a directory that exists and is not empty is used only to
     continue it (``resume=True``) or with ``train.overwrite=true``, which removes the earlier run's
-    :data:`RUN_OUTPUTS` first.
+    :data:`RUN_OUTPUTS` first. ``continue_flag``: how the calling command continues a run in its directory
+    (``--resume`` for ``python -m train train``; None: it cannot, so a refusal offers only another ``--run-id`` or
+    ``--overwrite``). A directory taken over (resume, overwrite) loses the temporary files of atomic writes that a
+    killed run left (:func:`~train.errors.remove_atomic_temps`).
 
     Raises:
         UserError: the directory exists (and neither resume nor overwrite), or it cannot be created or written; a
@@ -103,10 +107,11 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
             except FileExistsError:
                 lock_run_dir(run_dir)  # before looking inside: a second writer is refused, never interleaved
                 try:
-                    _reuse(run_dir, cfg, resume)
+                    _reuse(run_dir, cfg, resume, continue_flag)
                 except UserError:
                     unlock_run_dir(run_dir)
                     raise
+                _remove_leftovers(run_dir)
         else:
             out.mkdir(parents=True, exist_ok=True)
             while True:
@@ -126,54 +131,26 @@ def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False) -> Path
     return run_dir
 
 
-LOCK_FILE = ".writer.lock"
-_LOCKS: dict[str, int] = {}  # run directory → the lock file descriptor this process holds (released when it exits)
+def _remove_leftovers(run_dir: Path) -> None:
+    """Remove the temporary files a killed run's atomic writes left in ``run_dir`` (a checkpoint's can be hundreds
+    of MB), saying so in one line. Called with the run's writer lock held: no live writer owns them."""
+    removed = remove_atomic_temps(run_dir)
+    if removed:
+        print(f"notice: removed {len(removed)} temporary file(s) of an interrupted write from {run_dir}: "
+              f"{describe_temps(removed, run_dir)}", flush=True)
 
 
-def lock_run_dir(run_dir: Path) -> None:
-    """Hold an exclusive ``fcntl.flock`` on ``<run_dir>/.writer.lock`` for the life of this process: one writer per
-    run directory (a fresh run, ``--overwrite`` and ``--resume`` alike). The OS releases it when the process dies, so
-    a lock file left by a killed run never blocks. The file records the holder's pid (for the refusal line).
-
-    Raises:
-        UserError: another live process holds the lock (naming its pid).
-    """
-    import fcntl
-
-    key = str(run_dir.resolve())
-    if key in _LOCKS:
-        if (run_dir / LOCK_FILE).exists():
-            return  # this process holds it already (a command that runs several phases)
-        os.close(_LOCKS.pop(key))  # the directory was removed and made again: lock the new one
-    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # a bare fd, held open on purpose
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise UserError(f"run directory {run_dir} is being written by another process (pid {holder}); wait for it "
-                        "to finish, or choose another --run-id") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _LOCKS[key] = fd
-
-
-def unlock_run_dir(run_dir: Path) -> None:
-    """Release this process's lock on ``run_dir`` (a refused or finished command; exit releases it anyway)."""
-    fd = _LOCKS.pop(str(run_dir.resolve()), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def _reuse(run_dir: Path, cfg: RunConfig, resume: bool) -> None:
-    """An explicit run directory that exists: continue it (resume), replace its run (overwrite), or refuse."""
+def _reuse(run_dir: Path, cfg: RunConfig, resume: bool, continue_flag: Optional[str] = None) -> None:
+    """An explicit run directory that exists: continue it (resume), replace its run (overwrite), or refuse (naming
+    only what the command can do: ``continue_flag``, see :func:`make_run_dir`)."""
     held = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
     if resume or not held:
         return
     if not cfg.train.overwrite:
         shown = ", ".join(held[:4]) + (", …" if len(held) > 4 else "")
-        raise UserError(f"run directory {run_dir} exists already ({shown}); choose another train.run_id (--run-id), "
-                        f"continue it with --resume {run_dir}, or replace it with train.overwrite=true")
+        cont = f"continue it with {continue_flag} {run_dir}, " if continue_flag else ""
+        raise UserError(f"run directory {run_dir} exists already ({shown}); choose another --run-id "
+                        f"(train.run_id), {cont}or replace its run with --overwrite (train.overwrite=true)")
     for name in RUN_OUTPUTS:
         path = run_dir / name
         if path.is_dir():

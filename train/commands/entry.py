@@ -49,7 +49,7 @@ def cmd_train(args: argparse.Namespace, t_start: float) -> int:
                           [f"train.output_dir={run_dir.parent}", f"train.run_id={run_dir.name}"])
     else:
         cfg = load_cfg(args)
-    report = run_training(cfg, t_start, buckets_force=args.buckets_force, resume=args.resume)
+    report = run_training(cfg, t_start, buckets_force=args.buckets_force, resume=args.resume, continue_flag="--resume")
     if report.get("nothing_trained"):  # --resume of a complete run: said in one line already
         return 0
     main_rank = os.environ.get("RANK", "0") == "0"

@@ -59,8 +59,8 @@ from train.tracking.loggers import NullLogger
 from train.tracking.run_tracking import Tracking
 
 
-def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
-                 resume: Optional[str] = None, hooks: tuple = ()) -> dict[str, Any]:
+def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, resume: Optional[str] = None,
+                 hooks: tuple = (), continue_flag: Optional[str] = None) -> dict[str, Any]:
     """Train, evaluate and write the run directory. Returns the report dict.
 
     ``t_start`` is ``time.perf_counter()`` at command start, for ``perf.time_to_first_step_s``.
@@ -70,13 +70,15 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False,
     SIGTERM/SIGINT (during a step or an evaluation, which is then abandoned) the report has ``"status": "interrupted"``.
     ``hooks``: objects with ``attach(trainer, run_dir)`` (called before the loop) and
     ``finish(report)`` (called before report.json is written; may add keys), e.g. a profile session.
+    ``continue_flag``: how the calling command continues a run (``--resume`` for ``python -m train train``), for the
+    refusal of a ``train.run_id`` that exists (:func:`~train.setup.make_run_dir`); None: a command that cannot.
 
     Raises:
         UserError: any bad input (config, data, buckets, run directory, checkpoint), on every rank.
     """
     ctx, device = init_distributed(resolve_device(cfg.train.device))
     try:
-        return _train(cfg, t_start, buckets_force, resume, ctx, device, hooks)
+        return _train(cfg, t_start, buckets_force, resume, ctx, device, hooks, continue_flag)
     finally:
         teardown(ctx)
 
@@ -106,7 +108,7 @@ def _silent(*_args: Any, **_kwargs: Any) -> None:
 
 
 def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional[str], ctx: DistContext,
-           device: torch.device, hooks: tuple) -> dict[str, Any]:
+           device: torch.device, hooks: tuple, continue_flag: Optional[str] = None) -> dict[str, Any]:
     """The phases, in order; a signal or bad input before the first step removes a run directory it created."""
     say = print if ctx.is_main else _silent
     fresh = resume is None and not (cfg.train.run_id and (Path(cfg.train.output_dir) / cfg.train.run_id).exists())
@@ -114,7 +116,7 @@ def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional
     with ShutdownRequest(cfg.train.shutdown_timeout_s, immediate=True) as shutdown:
         try:
             shutdown.phase = "data preparation"  # named by a signal that arrives now (nothing to checkpoint yet)
-            run_dir = _open_run_dir(cfg, resume, ctx)
+            run_dir = _open_run_dir(cfg, resume, ctx, continue_flag)
             apply_threads_and_seed(cfg, notice=say)
             checkpoint = _load_checkpoint(resume, ctx, say)
             say(f"run {run_dir}: device {device}"
@@ -155,9 +157,10 @@ def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional
         return _report(run, stats, energy, final_eval, test_eval, interrupted, hooks)
 
 
-def _open_run_dir(cfg: RunConfig, resume: Optional[str], ctx: DistContext) -> Path:
+def _open_run_dir(cfg: RunConfig, resume: Optional[str], ctx: DistContext, continue_flag: Optional[str]) -> Path:
     """``runs/<run-id>``: rank 0 creates it (drawing a unique id when none is set); every rank gets its path."""
-    run_dir = agreed(lambda: make_run_dir(cfg, resume=resume is not None) if ctx.is_main else None, ctx)
+    run_dir = agreed(lambda: make_run_dir(cfg, resume=resume is not None, continue_flag=continue_flag)
+                     if ctx.is_main else None, ctx)
     run_id = broadcast_from_main(run_dir.name if run_dir is not None else None, ctx)
     return Path(cfg.train.output_dir) / run_id
 
@@ -184,9 +187,11 @@ def _check_resume(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir:
     ``config.yaml`` is written: a refused resume leaves the run's files as they were. Says the changes that apply."""
     if checkpoint is None:
         return None
-    state, applied = agreed(lambda: (
-        check_resume_state(checkpoint.state, checkpoint.path, ctx, resolved.bundle, resolved.model.spec),
-        resume_changes(checkpoint.state.get("config"), resolved.cfg, f"--resume {checkpoint.path}")), ctx)
+    # the settings first: a baked-in one that differs is named as the key the user set (model.source 'hf:bert' →
+    # 'builtin'), not as what it changed in the model's spec
+    applied, state = agreed(lambda: (
+        resume_changes(checkpoint.state.get("config"), resolved.cfg, f"--resume {checkpoint.path}"),
+        check_resume_state(checkpoint.state, checkpoint.path, ctx, resolved.bundle, resolved.model.spec)), ctx)
     say(f"resuming from {checkpoint.path} (step {state['step']})"
         + (f"; changed settings applied: {'; '.join(applied)}" if applied else ""), flush=True)
     return Checkpoint(checkpoint.path, state)

@@ -81,7 +81,8 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
     """Load ``path`` (YAML, may be None for defaults) and apply ``section.key=value`` overrides.
 
     Raises:
-        UserError: missing/unparsable file, a key given twice (any level: ``file:line: duplicate key
+        UserError: missing/unparsable file, a directory, an empty file (blank lines and comments only), a key given
+            twice (any level: ``file:line: duplicate key
             train.max_steps (first at line 3); keep one``), unknown key, wrong type, invalid value.
     """
     raw: dict[str, Any] = {}
@@ -89,11 +90,13 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
     if path is not None:
         p = Path(path)
         where = str(p)
+        if p.is_dir():
+            raise UserError(f"config file {p} is a directory; give one YAML file, e.g. configs/smoke.yaml")
         if not p.is_file():
             raise UserError(f"config file {p} does not exist "
                             "(configs/ holds cpu-tiny.yaml, smoke.yaml, gpu-bert-base.yaml)")
         try:
-            raw = strict_load(p.read_text(encoding="utf-8-sig")) or {}
+            raw = strict_load(p.read_text(encoding="utf-8-sig"))
         except DuplicateKeyError as exc:
             raise UserError(f"{p}:{exc.line}: {exc}; keep one") from None
         except UnicodeDecodeError as exc:
@@ -103,6 +106,9 @@ def load_config(path: Optional[str], overrides: list[str] | tuple[str, ...] = ()
             mark = getattr(exc, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
             raise UserError(f"{p}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        if raw is None:  # nothing but blank lines, comments or a bare "---": a run on the defaults, unasked
+            raise UserError(f"{p}: empty config file (no settings, only blank lines or comments); remove --config to "
+                            "use the defaults, or add settings")
         if not isinstance(raw, dict):
             raise UserError(f"{p}: expected a mapping of sections (data, batching, model, optim, train)")
     hf_flags: dict[str, Any] = {}  # the Hugging Face precision flags seen so far (bf16=true fp16=true is refused)

@@ -135,6 +135,10 @@ class _Labels:
             return ids, names[:n] if names else [str(k) for k in range(n)]
         if self.bad is not None:
             i, x = self.bad
+            if isinstance(x, (list, tuple, np.ndarray)):  # a JSON list (or a Parquet list column)
+                shown = list(x) if isinstance(x, np.ndarray) else x
+                raise UserError(f"{loc(i)}: label {shown!r} is a list: multi-label rows are not supported (one label "
+                                "per row); give each row one string or integer label, e.g. one row per label")
             if not isinstance(x, str):
                 raise UserError(f"{loc(i)}: label {x!r} must be a string or an integer")
             raise UserError(f"{loc(i)}: empty label")

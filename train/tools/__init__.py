@@ -1,3 +1,3 @@
 """Around the run rather than in it: ``python -m train.tools.verify_gpu`` (the pass/fail table), the container
-entrypoint's ``preflight``, the environment facts report.json records (``env``) and the progress bars long
-commands show on a terminal (``progress``)."""
+entrypoint's ``preflight``, the environment facts report.json records (``env``), the progress bars long
+commands show on a terminal (``progress``) and the run directory's one-writer lock (``run_lock``)."""
