@@ -16,6 +16,7 @@ import sys
 import time
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,61 @@ def test_kill_9_during_the_first_checkpoint_write(wndb, tmp_path, capsys) -> Non
     assert not list(run_dir.rglob("*.tmp"))
     assert json.loads((run_dir / "report.json").read_text())["status"] == "completed"
 
+
+# -- a read-only HOME -----------------------------------------------------------------------------------------------
+
+def test_unwritable_home_directories_are_redirected_with_one_notice(tmp_path: Path) -> None:
+    """HOME that is a file: nothing can be made beneath it, root or not. Each of matplotlib's and W&B's variables
+    the user has not set points at a writable directory; a writable HOME changes nothing."""
+    from train.tools.home import redirect_home_caches
+
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    env = {"HOME": str(home), "TMPDIR": str(tmp_path)}
+    note = redirect_home_caches(env)
+    assert note is not None and note.startswith(f"notice: HOME={home} is not a writable directory") and "\n" not in note
+    assert set(env) == {"HOME", "TMPDIR", "MPLCONFIGDIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"}
+    for var in ("MPLCONFIGDIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        assert f"{var}={env[var]}" in note and Path(env[var]).is_dir() and os.access(env[var], os.W_OK)
+    assert redirect_home_caches(env) is None  # set now (a child process inherits them): nothing more to say
+    own = {"HOME": str(home), "TMPDIR": str(tmp_path), "MPLCONFIGDIR": str(tmp_path / "mine")}
+    note = redirect_home_caches(own)
+    assert note is not None and "MPLCONFIGDIR" not in note and "WANDB_CACHE_DIR=" in note
+    assert own["MPLCONFIGDIR"] == str(tmp_path / "mine")  # the user's choice stands
+    (tmp_path / "home").mkdir()
+    fine = {"HOME": str(tmp_path / "home")}
+    assert redirect_home_caches(fine) is None and fine == {"HOME": str(tmp_path / "home")}
+
+
+def _make_read_only(path: Path) -> Callable[[], None]:
+    """Make ``path`` unwritable — for root too (``chattr +i``), else ``chmod a-w`` — and return the undo."""
+    if os.geteuid() == 0 and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0:
+        return lambda: subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    path.chmod(0o555)
+    return lambda: path.chmod(0o755)
+
+
+def test_a_run_with_a_read_only_home_says_one_notice_line_and_nothing_else_on_stderr(wndb, tmp_path) -> None:
+    """Once 21 lines on stderr (W&B's ``ERROR main: failed to get logger path … mkdir …/.cache`` and its service's
+    INFO lines, matplotlib's cache warnings) where a writable HOME gives none; W&B on (offline), as a new user has
+    it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    undo = _make_read_only(home)
+    try:
+        if os.access(home, os.W_OK):
+            pytest.skip("cannot make a directory read-only here (no chattr +i as root)")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "XDG_", "MPLCONFIGDIR"))}
+        env.update(HOME=str(home), TMPDIR=str(tmp_path), PYTHONPATH=str(REPO))
+        proc = subprocess.run([sys.executable, "-m", "train", "train",
+                               *tiny_overrides(wndb, tmp_path, "train.max_steps=2", "train.run_id=ro")],
+                              env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        undo()
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"notice: HOME={home} is not a writable directory"), proc.stderr
+    assert "MPLCONFIGDIR=" in lines[0] and "WANDB_CACHE_DIR=" in lines[0]
+    tracking = json.loads((tmp_path / "runs" / "ro" / "report.json").read_text())["tracking"]
+    assert tracking["wandb_active"] and tracking["wandb_mode"] == "offline"
+    assert not list(home.iterdir())

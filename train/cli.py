@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from train.commands.entry import (  # noqa: F401  (load_cfg, flag_overrides: par
     load_cfg,
 )
 from train.errors import Interrupted, RunAborted, UserError
+from train.tools.home import redirect_home_caches
 
 
 def _key_flag(p: argparse.ArgumentParser, flag: str, key: str, what: str, type: Optional[type] = int) -> None:
@@ -249,6 +251,9 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
     if extra and (not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = list(getattr(args, "overrides", None) or []) + extra
+    note = redirect_home_caches()  # before matplotlib or W&B is imported: a read-only HOME costs one line, not 20
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, file=sys.stderr, flush=True)
     try:
         return COMMANDS[args.command].run(args, t_start)
     except (UserError, RunAborted) as exc:  # RunAborted: e.g. the numerics guard (its report is already written)
