@@ -126,13 +126,14 @@ class CostModel:
             return 2 * self.build_s[-1]
         return 2 * self.profile_s[-1] if self.profile_s else 0.0
 
-    def pair_s(self, a: tuple, b: tuple, samples: int) -> Optional[float]:
+    def pair_s(self, a: tuple, b: tuple, samples: int, b_speedup: float = 1.0) -> Optional[float]:
         """An A/B of settings ``a`` and ``b`` that trains each ``samples`` (warm-up and windows): the fixed seconds
-        plus both arms' samples at their measured speeds (``b`` not measured yet: at ``a``'s); neither speed known:
-        the fixed seconds alone; nothing measured at all: None."""
+        plus both arms' samples at their measured speeds (``b`` not measured yet: ``a``'s × ``b_speedup``, its
+        predicted speed-up, taken within [0.5, 4]); neither speed known: the fixed seconds alone; nothing measured
+        at all: None."""
         sa, sb = self.per_sample.get(a), self.per_sample.get(b)
         sa = sb if sa is None else sa
-        sb = sa if sb is None else sb
+        sb = sa / min(4.0, max(0.5, b_speedup)) if sb is None and sa is not None else sb
         if sa is None or sb is None:
             return self.fixed_s() if self.fixed or self.profile_s else None
         return self.fixed_s() + samples * (sa + sb)

@@ -335,11 +335,12 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
 def pair_estimate(backend: Backend, best: dict, c: Candidate, s: SearchSettings, costs: CostModel,
                   rounds: int) -> Optional[float]:
     """The seconds of an A/B of ``c`` against ``best`` with ``rounds`` timed rounds (:meth:`CostModel.pair_s`: the
-    fixed seconds, then both arms' warm-up and windows at their measured speeds); None before anything was timed."""
+    fixed seconds, then both arms' warm-up and windows at their measured speeds, ``c``'s at its prediction until
+    timed); None before anything was timed."""
     cand = {**best, **c.overrides}
     window = window_for(backend, (best, cand), s.window_samples, s.window_steps, s.max_window_samples)
     warm, _before = quality_point(s, s.rounds, window)
-    got = costs.pair_s(_key(best), _key(cand), warm + rounds * window)
+    got = costs.pair_s(_key(best), _key(cand), warm + rounds * window, c.predicted)
     return None if got is None else got + (0.0 if costs.fixed else 2 * costs.quality_read_s(_key(best),
                                                                                             s.quality_samples))
 
