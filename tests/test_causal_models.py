@@ -1,4 +1,5 @@
-"""Causal language models (train/models/causal.py, causal_build.py, ``model.task=causal-lm``): tiny Llama, Qwen2 and GPT-2 built
+"""Causal language models (train/models/causal.py, causal_build.py, ``model.task=causal-lm``): tiny Llama, Qwen2
+and GPT-2 built
 offline; each packed sample's per-token loss equals its loss alone (fp32, 1e-5), padded batches likewise; the
 encoder-directory, vocabulary and position refusals; random-init sizing per preset; a directory's weights and a
 checkpoint's config rebuilt. Runs on transformers 5.x (torch 2.13, sdpa) and 4.55 (torch 2.1, eager)."""

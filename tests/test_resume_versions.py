@@ -67,7 +67,8 @@ def _final_loss(run_dir: Path) -> float:
 def test_resume_with_optim_fused_switched_continues(tiny, before: str, after: str, capsys) -> None:
     root, overrides = tiny
     run_id = f"fused-{before}"
-    run_training(load_config(None, overrides + [f"train.run_id={run_id}", f"optim.fused={before}"]), time.perf_counter())
+    cfg0 = load_config(None, overrides + [f"train.run_id={run_id}", f"optim.fused={before}"])
+    run_training(cfg0, time.perf_counter())
     run_dir = root / "runs" / run_id
     reference = _final_loss(run_dir)
     config_before = (run_dir / "config.yaml").read_text()
