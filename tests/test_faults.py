@@ -6,6 +6,7 @@ and the guarantees that already held (truncated caches, CSV quoting, epochs with
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -415,5 +416,6 @@ def test_a_run_with_a_read_only_home_says_one_notice_line_and_nothing_else_on_st
     assert len(lines) == 1 and lines[0].startswith(f"notice: HOME={home} is not a writable directory"), proc.stderr
     assert "MPLCONFIGDIR=" in lines[0] and "WANDB_CACHE_DIR=" in lines[0]
     tracking = json.loads((tmp_path / "runs" / "ro" / "report.json").read_text())["tracking"]
-    assert tracking["wandb_active"] and tracking["wandb_mode"] == "offline"
+    if importlib.util.find_spec("wandb") is not None:  # W&B stays on (offline) where the package is installed
+        assert tracking["wandb_active"] and tracking["wandb_mode"] == "offline"
     assert not list(home.iterdir())
