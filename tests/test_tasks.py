@@ -60,3 +60,23 @@ def test_the_built_in_encoder_under_causal_lm_is_refused_in_one_line(wndb, tmp_p
     proc = run_cli("train", *tiny_overrides(wndb, tmp_path, "model.task=causal-lm", "train.run_id=lm"))
     assert_clean_error(proc, "model.task=causal-lm needs a decoder", "model.source=hf:llama")
     assert not (tmp_path / "runs" / "lm").exists()  # nothing half-written
+
+
+def _report(task: str) -> dict:
+    quality = {"test_accuracy": 0.25, "test_majority_class_accuracy": 0.1, "test_macro_f1": 0.2,
+               "eval_accuracy": 0.3, "test_loss": 2.0, "test_perplexity": math.exp(2.0), "eval_perplexity": 8.5}
+    perf = {"throughput_samples_per_s": 10.0, "throughput_tokens_per_s": 1000.0,
+            "throughput_target_tokens_per_s": 900.0, "step_time_ms": {"p50": 5.0, "p99": 6.0},
+            "time_to_first_step_s": 1.0, "peak_memory_bytes": 2**20, "wall_time_s": 3.0}
+    return {"task": task, "quality": quality, "perf": perf, "run_dir": "runs/x",
+            "batching": {"token_efficiency": 0.99, "distinct_shapes": 1}}
+
+
+def test_the_summary_speaks_the_tasks_figures() -> None:
+    from train.report.summary import summary_lines
+
+    lm = summary_lines(_report("causal-lm"))
+    assert lm[0].startswith("test loss 2.0000 per target token (perplexity 7.39), eval perplexity 8.50")
+    assert "majority class" not in lm[0] and "900 trained target tokens/s" in lm[1]
+    cls = summary_lines(_report("classification"))
+    assert cls[0].startswith("test accuracy 0.2500 (majority class 0.1000)") and "target" not in cls[1]

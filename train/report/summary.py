@@ -13,11 +13,20 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     def f(x: Optional[float], fmt: str) -> str:
         return "n/a" if x is None else format(x, fmt)
 
+    if report.get("task") == "causal-lm":  # held-out loss per target token; tokens/s counts trained targets
+        quality = (f"test loss {f(q.get('test_loss'), '.4f')} per target token (perplexity "
+                   f"{f(q.get('test_perplexity'), '.2f')}), eval perplexity {f(q.get('eval_perplexity'), '.2f')}, "
+                   f"test next-token accuracy {f(q['test_accuracy'], '.4f')}")
+        tokens = (f"{f(p['throughput_tokens_per_s'], '.0f')} tokens/s "
+                  f"({f(p.get('throughput_target_tokens_per_s'), '.0f')} trained target tokens/s)")
+    else:
+        quality = (f"test accuracy {f(q['test_accuracy'], '.4f')} (majority class "
+                   f"{f(q['test_majority_class_accuracy'], '.4f')}), test macro-F1 {f(q['test_macro_f1'], '.4f')}, "
+                   f"eval accuracy {f(q['eval_accuracy'], '.4f')}")
+        tokens = f"{f(p['throughput_tokens_per_s'], '.0f')} tokens/s"
     return [
-        f"test accuracy {f(q['test_accuracy'], '.4f')} (majority class {f(q['test_majority_class_accuracy'], '.4f')}), "
-        f"test macro-F1 {f(q['test_macro_f1'], '.4f')}, eval accuracy {f(q['eval_accuracy'], '.4f')}",
-        f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, "
-        f"{f(p['throughput_tokens_per_s'], '.0f')} tokens/s; "
+        quality,
+        f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, {tokens}; "
         f"step p50 {f(p['step_time_ms']['p50'], '.1f')} ms, p99 {f(p['step_time_ms']['p99'], '.1f')} ms; "
         f"first step after {f(p['time_to_first_step_s'], '.1f')} s; "
         f"peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",

@@ -140,7 +140,7 @@ def skip_reason(base: RunConfig, name: str) -> Optional[str]:
     packed batches needs a model that takes per-sample positions and a block mask (``supports_packing``). An
     unknown name gives None (:func:`run_training_bench` refuses it)."""
     if name not in CONFIGS or "batching.method=packed" not in CONFIGS[name].overrides \
-            or model_supports_packing(base.model.source):
+            or model_supports_packing(base.model.source, base.model.task):
         return None
     return (f"model.source={base.model.source} cannot run packed rows (supports_packing is false: it takes no "
             "per-sample positions or block-diagonal mask)")

@@ -59,7 +59,7 @@ def _all_levers(cfg: RunConfig) -> dict[str, Any]:
     from train.models import model_supports_packing
 
     levers: dict[str, Any] = {"model.fast_dropout": "true"}
-    if model_supports_packing(cfg.model.source):
+    if model_supports_packing(cfg.model.source, cfg.model.task):
         levers["batching.method"] = "packed"
     return levers
 

@@ -1,0 +1,92 @@
+"""A whole ``model.task=causal-lm`` run: a tiny random-init Llama on WordNet glosses in packed rows — the report's
+figures, exact resume from a middle checkpoint, two DDP ranks, and a resume that would change the task."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_same_final_state, tiny_overrides
+from train.commands.train import run_training
+from train.config import load_config
+from train.errors import UserError
+from train.resume import list_checkpoints
+
+LLAMA = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 4, "
+         "intermediate_size: 64}")
+
+
+def causal_overrides(wndb: Path, root: Path, *extra: str) -> list[str]:
+    """The classification tests' tiny settings turned into a tiny Llama learning the glosses in packed rows."""
+    return tiny_overrides(wndb, root, "model.task=causal-lm", "model.source=hf:llama", LLAMA, "data.vocab_size=300",
+                          "batching.method=packed", "batching.max_tokens=128", "model.dropout=0.0", *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, Path, list[str], dict]:
+    """(wndb, root, overrides, report) of an uninterrupted 16-step run ``root/runs/ref``."""
+    from tests.conftest import synthetic_rows, write_wndb
+
+    root = tmp_path_factory.mktemp("causal")
+    wndb = write_wndb(root / "wn", synthetic_rows())
+    overrides = causal_overrides(wndb, root, "train.max_steps=16", "train.eval_every=8", "train.log_every=1")
+    report = run_training(load_config(None, overrides + ["train.run_id=ref"]), time.perf_counter())
+    return wndb, root, overrides, report
+
+
+def test_a_causal_run_reports_loss_per_target_token_and_packs_one_shape(reference) -> None:
+    *_, report = reference
+    q, p, b = report["quality"], report["perf"], report["batching"]
+    assert report["task"] == "causal-lm" and report["status"] == "completed"
+    assert q["eval_perplexity"] == pytest.approx(math.exp(q["eval_loss"]), rel=1e-6)
+    assert q["test_perplexity"] == pytest.approx(math.exp(q["test_loss"]), rel=1e-6)
+    assert q["eval_target_tokens"] > 0 and q["test_majority_class_accuracy"] is None
+    first, last = q["evals"][0], q["evals"][-1]
+    assert last["loss"] < first["loss"]  # held-out loss falls over the run
+    assert b["method"] == "packed" and b["distinct_shapes"] == 1 and b["token_efficiency"] > 0.9
+    assert 0 < p["throughput_target_tokens_per_s"] <= p["throughput_tokens_per_s"]
+    # text rows train every position but each sample's last (its EOS predicts nothing): targets = tokens - samples
+    assert p["throughput_target_tokens_per_s"] == pytest.approx(
+        p["throughput_tokens_per_s"] - p["throughput_samples_per_s"], rel=1e-9)
+
+
+def test_a_causal_run_resumes_from_a_middle_checkpoint_bit_identically(reference) -> None:
+    _, root, overrides, _ = reference
+    cfg = load_config(None, overrides + ["train.run_id=mid", "train.checkpoint_every=6"])
+    run_training(cfg, time.perf_counter())
+    run_dir = root / "runs" / "mid"
+    first = list_checkpoints(run_dir)[0]
+    (run_dir / "checkpoint.pt").unlink()
+    (run_dir / "report.json").unlink()
+    report = run_training(cfg, time.perf_counter(), resume=str(first))
+    assert report["resumed_from"]["step"] == 6 and report["task"] == "causal-lm"
+    assert_same_final_state(root / "runs" / "ref", run_dir)
+
+
+def test_resuming_a_causal_run_as_a_classifier_is_refused_in_one_line(reference) -> None:
+    wndb, root, overrides, _ = reference
+    cfg = load_config(None, tiny_overrides(wndb, root, "train.run_id=ref"))
+    with pytest.raises(UserError, match="cannot change mid-run.*model.task 'causal-lm' → 'classification'"):
+        run_training(cfg, time.perf_counter(), resume=str(root / "runs" / "ref"))
+
+
+def test_two_ranks_train_a_causal_lm_on_packed_rows(reference, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.conftest import ddp_worker, free_port
+
+    wndb, _, _, _ = reference
+    overrides = causal_overrides(wndb, tmp_path, "train.max_steps=6", "train.eval_every=6", "train.run_id=ddp-lm")
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(ddp_worker, args=(2, free_port(), overrides, str(out), None, None, None), nprocs=2, join=True)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    report = results[0]["report"]
+    assert report["env"]["world_size"] == 2 and report["task"] == "causal-lm" and report["status"] == "completed"
+    assert report["batching"]["distinct_shapes"] == 1 and report["quality"]["eval_target_tokens"] > 0
+    assert results[0]["param_sha256"] == results[1]["param_sha256"]  # DDP kept the replicas identical
+    assert json.loads((tmp_path / "runs" / "ddp-lm" / "report.json").read_text())["task"] == "causal-lm"
