@@ -4,6 +4,7 @@ config and the decisions block.
 Every ``auto`` of a run is decided here, once, in this order: the run id (the run directory's name), the precision
 (the checkpoint's on resume, else ``train.precision``), the model (built and checked for packing), the batching
 method (``batching.method=auto``: the run's own step on its batches), fast dropout (``model.fast_dropout=auto``), the
+chunked LM loss (``model.chunked_loss``: causal LMs), the
 compile switch (``compile.enabled``: a rule) and the packed rows' attention path (``model.packed_attention``). The
 probes run on the run's model through a throwaway trainer and restore it bit-exactly. What comes out is a value:
 nothing after this phase edits the config; :func:`train.setup.build_run` builds the run from it.
@@ -27,8 +28,9 @@ from train.data.attention import AttentionChoice, apply_attention, choose_packed
 from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, broadcast_from_main
 from train.models.dropout import decide_fast_dropout
-from train.precision import PrecisionDecision, PrecisionPolicy
+from train.precision import DTYPES, PrecisionDecision, PrecisionPolicy
 from train.setup import build_model, check_packing, probe_steps
+from train.tasks.chunked_loss import decide_chunked_loss
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class Resolved:
     """A run with every decision made: the frozen ``cfg`` (what ``config.yaml`` holds), the precision ``policy``,
     the ``bundle`` planned for ``cfg.batching``, the ``model`` built from ``cfg`` (attention path set, dropout not
     yet swapped: :func:`~train.setup.build_run` swaps it from ``model.fast_dropout``), the compile switch and its
-    reason, and report.json's decision sections (``batching_auto``, ``levers.fast_dropout``, ``packed_attention``;
+    reason, and report.json's decision sections (``batching_auto``, ``levers.fast_dropout``, ``packed_attention``,
+    ``levers.chunked_loss``;
     None where the decision did not arise)."""
 
     cfg: RunConfig
@@ -56,6 +59,7 @@ class Resolved:
     batching_auto: Optional[dict]
     fast_dropout: dict
     attention: Optional[AttentionChoice]
+    chunked_loss: dict
 
     @property
     def packed_attention(self) -> Optional[dict]:
@@ -114,14 +118,20 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
         batching = decision.as_report()
         say(f"batching: {decision.reason}", flush=True)
     fast_dropout = decided(lambda: _decide_fast_dropout(cfg, model, policy, bundle, device))
-    cfg = cfg.with_values({"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}).freeze()
+    chunked = decided(lambda: decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model,
+                                                  cfg.batching.max_tokens, DTYPES[policy.mode], device))
+    if chunked["applied"]:
+        model.set_chunked_loss(True)
+    cfg = cfg.with_values({"model.fast_dropout": "true" if fast_dropout["applied"] else "false",
+                           "model.chunked_loss": "true" if chunked["applied"] else "false"}).freeze()
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
         attention = decided(lambda: choose_packed_attention(model, policy, cfg, bundle, device, compile_enabled,
                                                             lambda: probe_steps(cfg, model, policy, device)))
         apply_attention(model, attention, device)
-    return Resolved(cfg, policy, bundle, model, compile_enabled, compile_reason, batching, fast_dropout, attention)
+    return Resolved(cfg, policy, bundle, model, compile_enabled, compile_reason, batching, fast_dropout, attention,
+                    chunked)
 
 
 def _decide_fast_dropout(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: DataBundle,
@@ -160,4 +170,7 @@ def decision_lines(resolved: Resolved, device_name: str) -> list[str]:
              f"  dropout    {'16-bit mask' if dropout['applied'] else 'nn.Dropout'}: {dropout['reason']}"]
     if resolved.attention is not None:
         lines.append(f"  attention  {resolved.attention.path}: {resolved.attention.reason}")
+    if cfg.model.task != "classification":
+        chunked = resolved.chunked_loss
+        lines.append(f"  loss       {'chunked' if chunked['applied'] else 'logits whole'}: {chunked['reason']}")
     return lines

@@ -28,10 +28,11 @@ from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.encoder import EncoderClassifier, param_groups
 from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
-from train.precision import PrecisionPolicy
+from train.precision import DTYPES, PrecisionPolicy
 from train.profiling.ranges import null_ranges
 from train.step_record import StepRecord, TrainStats
 from train.tasks import task_for
+from train.tasks.base import LossHead
 from train.tools.progress import progress_bar
 from train.tracking.loggers import MetricLogger, NullLogger
 
@@ -174,7 +175,7 @@ class Trainer:
         with self.ranges("forward"):
             with self.guard.forward_context():  # hooks only while diagnosing a bad step
                 logits = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # [B or N, C] fp32
-            loss = self.task.loss(logits, labels)  # fp32, outside autocast (classification: logits [B or N, C])
+            loss = self.loss(logits, labels)  # fp32, outside autocast (classification: logits [B or N, C])
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
         with self.ranges("backward"):
@@ -202,11 +203,18 @@ class Trainer:
             w["real"], w["padded"] = w["real"] + rec.real_tokens, w["padded"] + rec.padded_tokens
         return rec
 
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The task's loss of a training forward's ``output``: logits, or the hidden states of a model whose
+        ``loss_head()`` is set (``model.chunked_loss``: the task applies the head chunk by chunk)."""
+        linear = self.model.loss_head() if hasattr(self.model, "loss_head") else None
+        head = None if linear is None else LossHead(linear, DTYPES[self.policy.mode])
+        return self.task.loss(output, labels, head)
+
     def _diagnostic_pass(self) -> torch.Tensor:
         """Forward + backward on the last step's batch, no optimizer step (for the numerics guard's diagnosis)."""
         ids, mask, labels, packed = self._last_inputs
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.task.loss(self.model(ids, mask, self.policy.blocks_autocast, **packed), labels)
+        loss = self.loss(self.model(ids, mask, self.policy.blocks_autocast, **packed), labels)
         loss.backward()
         return loss.detach()
 

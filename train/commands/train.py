@@ -343,6 +343,7 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     sections["levers"] = levers_section(cfg, built.model, resolved.policy, compiled, run.ctx, profiled=bool(hooks),
                                         bench_rows=skip_reasons(cfg))
     sections["levers"]["fast_dropout"] = resolved.fast_dropout
+    sections["levers"]["chunked_loss"] = resolved.chunked_loss
     efficiency = efficiency_fields(built.model, stats, sum(trainer.timer.steady_ms) / 1e3, energy, device,
                                    resolved.policy.mode)
     report = build_report(ReportInputs(

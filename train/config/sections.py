@@ -130,6 +130,11 @@ class ModelConfig(Frozen):
     generator draw, compared with a threshold — a quarter of the draws of ``bernoulli_`` and no float conversion —,
     so a different random stream): ``true``, ``false``, or ``auto``: swapped only where one training
     step measures faster with it (interval above 1.0; measured once, cached; train/models/dropout.py)."""
+    chunked_loss: Union[bool, str] = allowed("auto", choices=("auto", "true", "false"))
+    """Causal LMs: the LM head and cross-entropy computed over chunks of tokens, each chunk's gradient taken in the
+    forward pass, so the fp32 ``[tokens, vocab]`` logits never exist whole (train/tasks/chunked_loss.py): ``true``,
+    ``false``, or ``auto``: on unless the head + loss measures > 1.05× slower chunked on the run's token budget
+    (measured once per run). Classifiers: nothing to chunk."""
     task: str = allowed("classification", choices=("classification", "causal-lm"))
     """What the model learns (train/tasks/): ``classification`` (one label per text: cross-entropy over ``[N, C]``
     logits) or ``causal-lm`` (next-token prediction over ``text`` or ``prompt`` + ``completion`` rows, the loss on
@@ -148,6 +153,8 @@ class ModelConfig(Frozen):
     def __post_init__(self) -> None:
         if isinstance(self.fast_dropout, bool):  # YAML true/false
             self.fast_dropout = "true" if self.fast_dropout else "false"
+        if isinstance(self.chunked_loss, bool):
+            self.chunked_loss = "true" if self.chunked_loss else "false"
         check_fields(self, "model")
         from train.models import source_kind
 

@@ -103,6 +103,7 @@ class ExternalCausalLM(nn.Module):
     """
 
     supports_packing = False  # the class default; probe_causal_packing sets it per instance
+    chunked_loss = False  # training forward returns hidden states for the task's chunked loss (set_chunked_loss)
 
     def __init__(self, inner: nn.Module, spec: CausalLMSpec, kind: str = "hf") -> None:
         super().__init__()
@@ -123,6 +124,20 @@ class ExternalCausalLM(nn.Module):
     def set_packing(self, supported: bool, reason: str) -> tuple[bool, str]:
         self.supports_packing, self.packing_reason = supported, reason
         return supported, reason
+
+    def loss_head(self) -> Optional[nn.Linear]:
+        """The LM head (an ``nn.Linear`` hidden → vocabulary) where the chunked loss runs, else None."""
+        return self.inner.get_output_embeddings() if self.chunked_loss else None
+
+    def set_chunked_loss(self, on: bool) -> None:
+        """``model.chunked_loss`` resolved: while training, forward returns the final hidden states [B, T, H] and
+        the task applies :meth:`loss_head` chunk by chunk (train/tasks/chunked_loss.py); evaluation keeps logits."""
+        self.chunked_loss = bool(on)
+
+    def _run(self, hidden: bool, **kwargs: Any) -> torch.Tensor:
+        if hidden:  # the decoder without its head: the head runs inside the chunked loss
+            return self.inner.base_model(**kwargs, use_cache=False).last_hidden_state
+        return self.inner(**kwargs, use_cache=False).logits
 
     def packed_mask(self, seq_index: torch.Tensor) -> Any:
         """The attention mask for packed rows: one 4-D mask (with the sliding window when every layer has it), or
@@ -146,8 +161,10 @@ class ExternalCausalLM(nn.Module):
                 blocks_context: Callable[[], ContextManager] = contextlib.nullcontext,
                 position_ids: Optional[torch.Tensor] = None, seq_index: Optional[torch.Tensor] = None,
                 num_seqs: Optional[int] = None) -> torch.Tensor:
-        """Logits FloatTensor[B, T, V] (packed rows: [R, C, V]). Raises ValueError for packed rows on a model
-        without them (``supports_packing`` false)."""
+        """Logits FloatTensor[B, T, V] (packed rows: [R, C, V]); while training with the chunked loss, the final
+        hidden states [B, T, H] in the forward's dtype instead. Raises ValueError for packed rows on a model without
+        them (``supports_packing`` false)."""
+        hidden = self.chunked_loss and self.training
         if position_ids is not None:
             if not self.supports_packing:
                 raise ValueError(f"{self.spec.source}: packed rows are not supported by this model "
@@ -156,13 +173,14 @@ class ExternalCausalLM(nn.Module):
                 raise ValueError(f"{self.spec.source}: packed rows need seq_index (the sample of each token, -1 on "
                                  "padding) for the block-causal mask")
             with blocks_context():
-                out = self.packed_logits(input_ids, position_ids, seq_index)
-            return out.float()
+                out = self._run(hidden, input_ids=input_ids, attention_mask=self.packed_mask(seq_index),
+                                position_ids=position_ids)
+            return out if hidden else out.float()
         mask = attention_mask.to(torch.long)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         with blocks_context():
-            out = self.inner(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        return out.float()
+            out = self._run(hidden, input_ids=input_ids, attention_mask=mask, position_ids=positions)
+        return out if hidden else out.float()
 
 
 # --- packing probe -------------------------------------------------------------------------------------------------
@@ -229,6 +247,33 @@ def probe_causal_packing(wrapper: ExternalCausalLM) -> tuple[bool, str]:
                                          f"gap {gap:.1e} vs unpacked)")
     return wrapper.set_packing(False, f"{arch}: packed rows are not exact here (logits differ from unpacked by "
                                       f"{gap:.1e})")
+
+
+@torch.no_grad()
+def probe_loss_head(wrapper: ExternalCausalLM) -> tuple[bool, str]:
+    """Whether the chunked loss can stand in for the model's head: the output layer is an ``nn.Linear`` and, on a
+    short random input (fp32, eval mode, RNG untouched), ``head(base_model(x).last_hidden_state)`` equals the model's
+    logits within :data:`EXACT_ATOL` (a model that scales or soft-caps its logits after the head does not).
+    Returns ``(ok, reason)``."""
+    inner = wrapper.inner
+    name = f"{type(inner).__name__} (model_type {getattr(inner.config, 'model_type', '?')})"
+    head = inner.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return False, f"{name}: its output layer is {type(head).__name__}, not a linear LM head"
+    device = next(inner.parameters()).device
+    ids = torch.randint(0, max(1, wrapper.spec.vocab_size), (1, 6), generator=torch.Generator().manual_seed(0))
+    was_training = inner.training
+    inner.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            hidden = inner.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state
+            logits = inner(input_ids=ids.to(device), use_cache=False).logits.float()
+    finally:
+        inner.train(was_training)
+    gap = float((head(hidden).float() - logits).abs().max())
+    if gap > EXACT_ATOL * max(1.0, float(logits.abs().max())):
+        return False, f"{name}: its logits are not its head applied to the last hidden states (gap {gap:.1e})"
+    return True, f"{name}: a linear LM head over the last hidden states (gap {gap:.1e})"
 
 
 # --- building ------------------------------------------------------------------------------------------------------

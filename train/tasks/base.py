@@ -7,6 +7,7 @@ evaluation. Adding a task is a new module here and an entry in :data:`train.task
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -27,13 +28,24 @@ class Metrics:
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class LossHead:
+    """The model's output layer (``linear``: hidden → vocabulary) and the dtype its matmul runs in
+    (``compute_dtype``: the precision policy's), given to :meth:`Task.loss` when the model's training forward
+    returns hidden states instead of logits (``model.chunked_loss``)."""
+
+    linear: torch.nn.Linear
+    compute_dtype: torch.dtype
+
+
 class Task:
     """``name`` (``model.task``); :meth:`loss` of a batch; :meth:`metrics` for an evaluation; :meth:`eval_line`."""
 
     name: str = ""
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The batch's mean loss, an fp32 scalar tensor (the quantity the optimizer minimises)."""
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, head: Optional[LossHead] = None) -> torch.Tensor:
+        """The batch's mean loss, an fp32 scalar tensor (the quantity the optimizer minimises). ``head`` given: the
+        model returned hidden states and the loss applies the head itself."""
         raise NotImplementedError
 
     def metrics(self, num_classes: int, device: torch.device) -> Metrics:

@@ -13,10 +13,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from train.tasks.base import Metrics, Task
+from train.tasks.base import LossHead, Metrics, Task
+from train.tasks.chunked_loss import IGNORE_INDEX, chunked_cross_entropy
 
-IGNORE_INDEX = -100
-"""A target that is not trained (``F.cross_entropy``'s default ``ignore_index``)."""
+__all__ = ["IGNORE_INDEX", "CausalLM", "CausalLMMetrics"]
 
 
 class CausalLMMetrics(Metrics):
@@ -47,7 +47,9 @@ class CausalLMMetrics(Metrics):
 class CausalLM(Task):
     name = "causal-lm"
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, head: Optional[LossHead] = None) -> torch.Tensor:
+        if head is not None:  # logits are the hidden states [B, T, H]: the memory-bounded head + loss
+            return chunked_cross_entropy(logits, head.linear, labels, head.compute_dtype)
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
     def metrics(self, num_classes: int, device: torch.device) -> Metrics:

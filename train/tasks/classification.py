@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from train.data.collate import IGNORE_LABEL
-from train.tasks.base import Metrics, Task
+from train.tasks.base import LossHead, Metrics, Task
 
 
 class ClassificationMetrics(Metrics):
@@ -45,8 +45,8 @@ class ClassificationMetrics(Metrics):
 class Classification(Task):
     name = "classification"
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, labels)  # logits [N, C] fp32, labels [N]
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, head: Optional[LossHead] = None) -> torch.Tensor:
+        return F.cross_entropy(logits, labels)  # logits [N, C] fp32, labels [N]; a classifier returns its logits
 
     def metrics(self, num_classes: int, device: torch.device) -> Metrics:
         return ClassificationMetrics(num_classes, device)

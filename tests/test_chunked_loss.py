@@ -1,0 +1,147 @@
+"""The memory-bounded LM loss (train/tasks/chunked_loss.py, ``model.chunked_loss``): the chunked head +
+cross-entropy equals the unchunked one (loss and every gradient, fp32, 1e-5) at any chunk size, with untrained
+targets and a bias; a whole decoder's training step through the wrapper's hidden-state path equals its logits path
+(per architecture, packed rows); the resolve decision (forced measurements: no timing asserted) and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.errors import UserError
+from train.models.causal import probe_causal_packing, probe_loss_head
+from train.tasks import task_for
+from train.tasks.base import LossHead
+from train.tasks.chunked_loss import (
+    IGNORE_INDEX,
+    chunk_rows,
+    chunked_cross_entropy,
+    decide_chunked_loss,
+)
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_causal_models import ATTENTION, KINDS, _packed_batch, _samples, _tiny  # noqa: E402
+
+
+def _grads(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, tensors))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_equals_unchunked_loss_and_gradients(rows: int, bias: bool) -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=bias)
+    hidden = torch.randn(3, 13, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 13))
+    targets[:, -1] = IGNORE_INDEX
+    targets[1, :4] = IGNORE_INDEX
+    wrt = [hidden, *head.parameters()]
+    got = chunked_cross_entropy(hidden, head, targets, rows=rows)
+    want = F.cross_entropy(head(hidden).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    assert abs(float(got.detach()) - float(want.detach())) < 1e-5
+    for g, w in zip(_grads(got, wrt), _grads(want, wrt)):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_no_trained_target_gives_zero_loss_and_zero_gradients() -> None:
+    head = torch.nn.Linear(8, 20)
+    hidden = torch.randn(6, 8, requires_grad=True)
+    loss = chunked_cross_entropy(hidden, head, torch.full((6,), IGNORE_INDEX), rows=4)
+    assert float(loss.detach()) == 0.0
+    assert all(float(g.abs().max()) == 0.0 for g in _grads(loss, [hidden, *head.parameters()]))
+
+
+def test_bf16_matmul_matches_autocast_head_within_bf16_rounding() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 300, bias=False)
+    hidden = torch.randn(40, 32, requires_grad=True)
+    targets = torch.randint(0, 300, (40,))
+    got = chunked_cross_entropy(hidden, head, targets, torch.bfloat16, rows=7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = head(hidden)
+    want = F.cross_entropy(logits.float(), targets)
+    assert abs(float(got.detach()) - float(want.detach())) < 1e-3 * float(want.detach())
+    (g_got,), (g_want,) = _grads(got, [hidden]), _grads(want, [hidden])
+    assert float((g_got - g_want).abs().max()) < 2e-2 * float(g_want.abs().max())
+
+
+def test_chunk_rows_follow_the_hidden_size_rule() -> None:
+    assert chunk_rows(2048, 256, 32000) == 32  # ceil(2048 / ceil(32000 / 256)) = 17 → 32
+    assert chunk_rows(2048, 256, 256) == 2048
+    assert chunk_rows(1, 8, 10**6) == 1
+
+
+@pytest.mark.parametrize("attn", ATTENTION)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_decoder_step_through_hidden_states_equals_the_logits_step(kind: str, attn: str) -> None:
+    """Packed rows, fp32: the task's loss on the wrapper's hidden states + its head equals the loss on its logits,
+    and so does every parameter's gradient (tied embeddings included)."""
+    model = _tiny(kind, attn).train()
+    assert probe_causal_packing(model)[0] and probe_loss_head(model)[0]
+    batch = _packed_batch(_samples())
+    args = (batch["input_ids"], batch["attention_mask"])
+    kw = {k: batch[k] for k in ("position_ids", "seq_index", "num_seqs")}
+    task, params = task_for("causal-lm"), [p for p in model.parameters() if p.requires_grad]
+    want = task.loss(model(*args, **kw), batch["labels"])
+    g_want = _grads(want, params)
+    model.set_chunked_loss(True)
+    out = model(*args, **kw)
+    assert out.shape[-1] == model.inner.config.hidden_size  # hidden states, not logits
+    got = task.loss(out, batch["labels"], LossHead(model.loss_head(), torch.float32))
+    assert abs(float(got.detach()) - float(want.detach())) < 1e-5
+    for g, w in zip(_grads(got, params), g_want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    model.eval()  # evaluation keeps logits (accuracy needs them)
+    assert model(*args, **kw).shape[-1] == model.spec.vocab_size
+
+
+def _measure(chunked_ms: float):
+    def measure(head, tokens, dtype, device):
+        return {"unchunked": 10.0, "chunked": chunked_ms, "speedup": 10.0 / chunked_ms, "rounds": 5,
+                "tokens": tokens, "vocab": head.out_features, "chunk_rows": 8, "speedup_interval": [1.0, 1.0]}
+    return measure
+
+
+def test_auto_keeps_chunked_unless_measured_slower() -> None:
+    model = _tiny("llama", ATTENTION[0])
+    cpu = torch.device("cpu")
+    kept = decide_chunked_loss("auto", "causal-lm", model, 256, torch.float32, cpu, measure=_measure(10.4))
+    assert kept["applied"] and kept["source"] == "measured" and "chunked" in kept["reason"]
+    slower = decide_chunked_loss("auto", "causal-lm", model, 256, torch.float32, cpu, measure=_measure(12.0))
+    assert not slower["applied"] and slower["reason"].endswith("unchunked")
+    assert not decide_chunked_loss("false", "causal-lm", model, 256, torch.float32, cpu)["applied"]
+    assert decide_chunked_loss("true", "causal-lm", model, 256, torch.float32, cpu)["applied"]
+
+
+def test_refusals_name_the_key_and_the_fix() -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(UserError, match=r"model.chunked_loss=true: model.task=classification .* set "
+                                        r"model.chunked_loss=auto or false"):
+        decide_chunked_loss("true", "classification", torch.nn.Linear(2, 2), 8, torch.float32, cpu)
+    assert not decide_chunked_loss("auto", "classification", torch.nn.Linear(2, 2), 8, torch.float32, cpu)["applied"]
+    model = _tiny("llama", ATTENTION[0])
+    model.inner.set_output_embeddings(torch.nn.Sequential(model.inner.get_output_embeddings()))
+    ok, why = probe_loss_head(model)
+    assert not ok and "not a linear LM head" in why
+    with pytest.raises(UserError, match="model.chunked_loss=true: .*not a linear LM head"):
+        decide_chunked_loss("true", "causal-lm", model, 8, torch.float32, cpu)
+    auto = decide_chunked_loss("auto", "causal-lm", model, 8, torch.float32, cpu)
+    assert not auto["applied"] and auto["source"] == "rule"
+
+
+def test_a_scaled_head_is_found_out_by_the_probe() -> None:
+    """A model whose logits are not ``head(last hidden)`` (here: logits scaled after the head) is not chunked."""
+    model = _tiny("llama", ATTENTION[0])
+    inner_forward = model.inner.forward
+
+    def scaled(*args, **kwargs):
+        out = inner_forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+    model.inner.forward = scaled
+    ok, why = probe_loss_head(model)
+    assert not ok and "not its head applied" in why
