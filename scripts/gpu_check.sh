@@ -22,9 +22,10 @@ OUT=${OUT:-runs/gpu-check}
 WORK=${WORK:-$OUT.work}
 CONFIG=${CONFIG:-configs/gpu-bert-base.yaml}
 DRY_RUN=${DRY_RUN:-0}
-ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit,optimize"
-# On a GPU the default leaves compile-default out: with cold caches the compile steps need ~120 s each, and all nine
-# steps' budgets would not fit one 10-minute call. STEPS=compile-default runs it on its own (a second call).
+ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit,optimize,causal-lm"
+# On a GPU the default leaves compile-default and causal-lm out: with cold caches the compile steps need ~120 s each,
+# and all ten steps' budgets would not fit one 10-minute call. STEPS=compile-default,causal-lm runs them (a second
+# call): causal-lm trains the tiny Llama of configs/causal-cpu.yaml packed, bf16, compiled, with the chunked loss.
 GPU_STEPS="verify-gpu,bench-precision,bench,compile-reduce-overhead,compile-run,profile,sync-audit,optimize"
 if [ "${DRY_RUN:-0}" = 1 ]; then STEPS=${STEPS:-$ALL_STEPS}; else STEPS=${STEPS:-$GPU_STEPS}; fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -59,6 +60,7 @@ if [ "$DRY_RUN" = 1 ]; then
   COMPILE_STEPS=(--steps 2 --rounds 1); RUN_STEPS=4; SYNC_STEPS=6; RO_MODE=default  # no CUDA graphs on a CPU
   OPTIMIZE=(optimize.budget_s=60 optimize.rounds=2 optimize.window_samples=16 optimize.confirm_rounds=2
             optimize.quality_samples=32 optimize.profile_steps=2 "optimize.levers=precision,batching,fast_dropout")
+  CAUSAL=(train.max_steps=4 train.eval_every=4 train.log_every=2 compile.enabled=false model.chunked_loss=true)
 else
   MODE=gpu
   COMMON=(train.device=cuda train.progress=false train.overwrite=true "train.output_dir=$WORK")
@@ -67,6 +69,8 @@ else
   # make optimize on bert-base: 50 s from start to outputs (compile left out: its warm-up alone would take the step)
   OPTIMIZE=(optimize.budget_s=50 optimize.rounds=4 optimize.window_samples=256 optimize.confirm_rounds=4
             "optimize.levers=precision,batching,token_budget,fast_dropout,fused_adamw,workers")
+  CAUSAL=(train.max_steps=60 train.eval_every=60 train.log_every=20 train.precision=bf16 compile.enabled=true
+          model.chunked_loss=true data.vocab_size=8192 batching.max_tokens=16384)
 fi
 # bench-precision trains bert-base 4 times (fp32 without TF32 is ~22 TFLOP a step at the config's 32k tokens: ~0.4 s on
 # an H200); an 8k-token budget keeps its 4 x 120 steps and evaluations inside the step's budget.
@@ -120,6 +124,8 @@ run_step sync-audit 50 "$PYTHON" "${M[@]}" sync-audit --config "$CONFIG" --mode 
   train.log_every=10 train.eval_every=100000
 run_step optimize 65 "$PYTHON" "${M[@]}" optimize --config "$CONFIG" --run-id gc-optimize "${COMMON[@]}" \
   compile.enabled=false "${OPTIMIZE[@]}"
+run_step causal-lm 120 "$PYTHON" "${M[@]}" train --config configs/causal-cpu.yaml --run-id gc-causal "${COMMON[@]}" \
+  "${CAUSAL[@]}"
 
 "$PYTHON" scripts/gpu_check_report.py write "$WORK" "$OUT" "$MODE" "$ALL_STEPS" || FAILED=1
 echo "gpu-check ($MODE): $([ "$FAILED" = 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED'); see $OUT/gpu_check.md"

@@ -141,11 +141,26 @@ def _optimize(work: Path) -> tuple[Optional[dict], str]:
                f"{', '.join(kept) or 'nothing'}; {end}")
 
 
+def _causal(work: Path) -> tuple[Optional[dict], str]:
+    run = _find(work, "gc-causal*")
+    r = _load(run / "report.json" if run else None)
+    if r is None:
+        return None, "no report.json"
+    p, q, lv = r.get("perf", {}), r.get("quality") or {}, r.get("levers", {})
+    out = {k: r.get(k) for k in ("status", "task", "perf", "quality", "compile", "levers", "batching")}
+    return out, (f"test perplexity {_f(q.get('test_perplexity'), '.1f')}; "
+                 f"{_f(p.get('throughput_target_tokens_per_s'), '.0f')} target tokens/s; "
+                 f"MFU {_f(p.get('mfu'), '.3f')}; "
+                 f"chunked loss "
+                 f"{(lv.get('chunked_loss') or {}).get('applied')}; compile {(r.get('compile') or {}).get('enabled')}; "
+                 f"peak memory {_f(p.get('peak_memory_bytes'), '.0f', 1 / (1 << 20))} MiB")
+
+
 STEPS: dict[str, Callable[[Path], tuple[Optional[dict], str]]] = {
     "verify-gpu": _verify, "bench-precision": _precision, "bench": _bench,
     "compile-default": _compile("gc-compile-default*/bench-compile.json"),
     "compile-reduce-overhead": _compile("gc-compile-ro*/bench-compile.json"),
-    "compile-run": _run, "profile": _profile, "sync-audit": _sync, "optimize": _optimize,
+    "compile-run": _run, "profile": _profile, "sync-audit": _sync, "optimize": _optimize, "causal-lm": _causal,
 }
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from train.compat import hf_attn_implementation
 from train.config import load_config
 
 if TYPE_CHECKING:
@@ -315,3 +316,55 @@ def ddp_worker(rank: int, world: int, port: int, overrides: list[str], out_dir: 
     t0 = time.perf_counter()
     report = run_training(load_config(None, overrides), t0, resume=resume)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"seen": seen, "report": report, **captured}))
+
+
+# --- tiny causal LMs (tests/test_causal_models.py, tests/test_chunked_loss.py) ---
+CAUSAL_VOCAB = 100
+CAUSAL_KINDS = ("llama", "qwen2", "gpt2")
+CAUSAL_TINY = {"llama": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, max_position_embeddings=64, attention_dropout=0.0),
+               "qwen2": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, max_position_embeddings=64, attention_dropout=0.0),
+               "gpt2": dict(n_layer=2, n_embd=64, n_head=4, n_inner=128, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)}
+CAUSAL_ATTENTION = sorted({hf_attn_implementation(), "eager"})  # torch 2.1: eager only (transformers refuses SDPA)
+CAUSAL_LENGTHS = (7, 3, 12, 5)
+CAUSAL_ROWS = ((2, 1), (0, 3))  # sample indices per packed row: 12 + 3 (+1 padding), 7 + 5 (+4 padding)
+CAUSAL_CAPACITY = 16
+
+
+def tiny_causal_lm(kind: str, attn: str, **extra):
+    """A tiny random-init Hugging Face decoder of family ``kind`` (fp32, eval mode) in the causal-LM wrapper."""
+    import transformers
+
+    from train.models.causal import CausalLMSpec, ExternalCausalLM
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(kind, vocab_size=CAUSAL_VOCAB, pad_token_id=0,
+                                               **{**CAUSAL_TINY[kind], **extra})
+    inner = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).float().eval()
+    return ExternalCausalLM(inner, CausalLMSpec(f"hf:{kind}", CAUSAL_VOCAB, 64), "hf")
+
+
+def causal_samples() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(1, CAUSAL_VOCAB, (n,), generator=gen) for n in CAUSAL_LENGTHS]
+
+
+def packed_causal_batch(samples: list[torch.Tensor], rows=CAUSAL_ROWS, capacity: int = CAUSAL_CAPACITY) -> dict:
+    """The contract's packed batch: positions restart per sample, seq_index the sample's slot (-1 padding), labels
+    the next token within the sample (-100 at each sample's last position and on padding)."""
+    shape = (len(rows), capacity)
+    ids, pos, labels = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long), \
+        torch.full(shape, -100, dtype=torch.long)
+    seq = torch.full(shape, -1, dtype=torch.long)
+    slot = 0
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            s = samples[i]
+            ids[r, at:at + len(s)], pos[r, at:at + len(s)], seq[r, at:at + len(s)] = s, torch.arange(len(s)), slot
+            labels[r, at:at + len(s) - 1] = s[1:]
+            at, slot = at + len(s), slot + 1
+    return {"input_ids": ids, "attention_mask": seq >= 0, "position_ids": pos, "seq_index": seq, "labels": labels,
+            "num_seqs": slot}

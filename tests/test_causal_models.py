@@ -13,65 +13,45 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import (
+    CAUSAL_ATTENTION as ATTENTION,
+)
+from tests.conftest import (
+    CAUSAL_CAPACITY,
+    CAUSAL_LENGTHS,
+    CAUSAL_ROWS,
+    CAUSAL_TINY,
+    CAUSAL_VOCAB,
+)
+from tests.conftest import (
+    CAUSAL_KINDS as KINDS,
+)
+from tests.conftest import (
+    causal_samples as _samples,
+)
+from tests.conftest import (
+    packed_causal_batch as _packed_batch,
+)
+from tests.conftest import (
+    tiny_causal_lm as _tiny,
+)
 from train.compat import hf_attn_implementation, load_state
 from train.config import load_config
 from train.errors import UserError
 from train.models import build_external, model_supports_packing
-from train.models.causal import CausalLMSpec, ExternalCausalLM, causal_block_mask, probe_causal_packing
+from train.models.causal import ExternalCausalLM, causal_block_mask, probe_causal_packing
 from train.models.causal_build import causal_preset
 
 transformers = pytest.importorskip("transformers")
 
 IGNORE = -100
-VOCAB = 100
-KINDS = ("llama", "qwen2", "gpt2")
-TINY = {"llama": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, max_position_embeddings=64, attention_dropout=0.0),
-        "qwen2": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, max_position_embeddings=64, attention_dropout=0.0),
-        "gpt2": dict(n_layer=2, n_embd=64, n_head=4, n_inner=128, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)}
-ATTENTION = sorted({hf_attn_implementation(), "eager"})  # torch 2.1: eager only (transformers refuses its SDPA)
-LENGTHS = (7, 3, 12, 5)
-ROWS = ((2, 1), (0, 3))  # sample indices per packed row: 12 + 3 (+1 padding), 7 + 5 (+4 padding)
-CAPACITY = 16
-
-
-def _tiny(kind: str, attn: str, **extra) -> ExternalCausalLM:
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(kind, vocab_size=VOCAB, pad_token_id=0, **{**TINY[kind], **extra})
-    inner = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).float().eval()
-    return ExternalCausalLM(inner, CausalLMSpec(f"hf:{kind}", VOCAB, 64), "hf")
-
-
-def _samples() -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randint(1, VOCAB, (n,), generator=gen) for n in LENGTHS]
+TINY, VOCAB, LENGTHS, ROWS, CAPACITY = CAUSAL_TINY, CAUSAL_VOCAB, CAUSAL_LENGTHS, CAUSAL_ROWS, CAUSAL_CAPACITY
 
 
 def _alone(model: ExternalCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """Per-token loss [len - 1] of one sample alone (no padding): position t predicts ids[t + 1]."""
     logits = model(ids[None], torch.ones(1, len(ids), dtype=torch.bool))[0]
     return F.cross_entropy(logits[:-1], ids[1:], reduction="none")
-
-
-def _packed_batch(samples: list[torch.Tensor], rows=ROWS, capacity: int = CAPACITY) -> dict:
-    """The contract's packed batch: positions restart per sample, seq_index the sample's slot (-1 padding), labels
-    the next token within the sample (-100 at each sample's last position and on padding)."""
-    shape = (len(rows), capacity)
-    ids, pos, labels = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long), \
-        torch.full(shape, IGNORE, dtype=torch.long)
-    seq = torch.full(shape, -1, dtype=torch.long)
-    slot = 0
-    for r, row in enumerate(rows):
-        at = 0
-        for i in row:
-            s = samples[i]
-            ids[r, at:at + len(s)], pos[r, at:at + len(s)], seq[r, at:at + len(s)] = s, torch.arange(len(s)), slot
-            labels[r, at:at + len(s) - 1] = s[1:]
-            at, slot = at + len(s), slot + 1
-    return {"input_ids": ids, "attention_mask": seq >= 0, "position_ids": pos, "seq_index": seq, "labels": labels,
-            "num_seqs": slot}
 
 
 def test_block_causal_mask_is_causal_within_samples_and_padding_sees_itself() -> None:

@@ -22,7 +22,11 @@ from train.tasks.chunked_loss import (
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_causal_models import ATTENTION, KINDS, _packed_batch, _samples, _tiny  # noqa: E402
+from tests.conftest import CAUSAL_ATTENTION as ATTENTION  # noqa: E402
+from tests.conftest import CAUSAL_KINDS as KINDS  # noqa: E402
+from tests.conftest import causal_samples as _samples  # noqa: E402
+from tests.conftest import packed_causal_batch as _packed_batch  # noqa: E402
+from tests.conftest import tiny_causal_lm as _tiny  # noqa: E402
 
 
 def _grads(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -145,3 +149,24 @@ def test_a_scaled_head_is_found_out_by_the_probe() -> None:
     model.inner.forward = scaled
     ok, why = probe_loss_head(model)
     assert not ok and "not its head applied" in why
+
+
+def test_step_flops_count_attention_and_the_head_whatever_the_kernel_and_the_loss() -> None:
+    """The MFU's FLOPs: where the counter cannot see the attention kernel (SDPA on CPU) the analytic count equals
+    what it counts through eager attention's matmuls; the chunked loss counts the same head matmuls."""
+    from train.perf.flops import ModuleFlops
+
+    counts = {}
+    for attn in ATTENTION:
+        for chunked in (False, True):
+            model = _tiny("llama", attn).train()
+            probe_causal_packing(model)
+            model.set_chunked_loss(chunked)
+            flops = ModuleFlops(model, 64)
+            assert model.chunked_loss == chunked  # restored after counting
+            assert flops.attention_seen or "attention analytic" in flops.method
+            counts[attn, chunked] = flops(2, 16)
+    assert len(set(counts.values())) == 1, counts
+    layers, dims = _tiny("llama", "eager").attention_dims
+    assert (layers, dims) == (2, 64)
+    assert counts["eager", False] > 2 * 12 * 16 * 16 * dims * layers  # attention and more

@@ -68,7 +68,7 @@ def test_attribution_on_real_trace_bucketed_vs_pad_to_max(tiny_cfg, tmp_path: Pa
                 assert 0 < r["share_of_step"] <= 1
         br = s["breakdown_ms"]
         assert sum(br.values()) == pytest.approx(s["step_time_ms"], rel=1e-6)
-        assert br["forward"] > 0 and br["backward"] > 0 and br["optimizer"] > 0
+        assert br["forward"] > 0 and br["loss"] > 0 and br["backward"] > 0 and br["optimizer"] > 0
         assert s["roofline"]["source"] == "measured" and s["roofline"]["ridge_flop_per_byte"] > 0
         assert "## Recommendations" in (out / "summary.md").read_text()
         summaries[method] = (s, out)

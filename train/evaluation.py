@@ -11,7 +11,7 @@ from train.data.batch import move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum, any_rank
 from train.precision import PrecisionPolicy
 from train.shutdown import pause_point, requested_signal, stop_requested
-from train.tasks import Classification, Task
+from train.tasks import Task, task_for
 
 
 class EvaluationAbandoned(Exception):
@@ -22,8 +22,9 @@ class EvaluationAbandoned(Exception):
 def evaluate(model: torch.nn.Module, loader: DataLoader, policy: PrecisionPolicy, num_classes: int,
              device: torch.device, dist_ctx: Optional[DistContext] = None,
              phase: str = "evaluation", task: Optional[Task] = None) -> dict[str, Any]:
-    """The task's held-out figures over ``loader`` (train/tasks/: classification — accuracy, macro-F1, mean
-    cross-entropy per sample; causal LM — loss per target token, perplexity, next-token accuracy), ``samples``.
+    """The task's held-out figures over ``loader`` (``task``, or the model's own: ``model.spec.task``, else
+    classification; train/tasks/: classification — accuracy, macro-F1, mean cross-entropy per sample; causal LM —
+    loss per target token, perplexity, next-token accuracy), ``samples``.
 
     Under DDP each rank evaluates its shard (``loader`` from ``make_loader(..., world_size, rank)``): the task's
     totals are all-reduced (torchmetrics all-gathers its own states). A signal (train/shutdown.py) stops the loop
@@ -34,7 +35,9 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, policy: PrecisionPolicy
         EvaluationAbandoned: a signal arrived during the evaluation (``phase`` names it in the message).
     """
     ctx = dist_ctx or DistContext()
-    metrics = (task or Classification()).metrics(num_classes, device)
+    # no task given: the model's own (a causal LM's spec says causal-lm; every classifier's says nothing)
+    task = task or task_for(getattr(getattr(model, "spec", None), "task", "classification"))
+    metrics = task.metrics(num_classes, device)
     was_training = model.training
     model.eval()
     abandoned = False

@@ -122,8 +122,10 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
                                                   cfg.batching.max_tokens, DTYPES[policy.mode], device))
     if chunked["applied"]:
         model.set_chunked_loss(True)
-    cfg = cfg.with_values({"model.fast_dropout": "true" if fast_dropout["applied"] else "false",
-                           "model.chunked_loss": "true" if chunked["applied"] else "false"}).freeze()
+    decided_values = {"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}
+    if cfg.model.task == "causal-lm":  # a classifier's config keeps its value (nothing to chunk)
+        decided_values["model.chunked_loss"] = "true" if chunked["applied"] else "false"
+    cfg = cfg.with_values(decided_values).freeze()
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known

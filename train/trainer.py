@@ -175,6 +175,7 @@ class Trainer:
         with self.ranges("forward"):
             with self.guard.forward_context():  # hooks only while diagnosing a bad step
                 logits = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # [B or N, C] fp32
+        with self.ranges("loss"):
             loss = self.loss(logits, labels)  # fp32, outside autocast (classification: logits [B or N, C])
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)

@@ -125,6 +125,17 @@ class ExternalCausalLM(nn.Module):
         self.supports_packing, self.packing_reason = supported, reason
         return supported, reason
 
+    @property
+    def attention_dims(self) -> tuple[int, int]:
+        """``(layers, query heads × head dim)`` of the decoder: what an attention kernel's score and value matmuls
+        scale with (the FLOP count adds them where the counter cannot see the kernel)."""
+        c = self.inner.config
+        layers = int(getattr(c, "num_hidden_layers", 0) or getattr(c, "n_layer", 0) or 0)
+        heads = int(getattr(c, "num_attention_heads", 0) or getattr(c, "n_head", 0) or 0)
+        hidden = int(getattr(c, "hidden_size", 0) or getattr(c, "n_embd", 0) or 0)
+        head_dim = int(getattr(c, "head_dim", 0) or (hidden // heads if heads else 0))
+        return layers, heads * head_dim
+
     def loss_head(self) -> Optional[nn.Linear]:
         """The LM head (an ``nn.Linear`` hidden → vocabulary) where the chunked loss runs, else None."""
         return self.inner.get_output_embeddings() if self.chunked_loss else None

@@ -92,7 +92,11 @@ class ModuleFlops:
     counting leaves no trace: gradients, RNG state and training mode are restored.
 
     ``attention_seen``: the counter saw attention matmuls (``bmm``/SDPA). Where it did not (an attention kernel it
-    has no formula for), the S² term is missing and :attr:`method` says so.
+    has no formula for, e.g. SDPA's CPU flash kernel), a model that states its ``attention_dims`` (layers, query
+    heads × head dim: the causal-LM wrapper) gets them analytically, ``12·B·S²·D`` per layer for a row of S tokens
+    (the kernel computes every score of the row, masked or not); otherwise the S² term is missing and
+    :attr:`method` says so. A causal LM is counted through its logits (the chunked loss runs the same head
+    matmuls chunk by chunk).
     """
 
     def __init__(self, model: torch.nn.Module, max_len: int) -> None:
@@ -103,10 +107,14 @@ class ModuleFlops:
         counts = [self._count(model, s) for s in lengths]
         self.counts = [c for c, _ in counts]
         self.attention_seen = all(seen for _, seen in counts)
+        dims = getattr(model, "attention_dims", None)
+        self.analytic = None if self.attention_seen or not dims or not all(dims) else dims
         self.method = ("FlopCounterMode on one real forward+backward at batch 1, lengths "
                        f"{', '.join(map(str, lengths))}, fitted as a·S²+b·S+c and scaled by the batch"
-                       + ("" if self.attention_seen
-                          else "; attention matmuls were not seen by the counter (not counted)"))
+                       + ("" if self.attention_seen else
+                          f"; attention analytic (the counter did not see the kernel): 12·B·S²·{dims[1]} per layer, "
+                          f"{dims[0]} layers, per row" if self.analytic else
+                          "; attention matmuls were not seen by the counter (not counted)"))
 
     @staticmethod
     def _count(model: torch.nn.Module, seq: int) -> tuple[int, bool]:
@@ -116,6 +124,9 @@ class ModuleFlops:
         saved = {p: p.grad for p in model.parameters()}
         for p in saved:
             p.grad = None
+        chunked = getattr(model, "chunked_loss", False)
+        if chunked:
+            model.set_chunked_loss(False)  # count through the logits: the same head matmuls
         counter = FlopCounterMode(display=False)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), counter:
@@ -123,6 +134,8 @@ class ModuleFlops:
         finally:
             for p, g in saved.items():
                 p.grad = g
+            if chunked:
+                model.set_chunked_loss(True)
         ops = counter.get_flop_counts().get("Global", {})
         seen = any("bmm" in str(op) or "scaled_dot_product" in str(op) or "attention" in str(op) for op in ops)
         return int(counter.get_total_flops()), seen
@@ -132,7 +145,9 @@ class ModuleFlops:
         per_sample = (f1 * (seq - s2) * (seq - s3) / ((s1 - s2) * (s1 - s3))
                       + f2 * (seq - s1) * (seq - s3) / ((s2 - s1) * (s2 - s3))
                       + f3 * (seq - s1) * (seq - s2) / ((s3 - s1) * (s3 - s2)))  # Lagrange: exact on a quadratic
-        return int(round(batch * per_sample))
+        attention = 0 if self.analytic is None else attention_training_flops(batch, seq, self.analytic[1],
+                                                                             self.analytic[0])
+        return int(round(batch * per_sample)) + attention
 
 
 STEP_FLOPS_METHOD = ("FlopCounterMode on the meta device at two lengths (per-token and per-sample layers), attention "

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from train.profiling.config import ProfileConfig
 from train.profiling.ops import FLOAT_DTYPES, OpRecord, bytes_moved, estimated_flops
+from train.profiling.ranges import STAGES
 
 COMPUTE, MEMORY, LAUNCH, DATA, UNKNOWN = "compute-bound", "memory-bound", "CPU/launch-bound", "data-bound", "unknown"
 LAUNCH_CPU_RATIO = 2.0
@@ -151,7 +152,8 @@ def build_summary(ops: list[OpRecord], *, device_type: str, step_total_us: float
         ops: grouped op records over the captured (active) steps.
         device_type: ``"cuda"`` ranks by self device time, anything else by self CPU time.
         step_total_us: wall time of the captured steps, summed (µs).
-        stage_us: µs per stage (``data_wait``, ``forward``, ``backward``, ``optimizer``) summed over the steps.
+        stage_us: µs per stage (:data:`~train.profiling.ranges.STAGES`: ``data_wait``, ``forward``, ``loss``,
+            ``backward``, ``optimizer``) summed over the steps.
         roofline: from :func:`train.profiling.roofline.ridge_point` (needs ``ridge_flop_per_byte``,
             ``peak_flops_per_s``).
         th: the run's ``profile`` section: the verdict and recommendation thresholds and ``top_k`` (table rows).
@@ -170,7 +172,7 @@ def build_summary(ops: list[OpRecord], *, device_type: str, step_total_us: float
     share_by_verdict: dict[str, float] = {}
     for row in rows:
         share_by_verdict[row["verdict"]] = share_by_verdict.get(row["verdict"], 0.0) + (row["share_of_step"] or 0.0)
-    stages = {k: stage_us.get(k, 0.0) for k in ("data_wait", "forward", "backward", "optimizer")}
+    stages = {k: stage_us.get(k, 0.0) for k in STAGES}
     stages["other"] = max(0.0, step_total_us - sum(stages.values()))
     breakdown_ms = {k: v / 1e3 / active_steps for k, v in stages.items()}
     breakdown_share = {k: v / step_total_us for k, v in stages.items()}

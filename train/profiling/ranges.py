@@ -1,4 +1,4 @@
-"""Named ranges around the stages of a training step (data wait, forward, backward, optimizer).
+"""Named ranges around the stages of a training step (data wait, forward, loss, backward, optimizer).
 
 The trainer always calls ``self.ranges("forward")`` etc.; by default that returns one shared
 ``contextlib.nullcontext`` (no allocation, no profiler call). A profile swaps in
@@ -14,8 +14,10 @@ from contextlib import AbstractContextManager as ContextManager
 
 import torch
 
-STAGES = ("data_wait", "forward", "backward", "optimizer")
-"""Stage names the trainer uses; the trace/NVTX range of stage ``s`` is named ``RANGE_PREFIX + s``."""
+STAGES = ("data_wait", "forward", "loss", "backward", "optimizer")
+"""Stage names the trainer uses; the trace/NVTX range of stage ``s`` is named ``RANGE_PREFIX + s``. ``loss``: the
+task's loss on the forward's output — with a causal LM's chunked loss, the LM head's forward and its gradient too
+(they run there, chunk by chunk); otherwise the head is in ``forward`` and ``backward``."""
 RANGE_PREFIX = "train/"
 
 _NULL = contextlib.nullcontext()

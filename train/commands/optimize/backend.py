@@ -287,6 +287,7 @@ class RunBackend:
                       compute_share=by.get(COMPUTE, 0.0), memory_share=by.get(MEMORY, 0.0),
                       launch_share=by.get(LAUNCH, 0.0), data_wait_share=shares.get("data_wait"),
                       optimizer_share=shares.get("optimizer"), other_share=shares.get("other"),
+                      loss_share=shares.get("loss"),
                       dropout_mask_share=mask_us / total_us if total_us else None,
                       attention_share=attention_us / total_us if total_us else None,
                       top_op=table[0]["op"] if table else None,

@@ -28,7 +28,8 @@ from train.tools.progress import progress_bar
 def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str, Any], list[str]]:
     """The overrides that make the user's config explicit where it says ``auto`` (so every arm runs one decided
     setting), and a note for each. ``train.precision=auto`` → what auto decided; ``batching.method=auto`` →
-    ``optimal`` (packing is a lever the search measures); ``model.fast_dropout=auto`` → ``false`` (idem)."""
+    ``optimal`` (packing is a lever the search measures); ``model.fast_dropout=auto`` → ``false`` (idem);
+    a causal LM's ``model.chunked_loss=auto`` → ``false`` (idem)."""
     out, notes = {}, []
     if cfg.train.precision == "auto":
         out["train.precision"] = resolved_precision
@@ -40,6 +41,9 @@ def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str
         out["model.fast_dropout"] = "false"
         notes.append("model.fast_dropout=auto: the baseline runs nn.Dropout; the cheaper mask is the fast_dropout "
                      "lever")
+    if cfg.model.task == "causal-lm" and cfg.model.chunked_loss == "auto":
+        out["model.chunked_loss"] = "false"
+        notes.append("model.chunked_loss=auto: the baseline keeps the logits whole; chunking is the chunked_loss lever")
     return out, notes
 
 

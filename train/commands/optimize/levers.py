@@ -209,6 +209,24 @@ def _fast_dropout(ctx: LeverContext, ev: Evidence) -> Proposal:
                       f"dropout mask ops (bernoulli_/rand) {_pct(ev.dropout_mask_share)} of the step", RNG)]
 
 
+CHUNKED_LOSS = ("false", "true")
+"""``model.chunked_loss`` off (the LM head's logits whole) and on (head + cross-entropy chunk by chunk: the lever's
+value)."""
+
+
+def _chunked_loss(ctx: LeverContext, ev: Evidence) -> Proposal:
+    if ctx.cfg.model.task != "causal-lm":
+        return f"model.task={ctx.cfg.model.task}: logits [N, classes], nothing to chunk"
+    if ctx.cfg.model.chunked_loss == CHUNKED_LOSS[1]:
+        return "already on"
+    # the head's matmuls run either way; what goes is the fp32 [tokens, vocab] logits' round trips through memory
+    # (log-softmax, its gradient, the casts), which live in the loss stage and the head's backward
+    return [Candidate("chunked_loss", CHUNKED_LOSS[1], {"model.chunked_loss": CHUNKED_LOSS[1]},
+                      amdahl(ev.loss_share, 2.0),
+                      f"the loss stage (cross-entropy over the whole fp32 logits) {_pct(ev.loss_share)} of the step",
+                      NUMERICS)]
+
+
 FUSED_ADAMW = (False, True)
 """``optim.fused`` off and on (the lever's value); ``optimize-grid`` crosses both where torch has the fused kernel."""
 
@@ -288,6 +306,9 @@ CATALOGUE: tuple[Lever, ...] = (
           "per-step overhead share, memory headroom", TRAINING, _token_budget, BATCHING_KEYS),
     Lever("fast_dropout", "model.fast_dropout: dropout masks drawn as 16-bit uniform integers",
           "models with nn.Dropout", "dropout-mask op share", RNG, _fast_dropout, ("model.fast_dropout",)),
+    Lever("chunked_loss", "model.chunked_loss: the LM head + cross-entropy over token chunks, gradients in the "
+          "forward pass (the fp32 logits never whole)", "causal LMs with a linear head", "loss-stage share", NUMERICS,
+          _chunked_loss, ("model.chunked_loss",)),
     Lever("fused_adamw", "optim.fused: AdamW's fused kernel", "CUDA; CPU from torch 2.4", "optimizer share",
           NUMERICS, _fused_adamw, ("optim.fused",)),
     Lever("workers", "data.num_workers (and pinned memory on CUDA)", "any", "data-wait share", EXACT, _workers,

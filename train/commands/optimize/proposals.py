@@ -34,6 +34,9 @@ class Evidence:
     other_share: Optional[float] = None
     dropout_mask_share: Optional[float] = None
     attention_share: Optional[float] = None
+    loss_share: Optional[float] = None
+    """The step's ``loss`` stage (train/profiling/ranges.py): a causal LM's cross-entropy over the whole logits, or
+    with the chunked loss the LM head and its gradient too."""
     top_memory_op: Optional[str] = None
     top_op: Optional[str] = None
     peak_memory_bytes: Optional[int] = None
