@@ -265,6 +265,37 @@ def test_bench_vs_hf_runs_both_sides_on_equal_samples(wndb, tmp_path) -> None:
     assert (tmp_path / "runs" / "vs" / "bench-vs-hf.md").read_text().count("| hf-trainer |") == 1
 
 
+def test_bench_vs_hf_on_a_causal_lm_runs_both_hf_configurations_warm_and_cold(wndb, tmp_path) -> None:
+    """A causal LM: the HF Trainer padded (length grouping) and padding-free (DataCollatorWithFlattening), this
+    project and all levers, on equal samples and equal real tokens; the held-out loss per target token for each;
+    the headline against the faster HF configuration; the cold comparison in fresh processes."""
+    pytest.importorskip("accelerate")
+    from tests.conftest import tiny_overrides
+    from train.commands.bench.vs_hf import HF_PADDING_FREE, run_bench_vs_hf
+
+    cfg = load_config(str(ROOT / "configs" / "bench-vs-hf-causal.yaml"), tiny_overrides(
+        wndb, tmp_path, "data.max_samples=null", "batching.max_tokens=128", "train.max_steps=null", "bench.rounds=1",
+        "bench.warmup_runs=0", "bench.cold_runs=1", "train.run_id=vsc", "train.precision=fp32"))
+    result = run_bench_vs_hf(cfg, notice=lambda *_: None)
+    sides = result["sides"]
+    assert list(sides) == ["hf-trainer", HF_PADDING_FREE, "this-project", "all-levers"]
+    n = result["train_samples"]
+    for name, side in sides.items():
+        m = side["median"]
+        assert m["samples_seen"] == n, name
+        assert m["eval_loss"] > 0 and 0 <= m["eval_accuracy"] <= 1 and m["tokens_per_s"] > 0, name
+    headline = result["causal"]
+    assert headline["faster_hf_configuration"] in ("hf-trainer", HF_PADDING_FREE)
+    assert headline["all-levers"]["tokens_per_s_ratio"]["median"] > 0
+    cold = result["cold"]
+    assert cold["repeats"] == 1 and set(cold["median_tokens_per_s"]) == set(sides)
+    seen = {name: runs[0]["tokens_seen"] for name, runs in cold["runs"].items()}
+    assert len(set(seen.values())) == 1, seen  # every side trains the same real tokens in its one epoch
+    assert all(runs[0]["process_s"] > 0 for runs in cold["runs"].values())
+    text = (tmp_path / "runs" / "vsc" / "bench-vs-hf.md").read_text()
+    assert "| hf-padding-free |" in text and "(the faster HF configuration)" in text and "cold this-project" in text
+
+
 def _cli_error(argv: list[str], capsys) -> str:
     """``python -m train train …`` on ``argv`` through :func:`train.cli.main`: exit 2 and exactly one line on stderr."""
     from train.cli import main

@@ -473,6 +473,20 @@ def test_catalogue_levers_propose_from_the_evidence():
     assert comp[0].predicted < 1.0
 
 
+def test_the_chunked_loss_lever_is_offered_to_causal_lms_ranked_by_the_loss_stage():
+    lever = next(lv for lv in CATALOGUE if lv.name == "chunked_loss")
+    ev = Evidence(step_ms=100.0, loss_share=0.3)
+    classifier = LeverContext(cfg=RunConfig(), device_type="cpu")
+    assert "nothing to chunk" in lever.propose(classifier, ev)
+    causal = RunConfig().with_values({"model.task": "causal-lm", "model.source": "hf:llama",
+                                      "model.chunked_loss": "false"})
+    (cand,) = lever.propose(LeverContext(cfg=causal, device_type="cpu"), ev)
+    assert cand.overrides == {"model.chunked_loss": "true"} and cand.may_change == NUMERICS
+    assert cand.predicted == pytest.approx(amdahl(0.3, 2.0)) and "30.0%" in cand.evidence
+    on = causal.with_values({"model.chunked_loss": "true"})
+    assert lever.propose(LeverContext(cfg=on, device_type="cpu"), ev) == "already on"
+
+
 def test_token_budget_doubles_up_to_the_bound():
     cfg = RunConfig().with_values({"batching.method": "optimal", "batching.max_tokens": 8192})
     ctx = LeverContext(cfg=cfg, device_type="cpu", base_budget=4096)

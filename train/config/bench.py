@@ -31,6 +31,12 @@ class BenchConfig(Frozen):
     """``bench-vs-hf``: untimed whole training runs per side, in turn, before its ``rounds`` timed ones (oneDNN's
     primitive cache, the allocator and the kernels' first use see every batch shape once; a cold first round reads
     far below the warm ones: docs/models.md). 0: the first round runs cold."""
+    cold_runs: int = allowed(0, ge=0)
+    """``bench-vs-hf``: repetitions of the cold comparison after the warm one — each side's whole one-epoch run in a
+    fresh process (interpreter start, imports, the prepared data from its cache, model build, training; no
+    evaluation), the sides in a rotating order; real tokens of the epoch ÷ the process's wall time. 0: none."""
+    cold_side: Optional[str] = None
+    """Set by ``bench-vs-hf`` on its own child processes (one cold side run each); not a user setting."""
     window: int = allowed(5, ge=1)
     """Timed steps per configuration per round; each configuration gets ``rounds`` × ``window`` timed steps."""
     checkpoint: Optional[str] = None

@@ -8,36 +8,48 @@ passes over the same training split (so equal samples seen, up to each side's la
   ``train.precision=auto`` picks bf16 (``fp16=True`` where it picks fp16), ``group_by_length=True``,
   ``per_device_train_batch_size=batching.batch_size``, the same learning rate, warm-up, weight decay and
   clipping; no checkpoints, no logging, no tracking;
+* ``hf-padding-free`` (causal LMs only, ``model.task=causal-lm``): the same Trainer with Hugging Face's own
+  padding-free collator, ``DataCollatorWithFlattening`` (each batch's samples concatenated into one row with
+  restarting ``position_ids``, no padding; transformers 5.x with SDPA detects the packed samples from the positions),
+  no length grouping. A causal side's labels are its input ids with the prompt (and padding) set to -100; the model
+  shifts them itself;
 * ``this-project``: this project's trainer with the config as given (``configs/bench-vs-hf.yaml``: the
   ``optimized`` settings: fitted buckets, a token budget, the ``auto`` precision);
 * ``all-levers``: the same with every lever this project can apply to the model on top: packed rows where the
-  model runs them exactly (train/models/packed.py) and the float32 dropout mask (``model.fast_dropout=true``).
+  model runs them exactly (train/models/packed.py), the 16-bit dropout mask (``model.fast_dropout=true``) and, for a
+  causal LM, the chunked loss (``model.chunked_loss=true``).
 
 Each side first trains ``bench.warmup_runs`` untimed runs (1: every batch shape meets oneDNN's primitive cache and
 the allocator once, as the A/B primitive's warm-up does for steps); then they take turns for ``bench.rounds`` rounds
 (the order rotates; the one A/B primitive, train/perf/ab.py), so machine noise hits them alike. Per timed run:
 samples/s and real tokens/s over the steady steps (the first excluded; wall clock between the ends of steps,
 batch loading included), time to first step (model build → end of step 1), peak memory (the run's window),
-and accuracy on the validation split, measured for both by the same evaluation. Figures: medians over rounds.
+and the held-out figures on the validation split, measured for every side by the same evaluation (accuracy; a
+causal LM's loss per target token and perplexity). Figures: medians over rounds. A causal LM's headline is this
+project against the faster of the two Hugging Face configurations.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import math
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from train.callbacks import Callback
+from train.commands.bench.vs_hf_sides import (
+    ALL_LEVERS,
+    CAUSAL_LM,
+    HF_PADDING_FREE,
+    SIDES,
+    all_levers,
+    cold_child,
+    cold_comparison,
+    our_run,
+    side_run,
+)
 from train.config import RunConfig
 from train.data import make_loader, prepare_data
 from train.errors import UserError, atomic_write_text
@@ -45,117 +57,8 @@ from train.evaluation import evaluate
 from train.perf.ab import CONFIDENCE, ABResult, Arm, interleave
 from train.perf.memory import WindowPeakMemory
 from train.precision import PrecisionPolicy
-from train.setup import build_model, build_run, replan, seed_everything, start_run
+from train.setup import replan, start_run
 from train.tools.env import collect_env, machine_facts
-
-SIDES = ("hf-trainer", "this-project")
-ALL_LEVERS = "all-levers"
-"""A third side: this project with every lever it can apply to the model on top of the config (packed rows where
-the model runs them exactly, the float32 dropout mask)."""
-
-
-def _all_levers(cfg: RunConfig) -> dict[str, Any]:
-    """The overrides of the ``all-levers`` side for ``cfg``'s model."""
-    from train.models import model_supports_packing
-
-    levers: dict[str, Any] = {"model.fast_dropout": "true"}
-    if model_supports_packing(cfg.model.source, cfg.model.task):
-        levers["batching.method"] = "packed"
-    return levers
-
-
-class _StepEnds(Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_step_end(self, step: int, step_ms: float) -> bool:
-        self.ends.append(time.perf_counter())
-        return False
-
-
-def _hf_side(cfg: RunConfig, bundle, device, policy, tmp: Path) -> dict[str, Any]:
-    """One run of the Hugging Face Trainer; returns its figures and the trained (wrapped) model."""
-    import transformers
-
-    split = bundle.splits["train"]
-    data = [{"input_ids": torch.from_numpy(np.array(split.ids[i], dtype=np.int64)), "labels": int(split.labels[i])}
-            for i in range(len(split))]
-    counts: list[tuple[int, int]] = []
-
-    def collate(items: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(x["input_ids"]) for x in items)
-        ids = torch.full((len(items), longest), bundle.pad_id, dtype=torch.long)
-        for r, x in enumerate(items):
-            ids[r, :len(x["input_ids"])] = x["input_ids"]
-        counts.append((len(items), sum(len(x["input_ids"]) for x in items)))
-        return {"input_ids": ids, "attention_mask": _mask(items, longest),
-                "labels": torch.tensor([x["labels"] for x in items])}
-
-    ends: list[float] = []
-
-    class Ends(transformers.TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            ends.append(time.perf_counter())
-
-    b = cfg.batching.batch_size
-    steps = max(1, math.ceil(cfg.train.epochs * math.ceil(len(data) / b)))
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp), per_device_train_batch_size=b, max_steps=steps, learning_rate=cfg.optim.lr,
-        weight_decay=cfg.optim.weight_decay, warmup_steps=math.ceil(cfg.optim.warmup_fraction * steps),
-        lr_scheduler_type="linear", max_grad_norm=cfg.clip.max_norm if cfg.clip.method == "global-norm" else 0.0,
-        bf16=policy.mode == "bf16", fp16=policy.mode == "fp16", report_to="none", **_group_by_length(transformers),
-        save_strategy="no", logging_strategy="no", eval_strategy="no", disable_tqdm=True, seed=cfg.train.seed,
-        dataloader_num_workers=cfg.data.num_workers, use_cpu=device.type == "cpu")
-    t0 = time.perf_counter()
-    seed_everything(cfg.train.seed)
-    model = build_model(cfg, bundle)
-    trainer = transformers.Trainer(model=model.inner, args=args, train_dataset=data, data_collator=collate,
-                                   callbacks=[Ends()])
-    trainer.train()
-    model = model.to(device)
-    return {**_figures(t0, ends, counts[:len(ends)]), "steps": len(ends), "batch_size": b}, model
-
-
-def _group_by_length(transformers) -> dict[str, Any]:
-    """HF's length grouping under the installed version's name (transformers 5: train_sampling_strategy)."""
-    names = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    return ({"train_sampling_strategy": "group_by_length"} if "train_sampling_strategy" in names
-            else {"group_by_length": True})
-
-
-def _mask(items: list[dict], longest: int) -> torch.Tensor:
-    mask = torch.zeros(len(items), longest, dtype=torch.long)
-    for r, x in enumerate(items):
-        mask[r, :len(x["input_ids"])] = 1
-    return mask
-
-
-def _figures(t0: float, ends: list[float], counts: list[tuple[int, int]]) -> dict[str, Any]:
-    """samples/s and tokens/s over steps 2..N (wall clock between step ends), time to first step, samples seen."""
-    steady_s = ends[-1] - ends[0] if len(ends) > 1 else 0.0
-    steady = counts[1:]
-    return {"samples_per_s": sum(n for n, _ in steady) / steady_s if steady_s else None,
-            "tokens_per_s": sum(t for _, t in steady) / steady_s if steady_s else None,
-            "time_to_first_step_s": ends[0] - t0 if ends else None,
-            "samples_seen": sum(n for n, _ in counts), "steady_samples": sum(n for n, _ in steady),
-            "steady_s": steady_s}
-
-
-def _our_side(cfg: RunConfig, bundle, device, policy) -> tuple[dict[str, Any], torch.nn.Module]:
-    """One run of this project's trainer (the config as given: the optimized settings), built by the one set-up."""
-    t0 = time.perf_counter()
-    run = build_run(cfg, bundle, device, policy)
-    ends = _StepEnds()
-    run.trainer.add_callback(ends)
-    stats = run.trainer.fit()
-    steady_s = ends.ends[-1] - ends.ends[0] if len(ends.ends) > 1 else 0.0
-    out = {"samples_per_s": stats.steady_samples / steady_s if steady_s else None,
-           "tokens_per_s": stats.steady_real_tokens / steady_s if steady_s else None,
-           "time_to_first_step_s": ends.ends[0] - t0 if ends.ends else None, "samples_seen": stats.samples,
-           "steady_samples": stats.steady_samples, "steady_s": steady_s,
-           "steps": stats.steps, "batch_size": cfg.batching.batch_size, "max_tokens": cfg.batching.max_tokens,
-           "batching_method": cfg.batching.method}
-    return out, run.model
 
 
 def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> dict[str, Any]:
@@ -169,18 +72,24 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
                         f"(got {cfg.model.source})")
     try:
         import accelerate  # noqa: F401  (the Trainer needs it)
-        import transformers  # noqa: F401
+        import transformers
     except ImportError as exc:
         raise UserError(f"bench-vs-hf needs transformers and accelerate ({exc}); "
                         "pip install -r requirements.txt") from None
+    if cfg.bench.cold_side is not None:
+        return cold_child(cfg)
     start = start_run(cfg, prefix="bench-vs-hf-")
     device, policy = start.device, start.policy
     bundle = prepare_data(cfg, None, notice=notice)
     val = make_loader(bundle, "validation", cfg, train=False, device=device)
-    levers = _all_levers(cfg)
+    levers = all_levers(cfg)
     cfg_all = cfg.with_values(levers)
     bundle_all = replan(cfg_all, bundle)
-    sides = (*SIDES, ALL_LEVERS)
+    causal = cfg.model.task == CAUSAL_LM
+    sides = (SIDES[0], HF_PADDING_FREE, SIDES[1], ALL_LEVERS) if causal else (*SIDES, ALL_LEVERS)
+    if causal and int(transformers.__version__.split(".")[0]) < 5:
+        notice(f"bench-vs-hf: notice: transformers {transformers.__version__} finds the samples of a flattened row "
+               "only under flash_attention_2; here the hf-padding-free side attends across samples (not exact)")
     every_run: dict[str, list[dict]] = {s: [] for s in sides}  # the warm-up runs first, then the timed ones
     env = {**collect_env(device), **machine_facts(device)}
     warmup = cfg.bench.warmup_runs
@@ -189,15 +98,15 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
         """One whole training run per round, self-timed over its steady steps (the A/B primitive pairs the rounds)."""
         def one() -> dict[str, float]:
             with tempfile.TemporaryDirectory() as tmp:
-                fig, model = (_hf_side(cfg, bundle, device, policy, Path(tmp)) if name == "hf-trainer"
-                              else _our_side(cfg_all, bundle_all, device, policy) if name == ALL_LEVERS
-                              else _our_side(cfg, bundle, device, policy))
-            fig["eval_accuracy"] = evaluate(model, val, policy, bundle.num_classes, device)["accuracy"]
+                fig, model = (our_run(cfg_all, bundle_all, device, policy) if name == ALL_LEVERS
+                              else side_run(name, cfg, bundle, device, policy, Path(tmp)))
+            held_out = evaluate(model, val, policy, bundle.num_classes, device)  # the model's own task
+            fig["eval_accuracy"], fig["eval_loss"] = held_out["accuracy"], held_out["loss"]
             every_run[name].append(fig)
             if len(every_run[name]) <= warmup:
                 notice(f"bench-vs-hf: warm-up run {len(every_run[name])}/{warmup} {name} (untimed): "
                        f"{_fmt(fig['samples_per_s'])} samples/s")
-            return {"samples": fig["steady_samples"], "seconds": fig["steady_s"]}
+            return {"samples": fig["steady_samples"], "real_tokens": fig["steady_tokens"], "seconds": fig["steady_s"]}
 
         @contextlib.contextmanager
         def measure() -> Iterator[dict]:
@@ -207,7 +116,8 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
             fig = every_run[name][-1]
             fig.update(memory.stop())
             notice(f"bench-vs-hf: round {len(every_run[name]) - warmup}/{cfg.bench.rounds} {name}: "
-                   f"{_fmt(fig['samples_per_s'])} samples/s, eval accuracy {_fmt(fig['eval_accuracy'], '.4f')}, "
+                   f"{_fmt(fig['samples_per_s'])} samples/s, {_fmt(fig['tokens_per_s'], '.0f')} tokens/s, eval "
+                   f"accuracy {_fmt(fig['eval_accuracy'], '.4f')}, eval loss {_fmt(fig['eval_loss'], '.4f')}, "
                    f"{fig['samples_seen']} samples")
 
         return Arm(name, one, measure)
@@ -215,6 +125,8 @@ def run_bench_vs_hf(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
     ab = interleave([side(s) for s in sides], rounds=cfg.bench.rounds, window=1, warmup=warmup, device=device)
     result = _result(cfg, policy, len(bundle.splits["train"]), ab, every_run, levers,
                      {**env, "load_1min_at_end": machine_facts(device)["load_1min"]})
+    if cfg.bench.cold_runs:
+        result["cold"] = cold_comparison(start.run_dir / "config.yaml", sides, cfg.bench.cold_runs, notice)
     atomic_write_text(start.run_dir / "bench-vs-hf.json", json.dumps(result, indent=2) + "\n")
     atomic_write_text(start.run_dir / "bench-vs-hf.md", markdown(result))
     notice(markdown(result))
@@ -242,6 +154,8 @@ def _result(cfg: RunConfig, policy: PrecisionPolicy, train_samples: int, ab: ABR
     result["speedup_verdict"] = paired.verdict
     result["eval_accuracy_delta"] = (ours["eval_accuracy"] - theirs["eval_accuracy"]
                                      if None not in (ours["eval_accuracy"], theirs["eval_accuracy"]) else None)
+    if HF_PADDING_FREE in result["sides"]:
+        result["causal"] = _causal_headline(result, ab)
     every = result["sides"][ALL_LEVERS]["median"]
     result[ALL_LEVERS.replace("-", "_")] = {
         "levers": levers, "speedup_vs_hf_trainer": ab.ratio(ALL_LEVERS, "hf-trainer").as_dict(),
@@ -250,6 +164,21 @@ def _result(cfg: RunConfig, policy: PrecisionPolicy, train_samples: int, ab: ABR
             every["eval_accuracy"] - theirs["eval_accuracy"]
             if None not in (every["eval_accuracy"], theirs["eval_accuracy"]) else None)}
     return result
+
+
+def _causal_headline(result: dict[str, Any], ab: ABResult) -> dict[str, Any]:
+    """A causal LM's comparison in real tokens/s: the faster Hugging Face configuration (by median tokens/s), this
+    project's config and its all-levers side against it (paired rounds), and the held-out loss per target token of
+    each side relative to it."""
+    hf = max(SIDES[0], HF_PADDING_FREE, key=lambda s: result["sides"][s]["median"]["tokens_per_s"] or 0.0)
+    ref = result["sides"][hf]["median"]["eval_loss"]
+
+    def vs(side: str) -> dict[str, Any]:
+        loss = result["sides"][side]["median"]["eval_loss"]
+        return {"tokens_per_s_ratio": ab.ratio(side, hf, "real_tokens").as_dict(),
+                "eval_loss_relative": (loss - ref) / ref if None not in (loss, ref) and ref else None}
+
+    return {"faster_hf_configuration": hf, "this-project": vs("this-project"), ALL_LEVERS: vs(ALL_LEVERS)}
 
 
 def _interval(result: dict[str, Any]) -> str:
@@ -261,7 +190,7 @@ def _interval(result: dict[str, Any]) -> str:
 
 def _median(runs: list[dict]) -> dict[str, Any]:
     keys = ("samples_per_s", "tokens_per_s", "time_to_first_step_s", "peak_memory_bytes", "eval_accuracy",
-            "samples_seen")
+            "eval_loss", "samples_seen")
     return {k: statistics.median(v) if (v := [x[k] for x in runs if x.get(k) is not None]) else None for k in keys}
 
 
@@ -277,14 +206,14 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['warmup_runs']} untimed warm-up run(s) per side; {env['device']}, "
              f"load {_fmt(env['load_1min'], '.2f')} → {_fmt(env['load_1min_at_end'], '.2f')}", "",
              "| side | samples/s | tokens/s | time to first step (s) | peak memory (MiB) | eval accuracy "
-             "| samples seen |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| eval loss | samples seen |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for side in result["sides"]:
         m = result["sides"][side]["median"]
         mem = None if m["peak_memory_bytes"] is None else m["peak_memory_bytes"] / 2**20
         lines.append(f"| {side} | {_fmt(m['samples_per_s'])} | {_fmt(m['tokens_per_s'], '.0f')} | "
                      f"{_fmt(m['time_to_first_step_s'], '.2f')} | {_fmt(mem, '.0f')} | "
-                     f"{_fmt(m['eval_accuracy'], '.4f')} | "
+                     f"{_fmt(m['eval_accuracy'], '.4f')} | {_fmt(m['eval_loss'], '.4f')} | "
                      f"{_fmt(m['samples_seen'], '.0f')} |")
     rounds = ", ".join(_fmt(x, ".2f") for x in result["speedup_per_round"])
     lines += ["", f"this project / HF Trainer samples/s: {_fmt(result['speedup_samples_per_s'], '.2f')}x (medians); "
@@ -299,5 +228,24 @@ def markdown(result: dict[str, Any]) -> str:
                      f"({r['verdict']}, median of paired rounds); "
                      f"vs this-project {_fmt(every['speedup_vs_this_project']['median'], '.2f')}x; eval accuracy "
                      f"difference {_fmt(every['eval_accuracy_delta_vs_hf_trainer'], '+.4f')}")
+    cold = result.get("cold")
+    if cold:
+        med = cold["median_tokens_per_s"]
+        lines.append(f"cold ({cold['repeats']} fresh process(es) per side, interleaved): real tokens/s over the whole "
+                     "process " + ", ".join(f"{s} {_fmt(v, '.0f')}" for s, v in med.items()))
+        hf = [s for s in ("hf-trainer", HF_PADDING_FREE) if s in med]
+        faster = max(hf, key=lambda s: med[s])
+        for side in ("this-project", ALL_LEVERS):
+            lines.append(f"cold {side} / {faster}: {_fmt(cold['ratio_median'][f'{side}/{faster}'], '.2f')}x (median "
+                         "of the repetitions' ratios: " + ", ".join(
+                             _fmt(x, ".2f") for x in cold["ratio_per_repeat"][f"{side}/{faster}"]) + ")")
+    causal = result.get("causal")
+    if causal:
+        hf = causal["faster_hf_configuration"]
+        for side in ("this-project", ALL_LEVERS):
+            r, rel = causal[side]["tokens_per_s_ratio"], causal[side]["eval_loss_relative"]
+            lines.append(f"{side} / {hf} (the faster HF configuration) real tokens/s: {_fmt(r['median'], '.2f')}x "
+                         f"[{_fmt(r['low'], '.2f')}, {_fmt(r['high'], '.2f')}] ({r['verdict']}); held-out loss per "
+                         f"target token {_fmt(None if rel is None else 100 * rel, '+.2f')}% relative")
     return "\n".join(lines) + "\n"
 
