@@ -31,7 +31,10 @@ from train.setup import build_model, build_run, replan, seed_everything, start_r
 SIDES = ("hf-trainer", "this-project")
 ALL_LEVERS = "all-levers"
 """A third side: this project with every lever it can apply to the model on top of the config (packed rows where
-the model runs them exactly, the float32 dropout mask)."""
+the model runs them exactly, the 16-bit dropout mask, a causal LM's chunked loss)."""
+CAUSAL_LM = "causal-lm"
+HF_PADDING_FREE = "hf-padding-free"
+"""A causal LM's fourth side: the Trainer with ``DataCollatorWithFlattening`` (Hugging Face's padding-free mode)."""
 
 
 def all_levers(cfg: RunConfig) -> dict[str, Any]:
@@ -46,11 +49,9 @@ def all_levers(cfg: RunConfig) -> dict[str, Any]:
     return levers
 
 
-CAUSAL_LM = "causal-lm"
-HF_PADDING_FREE = "hf-padding-free"
-
-
 class StepEnds(Callback):
+    """The wall-clock end of every step (this project's side)."""
+
     def __init__(self) -> None:
         self.ends: list[float] = []
 
@@ -59,7 +60,8 @@ class StepEnds(Callback):
         return False
 
 
-def hf_trainer_run(cfg: RunConfig, bundle, device, policy, tmp: Path, padding_free: bool = False) -> dict[str, Any]:
+def hf_trainer_run(cfg: RunConfig, bundle, device, policy, tmp: Path,
+                   padding_free: bool = False) -> tuple[dict[str, Any], Any]:
     """One run of the Hugging Face Trainer (``padding_free``: with ``DataCollatorWithFlattening``, causal LMs only);
     returns its figures and the trained (wrapped) model."""
     import transformers
