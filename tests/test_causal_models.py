@@ -62,13 +62,16 @@ def test_block_causal_mask_is_causal_within_samples_and_padding_sees_itself() ->
     assert not causal_block_mask(seq, window=2)[0, 4, 2] and causal_block_mask(seq, window=2)[0, 4, 3]
 
 
+@pytest.mark.parametrize("path", ["sdpa-mask", "varlen"])
 @pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("kind", KINDS)
-def test_packed_per_token_loss_equals_unpacked(kind: str, attn: str) -> None:
+def test_packed_per_token_loss_equals_unpacked(kind: str, attn: str, path: str) -> None:
     model = _tiny(kind, attn)
     ok, reason = probe_causal_packing(model)
     assert ok, reason
     assert kind in reason and attn in reason and ("boolean" if attn == "sdpa" else "additive float") in reason
+    assert model.varlen_available() is None, model.varlen_reason  # the probe found varlen exact too
+    model.set_packed_attention(path)
     samples = _samples()
     batch = _packed_batch(samples)
     with torch.no_grad():
@@ -82,7 +85,7 @@ def test_packed_per_token_loss_equals_unpacked(kind: str, attn: str) -> None:
                 n = LENGTHS[i]
                 got = F.cross_entropy(logits[r, at:at + n - 1], batch["labels"][r, at:at + n - 1], reduction="none")
                 want = _alone(model, samples[i])
-                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{kind}/{attn} sample {i}")
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{kind}/{attn}/{path} sample {i}")
                 every.append(want)
                 at += n
         # the task's loss (mean over trained targets) over the packed batch = the mean of the unpacked per-token losses
@@ -118,6 +121,9 @@ def test_sliding_window_layers_are_packed_with_their_window(attn: str) -> None:
     assert model.sliding_window == 4 and "sliding_attention" in model.layer_types
     ok, reason = probe_causal_packing(model)
     assert ok and "sliding window" in reason, reason
+    assert "sliding window" in model.varlen_available()  # varlen has no window: the block mask only
+    with pytest.raises(ValueError, match="varlen"):
+        model.set_packed_attention("varlen")
     samples = _samples()
     batch = _packed_batch(samples)
     with torch.no_grad():

@@ -21,9 +21,11 @@ LLAMA = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attenti
 
 
 def causal_overrides(wndb: Path, root: Path, *extra: str) -> list[str]:
-    """The classification tests' tiny settings turned into a tiny Llama learning the glosses in packed rows."""
+    """The classification tests' tiny settings turned into a tiny Llama learning the glosses in packed rows. The
+    attention path is pinned: ``auto`` measures, and two runs on a busy machine may pick differently."""
     return tiny_overrides(wndb, root, "model.task=causal-lm", "model.source=hf:llama", LLAMA, "data.vocab_size=300",
-                          "batching.method=packed", "batching.max_tokens=128", "model.dropout=0.0", *extra)
+                          "batching.method=packed", "batching.max_tokens=128", "model.dropout=0.0",
+                          "model.packed_attention=sdpa-mask", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +92,33 @@ def test_two_ranks_train_a_causal_lm_on_packed_rows(reference, tmp_path: Path) -
     assert report["batching"]["distinct_shapes"] == 1 and report["quality"]["eval_target_tokens"] > 0
     assert results[0]["param_sha256"] == results[1]["param_sha256"]  # DDP kept the replicas identical
     assert json.loads((tmp_path / "runs" / "ddp-lm" / "report.json").read_text())["task"] == "causal-lm"
+
+
+def test_a_varlen_run_counts_attention_per_sample_and_resumes_bit_identically(reference) -> None:
+    wndb, root, overrides, ref = reference
+    varlen = overrides + ["model.packed_attention=varlen", "train.max_steps=6", "train.eval_every=6"]
+    report = run_training(load_config(None, varlen + ["train.run_id=varlen"]), time.perf_counter())
+    b, p = report["batching"], report["perf"]
+    assert b["attention_path"] == "varlen" and "per sample" in b["attention"]["detail"]
+    assert p["mfu"] is not None and "varlen attention counted per sample group" in p["flops_method"]
+    assert p["flops_per_step_mean"] < ref["perf"]["flops_per_step_mean"]  # the same shape, C² per row there
+    cfg = load_config(None, varlen + ["train.run_id=varlen-mid", "train.checkpoint_every=3"])
+    run_training(cfg, time.perf_counter())
+    run_dir = root / "runs" / "varlen-mid"
+    first = list_checkpoints(run_dir)[0]
+    (run_dir / "checkpoint.pt").unlink()
+    (run_dir / "report.json").unlink()
+    resumed = run_training(cfg, time.perf_counter(), resume=str(first))
+    assert resumed["resumed_from"]["step"] == 3 and resumed["batching"]["attention_path"] == "varlen"
+    assert_same_final_state(root / "runs" / "varlen", run_dir)
+
+
+def test_auto_attention_is_written_into_the_runs_config_so_a_resume_replays_it(reference) -> None:
+    import yaml
+
+    wndb, root, overrides, _ = reference
+    report = run_training(load_config(None, overrides + ["model.packed_attention=auto", "train.max_steps=2",
+                                                         "train.run_id=auto-att"]), time.perf_counter())
+    saved = yaml.safe_load((root / "runs" / "auto-att" / "config.yaml").read_text())
+    assert report["batching"]["attention"]["requested"] == "auto"
+    assert saved["model"]["packed_attention"] == report["batching"]["attention_path"] in ("sdpa-mask", "varlen")

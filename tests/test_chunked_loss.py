@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from train.config import load_config
 from train.errors import UserError
 from train.models.causal import probe_causal_packing, probe_loss_head
 from train.tasks import task_for
@@ -125,6 +126,8 @@ def test_refusals_name_the_key_and_the_fix() -> None:
     with pytest.raises(UserError, match=r"model.chunked_loss=true: model.task=classification .* set "
                                         r"model.chunked_loss=auto or false"):
         decide_chunked_loss("true", "classification", torch.nn.Linear(2, 2), 8, torch.float32, cpu)
+    with pytest.raises(UserError, match=r"model.chunked_loss=true: model.task=classification"):  # before any data
+        load_config(None, ["model.chunked_loss=true"])
     assert not decide_chunked_loss("auto", "classification", torch.nn.Linear(2, 2), 8, torch.float32, cpu)["applied"]
     model = _tiny("llama", ATTENTION[0])
     model.inner.set_output_embeddings(torch.nn.Sequential(model.inner.get_output_embeddings()))

@@ -279,7 +279,7 @@ def test_auto_picks_flex_only_when_it_measures_at_least_as_fast(monkeypatch, tin
     model, policy = EncoderClassifier(spec), SimpleNamespace(mode="fp32")
     calls = []
 
-    def forced(model, step, batch, device, flex):
+    def forced(model, step, batch, device, flex, alt):
         calls.append(batch["input_ids"].shape)
         return {"sdpa-mask": 10.0 * speedup, "flex": 10.0, "speedup": speedup, "repeats": 3,
                 "shape": "x".join(map(str, batch["input_ids"].shape))}

@@ -125,13 +125,15 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
     decided_values = {"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}
     if cfg.model.task == "causal-lm":  # a classifier's config keeps its value (nothing to chunk)
         decided_values["model.chunked_loss"] = "true" if chunked["applied"] else "false"
-    cfg = cfg.with_values(decided_values).freeze()
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
         attention = decided(lambda: choose_packed_attention(model, policy, cfg, bundle, device, compile_enabled,
                                                             lambda: probe_steps(cfg, model, policy, device)))
         apply_attention(model, attention, device)
+        if hasattr(model, "set_packed_attention"):  # a resume replays the path (the paths differ in rounding)
+            decided_values["model.packed_attention"] = attention.path
+    cfg = cfg.with_values(decided_values).freeze()
     return Resolved(cfg, policy, bundle, model, compile_enabled, compile_reason, batching, fast_dropout, attention,
                     chunked)
 

@@ -26,6 +26,7 @@ class TrainStats:
     seq_lens: set = field(default_factory=set)
     batch_shapes: set = field(default_factory=set)
     steady_shape_counts: Counter = field(default_factory=Counter)  # (B, S) → steps, first step excluded
+    steady_attention_pairs: int = 0  # varlen attention: per-head query–key pairs computed, first step excluded
     final_train_loss: Optional[float] = None
     first_step_end: Optional[float] = None  # time.perf_counter() at the end of step 1
     evals: list = field(default_factory=list)
@@ -45,6 +46,7 @@ class TrainStats:
             self.steady_samples += rec.samples
             self.steady_real_tokens += rec.real_tokens
             self.steady_target_tokens += rec.target_tokens
+            self.steady_attention_pairs += rec.attention_pairs
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ class StepRecord:
     none); ``rows`` × ``seq_len`` the batch's shape (rows hold several samples when packed); ``samples``,
     ``real_tokens`` (tokens that are not padding), ``target_tokens`` (causal LM: tokens trained as targets; 0 for a
     classifier) and ``truncated`` (samples cut to fit) counts; ``ms`` the step's
-    duration in milliseconds when the host knows it (always on a CPU; on CUDA only when resolved), else None.
+    duration in milliseconds when the host knows it (always on a CPU; on CUDA only when resolved), else None;
+    ``attention_pairs``: per-head query–key pairs the ``varlen`` attention computed (0 on every other path, whose
+    attention the FLOP count takes per row from the shape).
     """
 
     step: int
@@ -69,6 +73,7 @@ class StepRecord:
     truncated: int
     ms: Optional[float] = None
     target_tokens: int = 0
+    attention_pairs: int = 0
 
     @property
     def padded_tokens(self) -> int:

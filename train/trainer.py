@@ -26,6 +26,7 @@ from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
 from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.encoder import EncoderClassifier, param_groups
+from train.models.varlen import plan_pairs
 from train.numerics import NumericsGuard
 from train.perf.timer import StepTimer
 from train.precision import DTYPES, PrecisionPolicy
@@ -153,6 +154,10 @@ class Trainer:
         self.batches_in_epoch += 1
         return batch
 
+    @property
+    def _varlen(self) -> bool:  # packed rows run varlen attention: the step counts its query–key pairs for FLOPs
+        return getattr(self.model, "packed_attention", None) == "varlen"
+
     def step(self, batch: Optional[dict] = None, *, resolve: bool = False, count: bool = True) -> StepRecord:
         """One training step — the only code in this project that runs one: fetch (``batch`` None: the next batch
         of ``train_loader``, the wait timed as part of the step), move to the device, forward (packed rows with their
@@ -191,7 +196,8 @@ class Trainer:
         rec = StepRecord(step=self.stats.steps + 1, loss=loss.detach(), grad_norm=clip.grad_norm, rows=b, seq_len=seq,
                          samples=batch_samples(batch), real_tokens=int(batch["real_tokens"]),
                          truncated=int(batch.get("truncated", 0)), ms=ms,
-                         target_tokens=int(batch.get("target_tokens", 0)))
+                         target_tokens=int(batch.get("target_tokens", 0)),
+                         attention_pairs=plan_pairs(batch["seq_index"]) if self._varlen and "seq_index" in batch else 0)
         self.last_grad_norm, self.last_batch_shape = clip.grad_norm, (b, seq)
         self._last_inputs = (ids, mask, labels, packed)
         if count:

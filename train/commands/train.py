@@ -174,9 +174,9 @@ def _load_checkpoint(resume: Optional[str], ctx: DistContext, say: Callable[...,
 
 
 def _say_data(bundle: DataBundle, data_s: float, say: Callable[..., None]) -> None:
-    b = bundle
+    b, classes = bundle, "" if bundle.task == "causal-lm" else f"{bundle.num_classes} classes, "
     say(f"data: {b.corpus.name}, {len(b.splits['train'])} train / {len(b.splits['validation'])} val / "
-        f"{len(b.splits['test'])} test, {b.num_classes} classes, vocab {b.vocab_size} "
+        f"{len(b.splits['test'])} test, {classes}vocab {b.vocab_size} "
         f"(tokenizer {b.tokenizer_info['source']}, prepared data {b.cache.get('cache', 'off')}), {data_s:.1f}s",
         flush=True)
 

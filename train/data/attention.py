@@ -1,20 +1,25 @@
 """``model.packed_attention``: which attention runs packed rows (``batching.method=packed``), decided and said.
 
-Two paths, both exact (a packed sample's logits equal its unpacked logits; tests/test_packing.py):
+Three paths, all exact (a packed sample's logits equal its unpacked logits; tests/test_packing.py,
+tests/test_causal_models.py):
 
-* ``sdpa-mask``: ``scaled_dot_product_attention`` with a block-diagonal bool mask [R, 1, C, C] (every torch; the
-  only one on torch 2.1);
-* ``flex``: FlexAttention (``torch.nn.attention.flex_attention``, torch ≥ 2.5) with a document ``BlockMask`` built
-  per batch by ``create_block_mask`` (same predicate: same ``seq_index``). It has no attention-probability dropout.
-  Where the run's compile is on, ``flex_attention`` is wrapped in ``torch.compile`` (fused kernel; the whole-model
-  compile inlines it); off, it runs eager (unfused: it materialises the scores, and torch warns once).
+* ``sdpa-mask``: ``scaled_dot_product_attention`` with a block-diagonal mask [R, 1, C, C] (every model and torch;
+  the only one for a Hugging Face classifier). A row pays C² scores whatever samples it holds;
+* ``flex`` (the built-in encoder): FlexAttention (``torch.nn.attention.flex_attention``, torch ≥ 2.5) with a
+  document ``BlockMask`` built per batch by ``create_block_mask`` (same predicate: same ``seq_index``). It has no
+  attention-probability dropout. Where the run's compile is on, ``flex_attention`` is wrapped in ``torch.compile``
+  (fused kernel; the whole-model compile inlines it); off, it runs eager (unfused: it materialises the scores);
+* ``varlen`` (causal LMs): each sample attends over itself only, samples of similar length batched into causal SDPA
+  calls (train/models/varlen.py): Σ Lᵢ² scores instead of C² per row, on every torch and device. Offered where the
+  model's packing probe found it exact; never with a sliding window or under compile (shapes change per batch).
 
-Availability comes from :func:`train.compat.flex_attention_functions` (training needs its backward: torch 2.13 has
-none on CPU). ``flex`` requested where it cannot run is a one-line :class:`~train.errors.UserError`. ``auto`` is
-``sdpa-mask`` by rule where flex cannot run or ``model.dropout`` > 0 (flex would drop attention dropout and so change
-the model's training); otherwise it times the run's training step (a probe trainer's) on one packed batch of the run's
-own shape with each path (one untimed call each, then ``repeats`` interleaved, median) and picks ``flex`` when it is
-≥ :data:`FLEX_MARGIN` × as fast. The model and every RNG are restored afterwards. Measured decisions are cached under
+Availability: :func:`train.compat.flex_attention_functions` for ``flex`` (training needs its backward: torch 2.13
+has none on CPU), the decoder's probe for ``varlen``. A path requested where it cannot run, or on a model without
+it, is a one-line :class:`~train.errors.UserError`. ``auto`` is ``sdpa-mask`` by rule where the other path cannot
+run, or for ``flex`` where ``model.dropout`` > 0 (flex would drop attention dropout and so change the model's
+training); otherwise it times the run's training step (a probe trainer's) on one packed batch of the run's own shape
+with each path (one untimed call each, then ``repeats`` interleaved, median) and picks the other path when it is
+≥ :data:`ALT_MARGIN` × as fast. The model and every RNG are restored afterwards. Measured decisions are cached under
 ``data.cache_dir/decisions/`` like ``batching.method=auto`` (train/data/batching_auto.py); a busy machine measures
 but does not cache.
 """
@@ -41,11 +46,14 @@ from train.precision import PrecisionPolicy
 from train.tools import decisions
 from train.tools.env import machine_load
 
-FLEX_MARGIN = 1.0
-"""``auto`` picks ``flex`` when the ``sdpa-mask`` step takes ≥ this × the ``flex`` step (ties go to flex)."""
-DECISION_FORMAT = 1
+ALT_MARGIN = 1.0
+"""``auto`` picks ``flex`` / ``varlen`` when the ``sdpa-mask`` step takes ≥ this × its step (ties go to it: it
+computes fewer scores)."""
+DECISION_FORMAT = 2
 PATH_DETAIL = {"sdpa-mask": "scaled_dot_product_attention with a block-diagonal bool mask [R, 1, C, C]",
-               "flex": "FlexAttention (torch.nn.attention.flex_attention) with a document BlockMask"}
+               "flex": "FlexAttention (torch.nn.attention.flex_attention) with a document BlockMask",
+               "varlen": "scaled_dot_product_attention per sample, causal, samples of similar length batched "
+                         "(train/models/varlen.py)"}
 
 
 @dataclass
@@ -76,7 +84,8 @@ def flex_functions(device: torch.device, compiled: bool) -> tuple[Optional[tuple
 
 
 def apply_attention(model: torch.nn.Module, choice: AttentionChoice, device: torch.device) -> None:
-    """Set ``choice.path`` on ``model`` (an :class:`~train.models.encoder.EncoderClassifier`; others are left alone)."""
+    """Set ``choice.path`` on ``model`` (the built-in encoder or a causal LM; a classifier of its own is left
+    alone)."""
     if not hasattr(model, "set_packed_attention"):
         return
     fns = flex_functions(device, choice.compiled_flex)[0] if choice.path == "flex" else None
@@ -97,27 +106,28 @@ def probe_batch(cfg: RunConfig, bundle: DataBundle) -> dict:
 
 
 def measure_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
-                  flex: tuple[Callable, Callable], repeats: int = 3) -> dict[str, Any]:
+                  fns: Optional[tuple[Callable, Callable]], alt: str = "flex", repeats: int = 3) -> dict[str, Any]:
     """Median ms of the run's training step (``step(batch)``: a probe trainer's :meth:`~train.trainer.Trainer.step`,
-    restored by its caller) on the packed ``batch`` per path, through the one A/B primitive (one untimed step each,
-    then ``repeats`` rotated rounds): ``{"sdpa-mask": ms, "flex": ms, "speedup": sdpa ÷ flex, "speedup_interval":
-    [low, high], "repeats", "shape"}``. The model's path is restored afterwards."""
-    before = (model.packed_attention, model._flex)
+    restored by its caller) on the packed ``batch`` with ``sdpa-mask`` and with ``alt`` (``flex``, its ``fns``, or
+    ``varlen``), through the one A/B primitive (one untimed step each, then ``repeats`` rotated rounds):
+    ``{"sdpa-mask": ms, alt: ms, "speedup": sdpa ÷ alt, "speedup_interval": [low, high], "repeats", "shape"}``. The
+    model's path is restored afterwards."""
+    before = (model.packed_attention, getattr(model, "_flex", None))
 
     def arm(path: str) -> Arm:
         def one() -> None:
-            model.set_packed_attention(path, flex if path == "flex" else None)
+            model.set_packed_attention(path, fns if path == alt else None)
             step(batch)
 
         return Arm(path, one)
 
     try:
-        ab = interleave([arm("sdpa-mask"), arm("flex")], rounds=repeats, window=1, warmup=1, device=device)
+        ab = interleave([arm("sdpa-mask"), arm(alt)], rounds=repeats, window=1, warmup=1, device=device)
     finally:
         model.set_packed_attention(*before)
-    med = {path: ab.arms[path].median_step_ms() for path in ("sdpa-mask", "flex")}
-    ratio = ab.ratio("flex", "sdpa-mask", "steps")
-    return {**med, "speedup": med["sdpa-mask"] / med["flex"], "speedup_interval": [ratio.low, ratio.high],
+    med = {path: ab.arms[path].median_step_ms() for path in ("sdpa-mask", alt)}
+    ratio = ab.ratio(alt, "sdpa-mask", "steps")
+    return {**med, "speedup": med["sdpa-mask"] / med[alt], "speedup_interval": [ratio.low, ratio.high],
             "repeats": repeats, "shape": "x".join(map(str, batch["input_ids"].shape))}
 
 
@@ -126,6 +136,21 @@ def _cache_key(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, dev
     return {**decisions.machine_identity(device),
             "model": str(getattr(model, "spec", type(model).__name__)), "precision": policy.mode,
             "compiled": compiled, "shape": list(batch["input_ids"].shape), "label_slots": int(batch["labels"].shape[0])}
+
+
+def _alternative(model: Optional[torch.nn.Module], device: torch.device,
+                 compiled: bool) -> tuple[str, Optional[tuple[Callable, Callable]], str]:
+    """``(path, fns, why_not)``: the path that skips other samples' scores for this model — ``flex`` for the
+    built-in encoder (``fns``: FlexAttention's pair), ``varlen`` for a causal LM — and why it cannot run ("" when
+    it can)."""
+    paths = getattr(model, "packed_attention_paths", ("sdpa-mask", "flex"))  # None: the encoder (tests)
+    if "varlen" in paths:
+        why = model.varlen_available() or ""
+        if not why and compiled:
+            why = "its group shapes change with every batch, so a compiled model would recompile"
+        return "varlen", None, why
+    fns, why = flex_functions(device, compiled)
+    return "flex", fns, why
 
 
 def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
@@ -138,50 +163,55 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
     :func:`measure_paths` when None (tests force its result).
 
     Raises:
-        UserError: ``flex`` requested where FlexAttention cannot train (one line: the key, torch, the fix).
+        UserError: a path this model has not (``flex`` on a decoder, ``varlen`` on the encoder, either on a
+            classifier of its own), or one that cannot run here (one line: the key, why, the fix).
     """
     requested = cfg.model.packed_attention
-    # a Hugging Face / python: model: its own attention with a 4-D block mask
+    # a Hugging Face / python: classifier: its own attention with a 4-D block mask
     if model is not None and not hasattr(model, "set_packed_attention"):
-        if requested == "flex":
-            raise UserError(f"model.packed_attention=flex: model.source={cfg.model.source} runs its own attention "
-                            "(a block-diagonal mask); use model.packed_attention=auto or sdpa-mask")
+        if requested not in ("auto", "sdpa-mask"):
+            raise UserError(f"model.packed_attention={requested}: model.source={cfg.model.source} runs its own "
+                            "attention (a block-diagonal mask); use model.packed_attention=auto or sdpa-mask")
         return AttentionChoice("sdpa-mask", requested, "the model's own attention with a block-diagonal mask "
                                "(train/models/packed.py)", "rule")
     if requested == "sdpa-mask":
         return AttentionChoice("sdpa-mask", requested, "requested (model.packed_attention=sdpa-mask)", "requested")
-    flex, why = flex_functions(device, compiled)
-    if flex is None:
-        if requested == "flex":
-            raise UserError(f"model.packed_attention=flex: {why} (torch {torch.__version__}, device {device.type}); "
-                            "use model.packed_attention=sdpa-mask or auto, or a torch ≥ 2.5 build whose FlexAttention "
-                            "has a backward on this device (CUDA)")
-        return AttentionChoice("sdpa-mask", requested, f"auto: FlexAttention cannot train here ({why}): sdpa-mask",
-                               "rule")
-    how = "compiled" if compiled else "eager, unfused"
-    if requested == "flex":
-        note = (f"; attention dropout {cfg.model.dropout} not applied (FlexAttention has none)"
-                if cfg.model.dropout else "")
-        return AttentionChoice("flex", requested, f"requested (model.packed_attention=flex, {how}){note}", "requested",
-                               compiled_flex=compiled)
-    if cfg.model.dropout > 0:
-        return AttentionChoice("sdpa-mask", requested, f"auto: model.dropout={cfg.model.dropout} > 0 and FlexAttention "
+    alt, fns, why = _alternative(model, device, compiled)
+    if requested not in ("auto", alt):
+        raise UserError(f"model.packed_attention={requested}: model.source={cfg.model.source} runs sdpa-mask or "
+                        f"{alt}; use model.packed_attention=auto, sdpa-mask or {alt}")
+    if why:
+        if requested == alt:
+            fix = ("a torch ≥ 2.5 build whose FlexAttention has a backward on this device (CUDA)" if alt == "flex"
+                   else "compile.enabled=false" if compiled else "a decoder without a sliding window")
+            raise UserError(f"model.packed_attention={alt}: {why} (torch {torch.__version__}, device {device.type}); "
+                            f"use model.packed_attention=sdpa-mask or auto, or {fix}")
+        return AttentionChoice("sdpa-mask", requested, f"auto: {alt} cannot train here ({why}): sdpa-mask", "rule")
+    how = ("compiled" if compiled else "eager, unfused") if alt == "flex" else "per-sample SDPA"
+    dropout = cfg.model.dropout if alt == "flex" else 0.0  # varlen applies attention dropout as SDPA does
+    if requested == alt:
+        note = f"; attention dropout {dropout} not applied (FlexAttention has none)" if dropout else ""
+        return AttentionChoice(alt, requested, f"requested (model.packed_attention={alt}, {how}){note}", "requested",
+                               compiled_flex=compiled and alt == "flex")
+    if dropout > 0:
+        return AttentionChoice("sdpa-mask", requested, f"auto: model.dropout={dropout} > 0 and FlexAttention "
                                "has no attention dropout (flex would change training): sdpa-mask by rule", "rule")
     batch = probe_batch(cfg, bundle)
     fp = _cache_key(model, policy, batch, device, compiled)
     path = decisions.cache_path(cfg.data.cache_dir, "attention", fp, DECISION_FORMAT)
     cached = decisions.read_cached(path, fp, "path", tuple(PATH_DETAIL))
     if cached is not None:
-        return AttentionChoice(cached["path"], requested, cached["reason"], "cached", compiled, cached["measurement"],
-                               path)
+        return AttentionChoice(cached["path"], requested, cached["reason"], "cached",
+                               compiled and cached["path"] == "flex", cached["measurement"], path)
     load = machine_load()
     with probe() as step:
-        m = (measure or measure_paths)(model, step, batch, device, flex)
-    chosen = "flex" if m["speedup"] >= FLEX_MARGIN else "sdpa-mask"
-    reason = (f"auto: flex ran {m['speedup']:.2f}x the speed of sdpa-mask on this run's packed shape {m['shape']} "
-              f"(training step {m['flex']:.1f} vs {m['sdpa-mask']:.1f} ms, median of {m['repeats']}, {policy.mode}, "
-              f"flex {how}): {chosen}")
-    choice = AttentionChoice(chosen, requested, reason + decisions.busy_note(load), "measured", compiled, m)
+        m = (measure or measure_paths)(model, step, batch, device, fns, alt)
+    chosen = alt if m["speedup"] >= ALT_MARGIN else "sdpa-mask"
+    reason = (f"auto: {alt} ran {m['speedup']:.2f}x the speed of sdpa-mask on this run's packed shape {m['shape']} "
+              f"(training step {m[alt]:.1f} vs {m['sdpa-mask']:.1f} ms, median of {m['repeats']}, {policy.mode}, "
+              f"{alt} {how}): {chosen}")
+    choice = AttentionChoice(chosen, requested, reason + decisions.busy_note(load), "measured",
+                             compiled and chosen == "flex", m)
     choice.cache_path = decisions.store(path, {"path": chosen, "reason": reason, "measurement": m, "fingerprint": fp},
                                         load)
     return choice

@@ -34,6 +34,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from train.models.varlen import ATTN_IMPLEMENTATION, PLAN_KWARG, attention_implementation, register, varlen_plan
+
 EXACT_ATOL = 1e-5
 """Packed vs one-by-one logits: the largest gap allowed, relative to the logits' scale (at least 1)."""
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -104,6 +106,9 @@ class ExternalCausalLM(nn.Module):
 
     supports_packing = False  # the class default; probe_causal_packing sets it per instance
     chunked_loss = False  # training forward returns hidden states for the task's chunked loss (set_chunked_loss)
+    packed_attention = "sdpa-mask"  # or "varlen" (train/models/varlen.py), set by set_packed_attention
+    packed_attention_paths = ("sdpa-mask", "varlen")
+    varlen_reason = "not checked"  # probe_causal_packing says whether the varlen path is exact here
 
     def __init__(self, inner: nn.Module, spec: CausalLMSpec, kind: str = "hf") -> None:
         super().__init__()
@@ -124,6 +129,22 @@ class ExternalCausalLM(nn.Module):
     def set_packing(self, supported: bool, reason: str) -> tuple[bool, str]:
         self.supports_packing, self.packing_reason = supported, reason
         return supported, reason
+
+    def varlen_available(self) -> Optional[str]:
+        """None where packed rows can run ``varlen`` (probed exact), else why not (one line)."""
+        return None if self.varlen_reason.startswith("exact") else self.varlen_reason
+
+    def set_packed_attention(self, path: str, fns: Any = None) -> None:
+        """Run packed rows through ``path``: ``sdpa-mask`` (the 4-D block-causal mask) or ``varlen`` (each sample
+        attends over itself only: train/models/varlen.py). ``fns`` is unused (the encoder's FlexAttention pair).
+
+        Raises:
+            ValueError: an unknown path, or ``varlen`` where :func:`probe_causal_packing` did not find it exact."""
+        if path not in self.packed_attention_paths:
+            raise ValueError(f"packed attention {path!r}: one of {', '.join(self.packed_attention_paths)}")
+        if path == "varlen" and self.varlen_available() is not None:
+            raise ValueError(f"packed attention varlen: {self.varlen_reason}")
+        self.packed_attention = path
 
     @property
     def attention_dims(self) -> tuple[int, int]:
@@ -162,11 +183,20 @@ class ExternalCausalLM(nn.Module):
                                        self.attn_implementation, dtype)
         return {"full_attention": full, "sliding_attention": window} if self.window_per_layer_type else window
 
-    def packed_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      seq_index: torch.Tensor) -> torch.Tensor:
-        """The inner model's logits for packed rows (no autocast entered, no dtype change, no support check)."""
-        return self.inner(input_ids=input_ids, attention_mask=self.packed_mask(seq_index), position_ids=position_ids,
-                          use_cache=False).logits
+    def _run_packed(self, hidden: bool, path: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    seq_index: torch.Tensor) -> torch.Tensor:
+        if path == "varlen":  # no mask: the plan says which tokens form each sample
+            with attention_implementation(self.inner.config, ATTN_IMPLEMENTATION):
+                return self._run(hidden, input_ids=input_ids, attention_mask=None, position_ids=position_ids,
+                                 **{PLAN_KWARG: varlen_plan(seq_index)})
+        return self._run(hidden, input_ids=input_ids, attention_mask=self.packed_mask(seq_index),
+                         position_ids=position_ids)
+
+    def packed_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_index: torch.Tensor,
+                      path: str = "sdpa-mask") -> torch.Tensor:
+        """The inner model's logits for packed rows through attention ``path`` (no autocast entered, no dtype
+        change, no support check)."""
+        return self._run_packed(False, path, input_ids, position_ids, seq_index)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 blocks_context: Callable[[], ContextManager] = contextlib.nullcontext,
@@ -184,8 +214,7 @@ class ExternalCausalLM(nn.Module):
                 raise ValueError(f"{self.spec.source}: packed rows need seq_index (the sample of each token, -1 on "
                                  "padding) for the block-causal mask")
             with blocks_context():
-                out = self._run(hidden, input_ids=input_ids, attention_mask=self.packed_mask(seq_index),
-                                position_ids=position_ids)
+                out = self._run_packed(hidden, self.packed_attention, input_ids, position_ids, seq_index)
             return out if hidden else out.float()
         mask = attention_mask.to(torch.long)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -245,19 +274,41 @@ def probe_causal_packing(wrapper: ExternalCausalLM) -> tuple[bool, str]:
                 text = str(exc).splitlines()[0][:120] if str(exc) else ""
                 return wrapper.set_packing(False, f"{arch}: its forward rejects the 4-D block-causal mask "
                                                   f"({type(exc).__name__}: {text})")
+            varlen = _varlen_logits(wrapper, batch, arch)
     finally:
         inner.train(was_training)
-    got = torch.cat([packed[0, sum(lengths[:k]):sum(lengths[:k + 1])] for k in range(len(lengths))])
     want = torch.cat(ref)
-    gap = float((got - want).abs().max())
     scale = max(1.0, float(want.abs().max()))
+
+    def gap_of(packed: torch.Tensor) -> float:
+        got = torch.cat([packed[0, sum(lengths[:k]):sum(lengths[:k + 1])] for k in range(len(lengths))])
+        return float((got - want).abs().max())
+
+    gap = gap_of(packed)
     if gap <= EXACT_ATOL * scale:
+        wrapper.varlen_reason = (varlen if isinstance(varlen, str) else
+                                 "exact: each sample's causal attention over itself, samples of similar length "
+                                 "batched into SDPA calls" if gap_of(varlen) <= EXACT_ATOL * scale else
+                                 f"{arch}: varlen logits differ from unpacked by {gap_of(varlen):.1e}")
         form = "boolean" if wrapper.attn_implementation == "sdpa" else "additive float"
         return wrapper.set_packing(True, f"{arch}: per-sample positions and a 4-D {form} block-causal mask"
                                          f"{' (+ its sliding window)' if wrapper.sliding_window else ''} (max logit "
                                          f"gap {gap:.1e} vs unpacked)")
     return wrapper.set_packing(False, f"{arch}: packed rows are not exact here (logits differ from unpacked by "
                                       f"{gap:.1e})")
+
+
+def _varlen_logits(wrapper: ExternalCausalLM, batch: dict, arch: str) -> Any:
+    """The probe's packed logits through the ``varlen`` path (train/models/varlen.py), or why it cannot run (a
+    str); called inside :func:`probe_causal_packing`'s eval-mode, no-grad, forked-RNG block."""
+    if wrapper.sliding_window is not None:
+        return f"{arch}: a sliding window (varlen attends over the whole sample): the block mask only"
+    try:
+        register()
+        return wrapper.packed_logits(batch["input_ids"], batch["position_ids"], batch["seq_index"], "varlen").float()
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError, RuntimeError) as exc:  # an older transformers
+        text = str(exc).splitlines()[0][:120] if str(exc) else ""
+        return f"{arch}: the varlen attention does not run here ({type(exc).__name__}: {text})"
 
 
 @torch.no_grad()

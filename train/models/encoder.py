@@ -156,6 +156,7 @@ class EncoderClassifier(nn.Module):
     """Packed rows' attention path: ``sdpa-mask`` (``scaled_dot_product_attention`` with a block-diagonal bool mask,
     every torch) or ``flex`` (FlexAttention with a document block mask, torch ≥ 2.5); see
     :meth:`set_packed_attention`."""
+    packed_attention_paths = ("sdpa-mask", "flex")
     _flex: Optional[tuple[Callable, Callable]] = None
 
     def set_packed_attention(self, path: str, flex: Optional[tuple[Callable, Callable]] = None) -> None:

@@ -15,6 +15,8 @@ attention, a step's FLOPs are ``α·B·S + β·B`` (per-token layers, per-sample
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -106,9 +108,11 @@ class ModuleFlops:
         self.lengths = lengths
         counts = [self._count(model, s) for s in lengths]
         self.counts = [c for c, _ in counts]
-        self.attention_seen = all(seen for _, seen in counts)
+        self.attention_counted = [a for _, a in counts]  # the counter's attention matmuls (0 where unseen)
+        self.attention_seen = all(a > 0 for _, a in counts)
         dims = getattr(model, "attention_dims", None)
-        self.analytic = None if self.attention_seen or not dims or not all(dims) else dims
+        self.dims = dims if dims and all(dims) else None
+        self.analytic = None if self.attention_seen else self.dims
         self.method = ("FlopCounterMode on one real forward+backward at batch 1, lengths "
                        f"{', '.join(map(str, lengths))}, fitted as a·S²+b·S+c and scaled by the batch"
                        + ("" if self.attention_seen else
@@ -137,17 +141,31 @@ class ModuleFlops:
             if chunked:
                 model.set_chunked_loss(True)
         ops = counter.get_flop_counts().get("Global", {})
-        seen = any("bmm" in str(op) or "scaled_dot_product" in str(op) or "attention" in str(op) for op in ops)
-        return int(counter.get_total_flops()), seen
+        attention = sum(v for op, v in ops.items()
+                        if "bmm" in str(op) or "scaled_dot_product" in str(op) or "attention" in str(op))
+        return int(counter.get_total_flops()), int(attention)
+
+    def _per_sample(self, seq: int, counts: list[int]) -> float:
+        (s1, s2, s3), (f1, f2, f3) = self.lengths, counts
+        return (f1 * (seq - s2) * (seq - s3) / ((s1 - s2) * (s1 - s3))
+                + f2 * (seq - s1) * (seq - s3) / ((s2 - s1) * (s2 - s3))
+                + f3 * (seq - s1) * (seq - s2) / ((s3 - s1) * (s3 - s2)))  # Lagrange: exact on a quadratic
 
     def __call__(self, batch: int, seq: int) -> int:
-        (s1, s2, s3), (f1, f2, f3) = self.lengths, self.counts
-        per_sample = (f1 * (seq - s2) * (seq - s3) / ((s1 - s2) * (s1 - s3))
-                      + f2 * (seq - s1) * (seq - s3) / ((s2 - s1) * (s2 - s3))
-                      + f3 * (seq - s1) * (seq - s2) / ((s3 - s1) * (s3 - s2)))  # Lagrange: exact on a quadratic
         attention = 0 if self.analytic is None else attention_training_flops(batch, seq, self.analytic[1],
                                                                              self.analytic[0])
-        return int(round(batch * per_sample)) + attention
+        return int(round(batch * self._per_sample(seq, self.counts))) + attention
+
+    def without_attention(self, batch: int, seq: int) -> int:
+        """:meth:`__call__` less the attention score and value matmuls (counted or analytic)."""
+        rest = [c - a for c, a in zip(self.counts, self.attention_counted)]
+        return int(round(batch * self._per_sample(seq, rest)))
+
+    def attention_for_pairs(self, pairs: int) -> Optional[int]:
+        """Training FLOPs of the score and value matmuls over ``pairs`` per-head query–key pairs in all
+        (``12·pairs·D`` per layer; the ``varlen`` path's Σ n·L² over its groups), or None without
+        ``attention_dims``."""
+        return None if self.dims is None else 12 * pairs * self.dims[1] * self.dims[0]
 
 
 STEP_FLOPS_METHOD = ("FlopCounterMode on the meta device at two lengths (per-token and per-sample layers), attention "

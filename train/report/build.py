@@ -231,6 +231,12 @@ def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: flo
     """perf.mfu (+ both peaks) from FLOPs counted per steady-state step shape, and energy per step/sample/token."""
     step_flops, method = step_flops_for(model)  # any model: the built-in encoder by spec, others counted
     steady_flops = sum(step_flops(b, s) * n for (b, s), n in stats.steady_shape_counts.items())
+    per_sample = (getattr(step_flops, "attention_for_pairs", lambda _p: None)(stats.steady_attention_pairs)
+                  if stats.steady_attention_pairs else None)
+    if per_sample is not None:  # varlen attention: what its kernels computed, sample by sample, not C² per row
+        steady_flops = per_sample + sum(step_flops.without_attention(b, s) * n
+                                        for (b, s), n in stats.steady_shape_counts.items())
+        method += "; varlen attention counted per sample group: 12·Σ n·L²·D per layer"
     achieved = steady_flops / steady_s if steady_s > 0 and steady_flops else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = {"flops_per_step_mean": steady_flops / max(1, sum(stats.steady_shape_counts.values())),

@@ -61,8 +61,12 @@ CONFIGS: dict[str, BenchRow] = {
     "optimized": BenchRow(("batching.method=optimal", "train.precision=auto"), "optimized-fixed-batch",
                           "token budget instead of a fixed batch size"),
     "optimized-packed": BenchRow(("batching.method=packed", "train.precision=auto"), "optimized",
-                                 "sequence packing (rows of data.max_len, block-diagonal attention) "
+                                 "sequence packing (rows of data.max_len, model.packed_attention=auto) "
                                  "instead of buckets"),
+    "optimized-packed-mask": BenchRow(("batching.method=packed", "train.precision=auto",
+                                       "model.packed_attention=sdpa-mask"), "optimized",
+                                      "sequence packing with the row-dense block mask (model.packed_attention="
+                                      "sdpa-mask) instead of buckets"),
     "optimized+fast-dropout": BenchRow(("batching.method=optimal", "train.precision=auto", "model.fast_dropout=true"),
                                        "optimized",
                                        "dropout masks drawn as 16-bit uniform integers (model.fast_dropout)"),
@@ -82,7 +86,8 @@ def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
     size = f"token budget {b.max_tokens}" if b.max_tokens and b.method in ("optimal", "quantile", "kmeans") else \
         f"batch size {b.batch_size}"
     if b.method == "packed":
-        batching = f"sequence packing into rows of {b.pack_len or cfg.data.max_len} tokens (block-diagonal attention)"
+        batching = (f"sequence packing into rows of {b.pack_len or cfg.data.max_len} tokens (attention "
+                    f"{cfg.model.packed_attention})")
         size = f"{'token budget ' + str(b.max_tokens) if b.max_tokens else 'about batch size ' + str(b.batch_size)} " \
                "worth of rows per step"
     precision = policy.mode + (" (auto)" if cfg.train.precision == "auto" else "")
