@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from train.models.varlen import ATTN_IMPLEMENTATION, PLAN_KWARG, attention_implementation, register, varlen_plan
+from train.models.varlen import packed_forward, register
 
 EXACT_ATOL = 1e-5
 """Packed vs one-by-one logits: the largest gap allowed, relative to the logits' scale (at least 1)."""
@@ -186,9 +186,8 @@ class ExternalCausalLM(nn.Module):
     def _run_packed(self, hidden: bool, path: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
                     seq_index: torch.Tensor) -> torch.Tensor:
         if path == "varlen":  # no mask: the plan says which tokens form each sample
-            with attention_implementation(self.inner.config, ATTN_IMPLEMENTATION):
-                return self._run(hidden, input_ids=input_ids, attention_mask=None, position_ids=position_ids,
-                                 **{PLAN_KWARG: varlen_plan(seq_index)})
+            with packed_forward(self.inner.config, seq_index):
+                return self._run(hidden, input_ids=input_ids, attention_mask=None, position_ids=position_ids)
         return self._run(hidden, input_ids=input_ids, attention_mask=self.packed_mask(seq_index),
                          position_ids=position_ids)
 

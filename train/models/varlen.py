@@ -11,11 +11,13 @@ every real key, so under the causal mask no real query sees it, and a padding to
 (``DataCollatorWithFlattening`` + FlashAttention-2), built here from SDPA so it runs on CPU and on torch 2.1.
 
 Samples are grouped by their length rounded up to :data:`GROUP_ROUND` tokens: fewer SDPA calls per layer against a
-few padded scores per group. The plan (:func:`varlen_plan`) is built once per batch from ``seq_index`` and reaches
-every layer's attention as a keyword argument; Hugging Face decoders call :func:`varlen_attention_forward` as a
-registered attention implementation (:data:`ATTN_IMPLEMENTATION`), switched on for the packed forward only
-(:func:`attention_implementation`). Shapes change with every batch, so a compiled model would recompile: the
-attention choice keeps this path for eager runs (train/data/attention.py).
+few padded scores per group. The plan (:func:`varlen_plan`) is built once per batch from ``seq_index``; Hugging Face
+decoders call :func:`varlen_attention_forward` as a registered attention implementation (:data:`ATTN_IMPLEMENTATION`),
+switched on, with the batch's plan, for the packed forward only (:func:`packed_forward`). The plan is held for the
+forward rather than passed as a keyword argument because not every decoder forwards its keyword arguments to its
+attention (GPT-2 in transformers 4.55 does not); backward needs no plan (autograd keeps the indices). Shapes change
+with every batch, so a compiled model would recompile: the attention choice keeps this path for eager runs
+(train/data/attention.py).
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ GROUP_ROUND = 16
 """Samples whose lengths round up to the same multiple of this many tokens share one SDPA call."""
 ATTN_IMPLEMENTATION = "dmp_varlen"
 """The name this attention function is registered under in transformers' ``AttentionInterface``."""
-PLAN_KWARG = "varlen_plan"
-"""The keyword argument that carries the :class:`VarlenPlan` from the model's forward to each attention call."""
+_ACTIVE: list[VarlenPlan] = []  # the plan of the packed forward running now (packed_forward)
 
 
 @dataclass(frozen=True)
@@ -150,16 +151,15 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: Any, dropout: float = 0.0, scaling: Optional[float] = None,
                              **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature (``AttentionInterface``) over :func:`varlen_attention`; the
-    plan comes in ``kwargs[PLAN_KWARG]`` and ``attention_mask`` is ignored.
+    """transformers' attention-function signature (``AttentionInterface``) over :func:`varlen_attention`, with the
+    plan of the running :func:`packed_forward`; ``attention_mask`` is ignored.
 
     Raises:
-        ValueError: no plan was passed (the implementation is switched on only for packed forwards).
+        ValueError: called outside :func:`packed_forward` (no plan).
     """
-    plan = kwargs.get(PLAN_KWARG)
-    if plan is None:
-        raise ValueError(f"{ATTN_IMPLEMENTATION} attention needs {PLAN_KWARG} (packed rows only)")
-    return varlen_attention(query, key, value, plan, scale=scaling, dropout_p=dropout), None
+    if not _ACTIVE:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} attention runs inside packed_forward only (no plan)")
+    return varlen_attention(query, key, value, _ACTIVE[-1], scale=scaling, dropout_p=dropout), None
 
 
 def register() -> None:
@@ -171,12 +171,16 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def attention_implementation(config: Any, name: str) -> Iterator[None]:
-    """Run the decoder whose ``config`` this is with attention implementation ``name`` for the block, then put
-    back the one it had (every layer reads ``config._attn_implementation`` at call time)."""
+def packed_forward(config: Any, seq_index: torch.Tensor) -> Iterator[VarlenPlan]:
+    """For the block: the decoder whose ``config`` this is runs :data:`ATTN_IMPLEMENTATION` (every layer reads
+    ``config._attn_implementation`` at call time) with the plan of ``seq_index`` [R, C]; its own implementation
+    is put back after."""
     before = config._attn_implementation
-    config._attn_implementation = name
+    plan = varlen_plan(seq_index)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    _ACTIVE.append(plan)
     try:
-        yield
+        yield plan
     finally:
+        _ACTIVE.pop()
         config._attn_implementation = before
