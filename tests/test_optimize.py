@@ -1161,3 +1161,33 @@ def test_the_horizon_shrinks_to_what_fits_the_time_left():
     assert horizon_target(res, seen, 1000, 0.5, 24)[0] is None  # 16 more samples: less than a window
     assert horizon_target(res, seen, 90, 100.0, 24) == (None, "the arms have seen 100 samples, the horizon's 90")
     assert horizon_target(res, seen, None, 100.0, 24)[0] is None
+
+
+def test_grid_final_of_several_finalists_gets_their_time(monkeypatch, tmp_path):
+    """``optimize.arm_timeout_s`` bounds an A/B of two arms: the final of four finalists in one process (no
+    ``--optimized``) gets twice that, a pair with ``optimized`` exactly that; a final that fails everywhere is a
+    UserError naming the child's log."""
+    from types import SimpleNamespace
+
+    from train.commands.optimize import grid_final as final_mod
+    from train.commands.optimize.grid_screen import Rates
+    from train.commands.optimize.isolated import IsolatedFailure
+    from train.errors import UserError
+
+    seen: list[tuple[int, float]] = []
+
+    def refuse(config_path, arms, *, rounds, window_samples, warmup_samples, work_dir, timeout_s):
+        seen.append((len(arms), timeout_s))
+        raise IsolatedFailure(f"{work_dir / 'child.log'}: ran past {timeout_s:.0f} s")
+
+    monkeypatch.setattr(final_mod, "measure_in_fresh_process", refuse)
+    o = SimpleNamespace(window_samples=32, confirm_rounds=2, recheck_rounds=2, arm_timeout_s=600.0)
+    bar = SimpleNamespace(update=lambda n: None)
+    names = ["a", "b", "c", "d"]
+    with pytest.raises(UserError, match="child.log: ran past 1200 s"):
+        final_mod.run_final(tmp_path / "config.yaml", object(), {n: {} for n in names}, names, o, tmp_path,
+                            Rates("samples", 1.0), bar, notice=lambda _m: None)
+    with pytest.raises(UserError):
+        final_mod.run_final(tmp_path / "config.yaml", object(), {n: {} for n in ["optimized", *names]}, names[:2],
+                            o, tmp_path, Rates("samples", 1.0), bar, notice=lambda _m: None)
+    assert seen == [(4, 1200.0), (2, 600.0), (2, 600.0)]

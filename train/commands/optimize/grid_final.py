@@ -24,6 +24,12 @@ most samples per step (``optimize.window_samples`` at the least): a window of a 
 came up, and the per-round ratios of a few-step window spread too wide to decide (docs/optimize.md)."""
 
 
+def timeout_for(arm_timeout_s: float, arms: int) -> float:
+    """Seconds an A/B of ``arms`` arms may take: ``optimize.arm_timeout_s`` bounds an A/B of two, and every arm
+    adds its own warm-up and windows, so a final of four finalists in one process gets twice that."""
+    return arm_timeout_s * max(1.0, arms / 2)
+
+
 @dataclass
 class Final:
     """The measured finalists (``pairs``: each → the A/B it was measured in), those whose A/B ``failed`` (→ why), the
@@ -55,7 +61,7 @@ def run_final(config_path: Path, backend: Any, named: dict[str, dict[str, Any]],
         window = window_for(backend, [named[n] for n in group], o.window_samples, FINAL_WINDOW_STEPS)
         return measure_in_fresh_process(config_path, {n: named[n] for n in group}, rounds=rounds,
                                         window_samples=window, warmup_samples=o.window_samples,
-                                        work_dir=work_dir / work, timeout_s=o.arm_timeout_s)
+                                        work_dir=work_dir / work, timeout_s=timeout_for(o.arm_timeout_s, len(group)))
 
     def measure(group: list[str], index: int) -> Optional[ABResult]:  # a failure leaves its finalists unmeasured
         try:
