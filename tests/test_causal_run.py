@@ -122,3 +122,34 @@ def test_auto_attention_is_written_into_the_runs_config_so_a_resume_replays_it(r
     saved = yaml.safe_load((root / "runs" / "auto-att" / "config.yaml").read_text())
     assert report["batching"]["attention"]["requested"] == "auto"
     assert saved["model"]["packed_attention"] == report["batching"]["attention_path"] in ("sdpa-mask", "varlen")
+
+
+def test_a_bench_row_or_optimize_arm_runs_the_attention_and_loss_its_config_names(reference, monkeypatch) -> None:
+    """``build_run`` without the resolve phase (bench rows, optimize arms, bench-vs-hf sides) puts the model on the
+    config's packed attention and chunked loss — before, every such packed arm ran ``sdpa-mask`` with the logits
+    whole, whatever it asked for; ``auto`` is decided by the resolve phase's own measurement (forced here)."""
+    import torch
+
+    from train.data import attention as attn
+    from train.data import prepare_data
+    from train.precision import PrecisionPolicy
+    from train.setup import build_run
+
+    _, root, overrides, _ = reference
+    cpu = torch.device("cpu")
+
+    def built(*extra: str):
+        cfg = load_config(None, overrides + list(extra))
+        return build_run(cfg, prepare_data(cfg, None, notice=lambda _m: None), cpu, PrecisionPolicy.create("fp32", cpu))
+
+    run = built("model.packed_attention=varlen", "model.chunked_loss=true")
+    assert (run.model.packed_attention, run.model.chunked_loss) == ("varlen", True)
+    assert run.attention.source == "requested"
+    run = built("model.packed_attention=sdpa-mask", "model.chunked_loss=false")
+    assert (run.model.packed_attention, run.model.chunked_loss, run.attention) == ("sdpa-mask", False, None)
+    for speedup, path in ((2.0, "varlen"), (0.5, "sdpa-mask")):
+        forced = {"sdpa-mask": 2.0, "varlen": 2.0 / speedup, "speedup": speedup, "speedup_interval": [speedup] * 2,
+                  "repeats": 1, "shape": [2, 64]}
+        monkeypatch.setattr(attn, "measure_paths", lambda *_a, f=forced, **_k: f)
+        run = built("model.packed_attention=auto", f"data.cache_dir={root / f'cache-{path}'}")
+        assert (run.model.packed_attention, run.attention.source) == (path, "measured"), run.attention.reason

@@ -154,15 +154,17 @@ def test_a_scaled_head_is_found_out_by_the_probe() -> None:
     assert not ok and "not its head applied" in why
 
 
-def test_step_flops_count_attention_and_the_head_whatever_the_kernel_and_the_loss() -> None:
-    """The MFU's FLOPs: where the counter cannot see the attention kernel (SDPA on CPU) the analytic count equals
-    what it counts through eager attention's matmuls; the chunked loss counts the same head matmuls."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_flops_count_attention_and_the_head_whatever_the_kernel_and_the_loss(kind: str) -> None:
+    """The MFU's FLOPs (``perf.mfu`` is null without them), per family: where the counter cannot see the attention
+    kernel (SDPA on CPU) the analytic count equals what it counts through eager attention's matmuls; the chunked
+    loss counts the same head matmuls."""
     from train.perf.flops import ModuleFlops
 
     counts = {}
     for attn in ATTENTION:
         for chunked in (False, True):
-            model = _tiny("llama", attn).train()
+            model = _tiny(kind, attn).train()
             probe_causal_packing(model)
             model.set_chunked_loss(chunked)
             flops = ModuleFlops(model, 64)
@@ -170,6 +172,6 @@ def test_step_flops_count_attention_and_the_head_whatever_the_kernel_and_the_los
             assert flops.attention_seen or "attention analytic" in flops.method
             counts[attn, chunked] = flops(2, 16)
     assert len(set(counts.values())) == 1, counts
-    layers, dims = _tiny("llama", "eager").attention_dims
+    layers, dims = _tiny(kind, "eager").attention_dims
     assert (layers, dims) == (2, 64)
     assert counts["eager", False] > 2 * 12 * 16 * 16 * dims * layers  # attention and more

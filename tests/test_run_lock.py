@@ -15,13 +15,14 @@ import pytest
 from tests.conftest import tiny_overrides
 from train.config import load_config
 from train.errors import UserError
-from train.setup import LOCK_FILE, make_run_dir, unlock_run_dir
+from train.tools.run_dir import make_run_dir
+from train.tools.run_lock import LOCK_FILE, unlock_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 HOLD = """
 import sys, time
 from train.config import load_config
-from train.setup import make_run_dir
+from train.tools.run_dir import make_run_dir
 make_run_dir(load_config(None, [f"train.output_dir={sys.argv[1]}", "train.run_id=held"]), resume=True)
 print("locked", flush=True)
 time.sleep(60)

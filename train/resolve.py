@@ -118,8 +118,9 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
         batching = decision.as_report()
         say(f"batching: {decision.reason}", flush=True)
     fast_dropout = decided(lambda: _decide_fast_dropout(cfg, model, policy, bundle, device))
-    chunked = decided(lambda: decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model,
-                                                  cfg.batching.max_tokens, DTYPES[policy.mode], device))
+    tokens = cfg.batching.max_tokens or cfg.batching.batch_size * cfg.data.max_len  # a fixed batch: its most tokens
+    chunked = decided(lambda: decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model, tokens,
+                                                  DTYPES[policy.mode], device))
     if chunked["applied"]:
         model.set_chunked_loss(True)
     decided_values = {"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}

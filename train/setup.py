@@ -1,4 +1,4 @@
-"""How every command starts, in one place: the run directory (a unique run id), the resolved ``config.yaml``,
+"""How every command starts, in one place: the run directory (train/tools/run_dir.py), the resolved ``config.yaml``,
 the device, torch threads, seeds and the precision policy; and the model built from a config and its data.
 
     start = start_run(cfg, prefix="bench-precision-")   # run_dir, device, policy
@@ -13,9 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import secrets
-import shutil
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +22,12 @@ import numpy as np
 import torch
 
 from train.config import RunConfig, dump_config
-from train.errors import UserError, atomic_write_text, describe_temps, remove_atomic_temps
+from train.errors import UserError, atomic_write_text
 from train.models.encoder import EncoderClassifier, resolve_spec
-from train.precision import PrecisionPolicy
+from train.precision import DTYPES, PrecisionPolicy
 from train.tools.cores import usable_cores
 from train.tools.env import resolve_device
-from train.tools.run_lock import LOCK_FILE, lock_run_dir, unlock_run_dir
+from train.tools.run_dir import make_run_dir
 
 
 def seed_everything(seed: int) -> None:
@@ -61,102 +58,6 @@ def apply_threads_and_seed(cfg: RunConfig, notice: Callable[[str], None] = print
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     seed_everything(cfg.train.seed)
-
-
-def new_run_id(prefix: str = "") -> str:
-    """``<prefix><UTC yyyymmdd-HHMMSS>-<4 random hex>``: unique without coordination between processes."""
-    return f"{prefix}{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
-
-
-RUN_OUTPUTS = ("report.json", "metrics.jsonl", "checkpoint.pt", "checkpoints")
-"""What a run directory's earlier run leaves that ``train.overwrite=true`` removes (a new run would mix with it)."""
-
-
-def make_run_dir(cfg: RunConfig, prefix: str = "", resume: bool = False,
-                 continue_flag: Optional[str] = None) -> Path:
-    """Create ``<train.output_dir>/<train.run_id>`` and return it.
-
-    Without ``train.run_id`` a new id (:func:`new_run_id`) is created exclusively (a directory that exists
-    already is never shared: another id is drawn); the directory's name is the run id (the caller's config is not
-    edited: ``start_run`` and ``run_training`` make the resolved config with it). An explicit
-    ``train.run_id`` is created exclusively too: a directory that exists and is not empty is used only to
-    continue it (``resume=True``) or with ``train.overwrite=true``, which removes the earlier run's
-    :data:`RUN_OUTPUTS` first. ``continue_flag``: how the calling command continues a run in its directory
-    (``--resume`` for ``python -m train train``; None: it cannot, so a refusal offers only another ``--run-id`` or
-    ``--overwrite``). A directory taken over (resume, overwrite) loses the temporary files of atomic writes that a
-    killed run left (:func:`~train.errors.remove_atomic_temps`).
-
-    Raises:
-        UserError: the directory exists (and neither resume nor overwrite), or it cannot be created or written; a
-            ``train.run_id`` that is not one plain directory name (``/``, ``..``, a leading dot: it would write
-            outside ``train.output_dir`` or hide the run).
-    """
-    out = Path(cfg.train.output_dir)
-    rid = cfg.train.run_id
-    if rid and (rid in (".", "..") or rid.startswith(".") or "/" in rid or "\\" in rid or "\0" in rid):
-        raise UserError(f"train.run_id={rid!r} is not a plain directory name (no '/', no '..', no leading '.'): a run "
-                        f"lives in {out}/<run_id>; pick a name such as 'exp-1', or set train.output_dir for another "
-                        "place")
-    try:
-        if cfg.train.run_id:
-            run_dir = out / cfg.train.run_id
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                run_dir.mkdir()
-                lock_run_dir(run_dir)
-            except FileExistsError:
-                lock_run_dir(run_dir)  # before looking inside: a second writer is refused, never interleaved
-                try:
-                    _reuse(run_dir, cfg, resume, continue_flag)
-                except UserError:
-                    unlock_run_dir(run_dir)
-                    raise
-                _remove_leftovers(run_dir)
-        else:
-            out.mkdir(parents=True, exist_ok=True)
-            while True:
-                run_dir = out / new_run_id(prefix)
-                try:
-                    run_dir.mkdir()
-                    lock_run_dir(run_dir)
-                    break
-                except FileExistsError:
-                    continue
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write the run directory {out / (cfg.train.run_id or '')} ({exc.strerror}); "
-                        "set train.output_dir to a writable place") from None
-    return run_dir
-
-
-def _remove_leftovers(run_dir: Path) -> None:
-    """Remove the temporary files a killed run's atomic writes left in ``run_dir`` (a checkpoint's can be hundreds
-    of MB), saying so in one line. Called with the run's writer lock held: no live writer owns them."""
-    removed = remove_atomic_temps(run_dir)
-    if removed:
-        print(f"notice: removed {len(removed)} temporary file(s) of an interrupted write from {run_dir}: "
-              f"{describe_temps(removed, run_dir)}", flush=True)
-
-
-def _reuse(run_dir: Path, cfg: RunConfig, resume: bool, continue_flag: Optional[str] = None) -> None:
-    """An explicit run directory that exists: continue it (resume), replace its run (overwrite), or refuse (naming
-    only what the command can do: ``continue_flag``, see :func:`make_run_dir`)."""
-    held = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
-    if resume or not held:
-        return
-    if not cfg.train.overwrite:
-        shown = ", ".join(held[:4]) + (", …" if len(held) > 4 else "")
-        cont = f"continue it with {continue_flag} {run_dir}, " if continue_flag else ""
-        raise UserError(f"run directory {run_dir} exists already ({shown}); choose another --run-id "
-                        f"(train.run_id), {cont}or replace its run with --overwrite (train.overwrite=true)")
-    for name in RUN_OUTPUTS:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -242,6 +143,7 @@ class BuiltRun:
     loaders: dict[str, Any]
     trainer: Any
     compiled: Any = None
+    attention: Any = None  # the packed rows' AttentionChoice where build_run decided it (packed_attention_for)
 
 
 def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPolicy, *,
@@ -251,11 +153,13 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
               before_wrap: Optional[Callable[[torch.nn.Module, Any], None]] = None) -> BuiltRun:
     """The one set-up of a run from a resolved config and its prepared data — what ``make train``, warm-up and every
     benchmark row build, in this order: the model (seeded with ``train.seed``, unless ``model`` is given;
-    ``model.fast_dropout=true``: its dropout modules swapped), a loader per split in ``splits`` (``train``
-    shuffled, rank-sharded under ``ctx``), the compile session (``compile``: the run's ``compile`` settings, shapes
-    planned), ``before_wrap(model, compiled)`` (e.g. loading a checkpoint before DDP broadcasts rank 0's weights),
-    and the :class:`~train.trainer.Trainer` (validation as its periodic evaluation when that split is built and not
-    empty; ``logger(model)`` its metrics logger; the step through the compiled forward or the DDP wrapper).
+    ``model.fast_dropout=true``: its dropout modules swapped), the packed attention path and chunked loss the config
+    names where the model is not yet on them (:func:`packed_attention_for`, :func:`chunked_loss_for`), a loader per
+    split in ``splits`` (``train`` shuffled, rank-sharded under ``ctx``), the compile session (``compile``: the run's
+    ``compile`` settings, shapes planned), ``before_wrap(model, compiled)`` (e.g. loading a checkpoint before DDP
+    broadcasts rank 0's weights), and the :class:`~train.trainer.Trainer` (validation as its periodic evaluation when
+    that split is built and not empty; ``logger(model)`` its metrics logger; the step through the compiled forward
+    or the DDP wrapper).
 
     Raises:
         UserError: a model that cannot be built for this data, or ``batching.method=packed`` on a model without
@@ -275,6 +179,8 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
         from train.models.dropout import set_fast_dropout
 
         set_fast_dropout(model, True)
+    attention = packed_attention_for(cfg, model, policy, bundle, device, compile)
+    chunked_loss_for(cfg, model, policy, device)
     loaders = {s: make_loader(bundle, s, cfg, train=s == "train", device=device, world_size=ctx.world_size,
                               rank=ctx.rank) for s in splits}
     compiled = None
@@ -289,7 +195,41 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders.get("train"),
                       eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,
                       logger=logger(model) if logger is not None else None, train_model=forward)
-    return BuiltRun(cfg, device, policy, bundle, model, loaders, trainer, compiled)
+    return BuiltRun(cfg, device, policy, bundle, model, loaders, trainer, compiled, attention)
+
+
+def packed_attention_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
+                         device: torch.device, compiled: bool) -> Any:
+    """Put packed rows on ``cfg.model.packed_attention``'s path where nothing has: a bench row or optimize arm that
+    switches packing on keeps the user's ``auto``, decided here by the resolve phase's rule and measurement
+    (:func:`train.data.attention.choose_packed_attention`, cached); an explicit path is checked and applied. The
+    ``AttentionChoice``, or None (model untouched): unpacked, one path, or already on it (the resolve phase's).
+    Raises UserError (one line: the key, why, the fix) for a path this model has not or that cannot run here."""
+    from train.data.attention import apply_attention, choose_packed_attention
+
+    if cfg.batching.method != "packed" or not hasattr(model, "set_packed_attention") \
+            or cfg.model.packed_attention == getattr(model, "packed_attention", None):
+        return None
+    choice = choose_packed_attention(model, policy, cfg, bundle, device, compiled,
+                                     lambda: probe_steps(cfg, model, policy, device))
+    apply_attention(model, choice, device)
+    return choice
+
+
+def chunked_loss_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy,
+                     device: torch.device) -> Optional[dict]:
+    """Set a causal LM's ``model.chunked_loss`` where nothing has (a bench row, an optimize arm or a bench-vs-hf side
+    that asks for it): :func:`train.tasks.chunked_loss.decide_chunked_loss`, the resolve phase's own decision. Its
+    result, or None (model untouched): not a causal LM, or already as asked. Raises UserError as that does."""
+    from train.tasks.chunked_loss import decide_chunked_loss
+
+    if cfg.model.task != "causal-lm" or not hasattr(model, "set_chunked_loss") \
+            or cfg.model.chunked_loss == ("true" if model.chunked_loss else "false"):
+        return None
+    decision = decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model, cfg.batching.max_tokens
+                                   or cfg.batching.batch_size * cfg.data.max_len, DTYPES[policy.mode], device)
+    model.set_chunked_loss(decision["applied"])
+    return decision
 
 
 def check_packing(cfg: RunConfig, model: torch.nn.Module) -> None:

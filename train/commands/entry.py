@@ -126,7 +126,7 @@ def cmd_bench_vs_hf(args: argparse.Namespace, t_start: float) -> int:
 
 def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
     from train.commands.bench.batching import run_batching_bench
-    from train.setup import make_run_dir
+    from train.tools.run_dir import make_run_dir
 
     cfg = load_cfg(args)
     run_dir = make_run_dir(cfg, prefix="bench-batching-")

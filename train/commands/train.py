@@ -1,8 +1,7 @@
 """One training run, top to bottom: run directory → data → resolve → build → warm-up → fit → evaluate → report.
 
 Writes ``runs/<run-id>/``: ``config.yaml`` (the resolved config, written once), ``metrics.jsonl``, ``buckets.json``
-(when fitted on the fly), ``checkpoint.pt`` (state_dicts only) and ``report.json``.
-"""
+(when fitted on the fly), ``checkpoint.pt`` (state_dicts only) and ``report.json``."""
 
 from __future__ import annotations
 
@@ -51,9 +50,10 @@ from train.resume import (
     truncate_metrics,
     write_state,
 )
-from train.setup import BuiltRun, apply_threads_and_seed, build_run, make_run_dir, unlock_run_dir
+from train.setup import BuiltRun, apply_threads_and_seed, build_run
 from train.shutdown import ShutdownRequest
 from train.tools.env import collect_env, device_name, resolve_device
+from train.tools.run_dir import make_run_dir, unlock_run_dir
 from train.tracking.gradstats import GradStatsCallback
 from train.tracking.loggers import NullLogger
 from train.tracking.run_tracking import Tracking
@@ -71,7 +71,7 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, re
     ``hooks``: objects with ``attach(trainer, run_dir)`` (called before the loop) and
     ``finish(report)`` (called before report.json is written; may add keys), e.g. a profile session.
     ``continue_flag``: how the calling command continues a run (``--resume`` for ``python -m train train``), for the
-    refusal of a ``train.run_id`` that exists (:func:`~train.setup.make_run_dir`); None: a command that cannot.
+    refusal of a ``train.run_id`` that exists (:func:`~train.tools.run_dir.make_run_dir`); None: a command that cannot.
 
     Raises:
         UserError: any bad input (config, data, buckets, run directory, checkpoint), on every rank.

@@ -168,6 +168,9 @@ class ModuleFlops:
         return None if self.dims is None else 12 * pairs * self.dims[1] * self.dims[0]
 
 
+VARLEN_FLOPS_METHOD = "; varlen attention counted per sample group: 12·Σ n·L²·D per layer"
+"""What a FLOP method adds where packed rows ran ``varlen`` attention (:meth:`ModuleFlops.attention_for_pairs`)."""
+
 STEP_FLOPS_METHOD = ("FlopCounterMode on the meta device at two lengths (per-token and per-sample layers), attention "
                      "analytic: 12·B·S²·H per layer")
 

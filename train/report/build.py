@@ -21,7 +21,7 @@ from train.models.encoder import EncoderClassifier
 from train.numerics import NumericsAbort
 from train.perf.devices import mfu_fields
 from train.perf.energy import per_unit
-from train.perf.flops import step_flops_for
+from train.perf.flops import VARLEN_FLOPS_METHOD, step_flops_for
 from train.perf.memory import peak_memory
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy
@@ -236,7 +236,7 @@ def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: flo
     if per_sample is not None:  # varlen attention: what its kernels computed, sample by sample, not C² per row
         steady_flops = per_sample + sum(step_flops.without_attention(b, s) * n
                                         for (b, s), n in stats.steady_shape_counts.items())
-        method += "; varlen attention counted per sample group: 12·Σ n·L²·D per layer"
+        method += VARLEN_FLOPS_METHOD
     achieved = steady_flops / steady_s if steady_s > 0 and steady_flops else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = {"flops_per_step_mean": steady_flops / max(1, sum(stats.steady_shape_counts.values())),

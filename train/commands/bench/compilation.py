@@ -144,8 +144,8 @@ def steady_compare(cfg: Any) -> dict[str, Any]:
 def run_compile_bench(cfg: Any, config: Optional[str], overrides: list[str]) -> dict[str, Any]:
     """The whole benchmark with the ``bench_compile`` settings; returns and writes ``runs/<id>/bench-compile.json``.
     ``config`` and ``overrides`` are the command line's, passed on to the three first-step processes."""
-    from train.setup import make_run_dir
     from train.tools.env import collect_env, resolve_device
+    from train.tools.run_dir import make_run_dir
 
     run_dir = make_run_dir(cfg, prefix="bench-compile-")
     cache = (run_dir / "inductor-cache").resolve()

@@ -95,7 +95,7 @@ def _cpu_ms(cpu: list[float], steps: int) -> Iterator[dict]:
 def run_tracking_bench(cfg: RunConfig) -> dict[str, Any]:
     """Measure tracking overhead with the ``bench_tracking`` settings (see the module docstring). Writes
     ``runs/<id>/bench-tracking.json`` (or ``bench_tracking.out``) and returns the result dict."""
-    from train.setup import make_run_dir
+    from train.tools.run_dir import make_run_dir
 
     bt = cfg.bench_tracking
     rounds, block_steps = bt.rounds, bt.block_steps

@@ -27,7 +27,7 @@ from train.models import model_supports_packing
 from train.perf.ab import Arm, interleave
 from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
-from train.perf.flops import step_flops_for
+from train.perf.flops import VARLEN_FLOPS_METHOD, step_flops_for
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import percentiles
 from train.precision import PrecisionPolicy
@@ -75,8 +75,9 @@ CONFIGS: dict[str, BenchRow] = {
 ``optimized+fast-dropout`` row's ratio to its parent carries that lever."""
 
 
-def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
-    """A row's settings in words, from its resolved config: precision, batching, batch size or token budget, compile."""
+def describe(cfg: RunConfig, policy: PrecisionPolicy, attention: Optional[str] = None) -> str:
+    """A row's settings in words, from its resolved config: precision, batching, batch size or token budget, compile;
+    ``attention``: the packed rows' path where ``model.packed_attention=auto`` was decided for the row."""
     b = cfg.batching
     batching = {"pad-to-max": f"every batch padded to data.max_len={cfg.data.max_len}",
                 "hf-group-by-length": "HF group_by_length megabatches, padded to the batch max",
@@ -86,8 +87,8 @@ def describe(cfg: RunConfig, policy: PrecisionPolicy) -> str:
     size = f"token budget {b.max_tokens}" if b.max_tokens and b.method in ("optimal", "quantile", "kmeans") else \
         f"batch size {b.batch_size}"
     if b.method == "packed":
-        batching = (f"sequence packing into rows of {b.pack_len or cfg.data.max_len} tokens (attention "
-                    f"{cfg.model.packed_attention})")
+        path = cfg.model.packed_attention + (f" → {attention}" if attention else "")
+        batching = f"sequence packing into rows of {b.pack_len or cfg.data.max_len} tokens (attention {path})"
         size = f"{'token budget ' + str(b.max_tokens) if b.max_tokens else 'about batch size ' + str(b.batch_size)} " \
                "worth of rows per step"
     precision = policy.mode + (" (auto)" if cfg.train.precision == "auto" else "")
@@ -112,7 +113,11 @@ class RowArm:
         """One step of ``make train``'s own :meth:`Trainer.step` on the row's next batch; its counts."""
         rec = self.run.trainer.step()
         self.seq_lens.add(rec.seq_len)
-        self.flops += self.count_flops(rec.rows, rec.seq_len)
+        per_sample = getattr(self.count_flops, "attention_for_pairs", None) if rec.attention_pairs else None
+        if per_sample is not None and per_sample(rec.attention_pairs) is not None:  # varlen: per sample group
+            self.flops += per_sample(rec.attention_pairs) + self.count_flops.without_attention(rec.rows, rec.seq_len)
+        else:
+            self.flops += self.count_flops(rec.rows, rec.seq_len)
         return rec.counts()
 
     @contextlib.contextmanager
@@ -181,8 +186,11 @@ def build_arm(name: str, cfg: RunConfig, base_bundle: DataBundle, device: torch.
     """Row ``name``'s run, built by the one set-up (``build_run``) on ``base_bundle`` re-planned for ``cfg``."""
     t0 = time.perf_counter()
     run = build_run(cfg, replan(cfg, base_bundle), device, policy)
-    arm = RowArm(name=name, description=describe(cfg, policy), run=run, first_step_s=-t0)  # completed at step 1
+    chosen = run.attention.path if run.attention is not None and cfg.model.packed_attention == "auto" else None
+    arm = RowArm(name=name, description=describe(cfg, policy, chosen), run=run, first_step_s=-t0)  # done at step 1
     arm.count_flops, arm.flops_method = step_flops_for(run.model)  # any model (MFU for hf: and python: too)
+    if getattr(run.model, "packed_attention", None) == "varlen":
+        arm.flops_method += VARLEN_FLOPS_METHOD
     notice(f"bench: {name}: {arm.description}; buckets {run.bundle.bounds}")
     return arm
 
