@@ -100,6 +100,7 @@ def test_a_varlen_run_counts_attention_per_sample_and_resumes_bit_identically(re
     report = run_training(load_config(None, varlen + ["train.run_id=varlen"]), time.perf_counter())
     b, p = report["batching"], report["perf"]
     assert b["attention_path"] == "varlen" and "per sample" in b["attention"]["detail"]
+    assert "over itself (varlen)" in report["levers"]["packing"]["reason"]
     assert p["mfu"] is not None and "varlen attention counted per sample group" in p["flops_method"]
     assert p["flops_per_step_mean"] < ref["perf"]["flops_per_step_mean"]  # the same shape, C² per row there
     cfg = load_config(None, varlen + ["train.run_id=varlen-mid", "train.checkpoint_every=3"])

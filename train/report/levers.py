@@ -55,7 +55,9 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool,
     b, external = cfg.batching, cfg.model.source != "builtin"
     where = "autocast around the whole forward of the wrapped model (parameters fp32; loss fp32, outside)" if external \
         else "autocast around the encoder blocks (embeddings, pooling, head and loss fp32)"
-    packing_reason = (f"batching.method={b.method}" if b.method != "packed" else "packed rows, block-diagonal mask")
+    attention = {"varlen": "each sample's attention over itself (varlen)", "flex": "FlexAttention's block mask"}.get(
+        getattr(model, "packed_attention", None), "block-diagonal mask")  # the path the resolve phase applied
+    packing_reason = f"batching.method={b.method}" if b.method != "packed" else f"packed rows, {attention}"
     if external:  # whether this model's packed rows are exact, and how (train/models/packed.py)
         can = "can run packed rows" if getattr(model, "supports_packing", False) else \
             "cannot run packed rows (supports_packing is false): refused if asked"
