@@ -103,6 +103,9 @@ def test_varlen_flops_charge_each_sample_group_not_the_row() -> None:
         dense = flops(2, 16)
         assert flops.without_attention(2, 16) + flops.attention_for_pairs(2 * 16 * 16) == pytest.approx(dense, rel=1e-4)
         assert flops.without_attention(2, 16) < dense
+        assert flops.for_step(2, 16, 2 * 16 * 16) == pytest.approx(dense, rel=1e-4)
+        assert flops.for_step(2, 16, 0) == dense
+        assert flops.for_step(2, 16, 2 * 16) < dense  # a bench row's step on the varlen path: its pairs, not C² a row
         seq = _rows([[20, 31, 25, 40], [64, 18, 22]], 128)  # glosses-like samples in rows of 128
         assert flops.attention_for_pairs(varlen_plan(seq).pairs) < flops.attention_for_pairs(2 * 128 * 128) / 2
 

@@ -24,13 +24,12 @@ import torch
 from train.compiling.session import resolve_compile
 from train.config import RunConfig
 from train.data import DataBundle, make_loader
-from train.data.attention import AttentionChoice, apply_attention, choose_packed_attention
+from train.data.attention import AttentionChoice, apply_attention
 from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, broadcast_from_main
 from train.models.dropout import decide_fast_dropout
-from train.precision import DTYPES, PrecisionDecision, PrecisionPolicy
-from train.setup import build_model, check_packing, probe_steps
-from train.tasks.chunked_loss import decide_chunked_loss
+from train.precision import PrecisionDecision, PrecisionPolicy
+from train.setup import attention_choice, build_model, check_packing, chunked_loss_decision, probe_steps
 
 
 @dataclass(frozen=True)
@@ -118,9 +117,7 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
         batching = decision.as_report()
         say(f"batching: {decision.reason}", flush=True)
     fast_dropout = decided(lambda: _decide_fast_dropout(cfg, model, policy, bundle, device))
-    tokens = cfg.batching.max_tokens or cfg.batching.batch_size * cfg.data.max_len  # a fixed batch: its most tokens
-    chunked = decided(lambda: decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model, tokens,
-                                                  DTYPES[policy.mode], device))
+    chunked = decided(lambda: chunked_loss_decision(cfg, model, policy, device))
     if chunked["applied"]:
         model.set_chunked_loss(True)
     decided_values = {"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}
@@ -129,8 +126,7 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
-        attention = decided(lambda: choose_packed_attention(model, policy, cfg, bundle, device, compile_enabled,
-                                                            lambda: probe_steps(cfg, model, policy, device)))
+        attention = decided(lambda: attention_choice(cfg, model, policy, bundle, device, compile_enabled))
         apply_attention(model, attention, device)
         if hasattr(model, "set_packed_attention"):  # a resume replays the path (the paths differ in rounding)
             decided_values["model.packed_attention"] = attention.path

@@ -198,20 +198,40 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
     return BuiltRun(cfg, device, policy, bundle, model, loaders, trainer, compiled, attention)
 
 
+def attention_choice(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
+                     device: torch.device, compiled: bool) -> Any:
+    """``model.packed_attention`` decided for this run (:func:`train.data.attention.choose_packed_attention`, its
+    probe the run's own step), without applying it: the resolve phase's decision, and :func:`packed_attention_for`'s.
+    Raises UserError (one line: the key, why, the fix) for a path this model has not or that cannot run here."""
+    from train.data.attention import choose_packed_attention
+
+    return choose_packed_attention(model, policy, cfg, bundle, device, compiled,
+                                   lambda: probe_steps(cfg, model, policy, device))
+
+
+def chunked_loss_decision(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy,
+                          device: torch.device) -> dict:
+    """``model.chunked_loss`` decided for this run (:func:`train.tasks.chunked_loss.decide_chunked_loss` on the run's
+    tokens per step), without applying it: the resolve phase's decision, and :func:`chunked_loss_for`'s. Raises
+    UserError as that does."""
+    from train.tasks.chunked_loss import decide_chunked_loss
+
+    tokens = cfg.batching.max_tokens or cfg.batching.batch_size * cfg.data.max_len  # a fixed batch: its most tokens
+    return decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model, tokens, DTYPES[policy.mode], device)
+
+
 def packed_attention_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
                          device: torch.device, compiled: bool) -> Any:
     """Put packed rows on ``cfg.model.packed_attention``'s path where nothing has: a bench row or optimize arm that
-    switches packing on keeps the user's ``auto``, decided here by the resolve phase's rule and measurement
-    (:func:`train.data.attention.choose_packed_attention`, cached); an explicit path is checked and applied. The
-    ``AttentionChoice``, or None (model untouched): unpacked, one path, or already on it (the resolve phase's).
-    Raises UserError (one line: the key, why, the fix) for a path this model has not or that cannot run here."""
-    from train.data.attention import apply_attention, choose_packed_attention
+    switches packing on keeps the user's ``auto``, decided here as the resolve phase decides it
+    (:func:`attention_choice`, cached); an explicit path is checked and applied. The ``AttentionChoice``, or None
+    (model untouched): unpacked, one path, or already on it (the resolve phase's)."""
+    from train.data.attention import apply_attention
 
     if cfg.batching.method != "packed" or not hasattr(model, "set_packed_attention") \
             or cfg.model.packed_attention == getattr(model, "packed_attention", None):
         return None
-    choice = choose_packed_attention(model, policy, cfg, bundle, device, compiled,
-                                     lambda: probe_steps(cfg, model, policy, device))
+    choice = attention_choice(cfg, model, policy, bundle, device, compiled)
     apply_attention(model, choice, device)
     return choice
 
@@ -219,15 +239,12 @@ def packed_attention_for(cfg: RunConfig, model: torch.nn.Module, policy: Precisi
 def chunked_loss_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy,
                      device: torch.device) -> Optional[dict]:
     """Set a causal LM's ``model.chunked_loss`` where nothing has (a bench row, an optimize arm or a bench-vs-hf side
-    that asks for it): :func:`train.tasks.chunked_loss.decide_chunked_loss`, the resolve phase's own decision. Its
-    result, or None (model untouched): not a causal LM, or already as asked. Raises UserError as that does."""
-    from train.tasks.chunked_loss import decide_chunked_loss
-
+    that asks for it) as the resolve phase decides it (:func:`chunked_loss_decision`). Its result, or None (model
+    untouched): not a causal LM, or already as asked."""
     if cfg.model.task != "causal-lm" or not hasattr(model, "set_chunked_loss") \
             or cfg.model.chunked_loss == ("true" if model.chunked_loss else "false"):
         return None
-    decision = decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model, cfg.batching.max_tokens
-                                   or cfg.batching.batch_size * cfg.data.max_len, DTYPES[policy.mode], device)
+    decision = chunked_loss_decision(cfg, model, policy, device)
     model.set_chunked_loss(decision["applied"])
     return decision
 

@@ -15,8 +15,7 @@ from train.resolve import resolve_run
 from train.setup import apply_threads_and_seed, build_run
 from train.shutdown import ShutdownRequest
 from train.tools.env import resolve_device
-from train.tools.run_dir import make_run_dir
-from train.tools.run_lock import unlock_run_dir
+from train.tools.run_dir import make_run_dir, unlock_run_dir
 
 
 def run_warmup(cfg: Any, buckets_force: bool = False) -> dict[str, Any]:

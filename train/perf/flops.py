@@ -167,6 +167,12 @@ class ModuleFlops:
         ``attention_dims``."""
         return None if self.dims is None else 12 * pairs * self.dims[1] * self.dims[0]
 
+    def for_step(self, batch: int, seq: int, pairs: int) -> int:
+        """One ``[batch, seq]`` step's FLOPs with its attention counted over the ``pairs`` per-head query–key pairs
+        the ``varlen`` path computed (0: another path, C² per row as :meth:`__call__`)."""
+        attention = self.attention_for_pairs(pairs) if pairs else None
+        return self(batch, seq) if attention is None else attention + self.without_attention(batch, seq)
+
 
 VARLEN_FLOPS_METHOD = "; varlen attention counted per sample group: 12·Σ n·L²·D per layer"
 """What a FLOP method adds where packed rows ran ``varlen`` attention (:meth:`ModuleFlops.attention_for_pairs`)."""

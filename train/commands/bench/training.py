@@ -113,9 +113,8 @@ class RowArm:
         """One step of ``make train``'s own :meth:`Trainer.step` on the row's next batch; its counts."""
         rec = self.run.trainer.step()
         self.seq_lens.add(rec.seq_len)
-        per_sample = getattr(self.count_flops, "attention_for_pairs", None) if rec.attention_pairs else None
-        if per_sample is not None and per_sample(rec.attention_pairs) is not None:  # varlen: per sample group
-            self.flops += per_sample(rec.attention_pairs) + self.count_flops.without_attention(rec.rows, rec.seq_len)
+        if rec.attention_pairs:  # varlen attention (decoders: ModuleFlops): counted per sample group
+            self.flops += self.count_flops.for_step(rec.rows, rec.seq_len, rec.attention_pairs)
         else:
             self.flops += self.count_flops(rec.rows, rec.seq_len)
         return rec.counts()
