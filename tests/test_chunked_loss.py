@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from tests.conftest import CAUSAL_ATTENTION as ATTENTION  # noqa: E402
 from tests.conftest import CAUSAL_KINDS as KINDS  # noqa: E402
+from tests.conftest import CAUSAL_VOCAB  # noqa: E402
 from tests.conftest import causal_samples as _samples  # noqa: E402
 from tests.conftest import packed_causal_batch as _packed_batch  # noqa: E402
 from tests.conftest import tiny_causal_lm as _tiny  # noqa: E402
@@ -103,39 +104,83 @@ def test_a_decoder_step_through_hidden_states_equals_the_logits_step(kind: str, 
     assert model(*args, **kw).shape[-1] == model.spec.vocab_size
 
 
-def _measure(chunked_ms: float):
-    def measure(head, tokens, dtype, device):
+def _measure(chunked_ms: float, interval=(0.9, 1.1)):
+    calls = []
+
+    def measure(model, step, batch, device):
+        calls.append(batch["input_ids"].shape)
         return {"unchunked": 10.0, "chunked": chunked_ms, "speedup": 10.0 / chunked_ms, "rounds": 5,
-                "tokens": tokens, "vocab": head.out_features, "chunk_rows": 8, "speedup_interval": [1.0, 1.0]}
+                "speedup_interval": list(interval), "shape": "2x16", "tokens": 32, "vocab": CAUSAL_VOCAB,
+                "chunk_rows": 8}
+    measure.calls = calls
     return measure
 
 
-def test_auto_keeps_chunked_unless_measured_slower() -> None:
+def _auto(model, measure, cache_dir=None, requested="auto", task="causal-lm"):
+    import contextlib
+
+    return decide_chunked_loss(requested, task, model, "fp32", torch.device("cpu"), cache_dir=cache_dir,
+                               batch=lambda: _packed_batch(_samples()),
+                               probe=lambda: contextlib.nullcontext(lambda b: None), measure=measure)
+
+
+def test_auto_keeps_chunked_unless_the_step_measures_slower(tmp_path) -> None:
     model = _tiny("llama", ATTENTION[0])
-    cpu = torch.device("cpu")
-    kept = decide_chunked_loss("auto", "causal-lm", model, 256, torch.float32, cpu, measure=_measure(10.4))
-    assert kept["applied"] and kept["source"] == "measured" and "chunked" in kept["reason"]
-    slower = decide_chunked_loss("auto", "causal-lm", model, 256, torch.float32, cpu, measure=_measure(12.0))
-    assert not slower["applied"] and slower["reason"].endswith("unchunked")
-    assert not decide_chunked_loss("false", "causal-lm", model, 256, torch.float32, cpu)["applied"]
-    assert decide_chunked_loss("true", "causal-lm", model, 256, torch.float32, cpu)["applied"]
+    kept = _auto(model, _measure(10.4))
+    assert kept["applied"] and kept["source"] == "measured" and kept["reason"].endswith(": chunked")
+    assert not _auto(model, _measure(12.0))["applied"]  # > 1.05x the unchunked step
+    # within the margin at the median but its paired interval wholly below 1.0: measurably slower
+    assert not _auto(model, _measure(10.3, interval=(0.93, 0.98)))["applied"]
+    assert not _auto(model, None, requested="false")["applied"]
+    assert _auto(model, None, requested="true")["applied"]
+    # measured once per machine, model, precision and shape: the second run reads the cache
+    first = _measure(12.0)
+    assert _auto(model, first, tmp_path)["source"] == "measured" and len(first.calls) == 1
+    again = _measure(9.0)
+    cached = _auto(model, again, tmp_path)
+    assert (cached["source"], cached["applied"], len(again.calls)) == ("cached", False, 0)
+
+
+def test_auto_times_the_whole_training_step_both_ways() -> None:
+    """The measurement is the run's step (the probe's ``step``) with the logits whole and chunked, in turn — not the
+    head alone, which favoured the chunked loss where the whole step was slower with it — and the model's setting is
+    restored after it."""
+    from train.tasks.chunked_loss import measure_step_paths
+
+    model = _tiny("llama", ATTENTION[0]).train()
+    assert probe_causal_packing(model)[0]
+    task, batch = task_for("causal-lm"), _packed_batch(_samples())
+    args, kw = (batch["input_ids"], batch["attention_mask"]), {k: batch[k] for k in ("position_ids", "seq_index",
+                                                                                      "num_seqs")}
+    seen = []
+
+    def step(b: dict) -> None:
+        seen.append(model.chunked_loss)
+        out = model(*args, **kw)
+        head = model.loss_head()
+        task.loss(out, b["labels"], None if head is None else LossHead(head, torch.float32)).backward()
+
+    m = measure_step_paths(model, step, batch, torch.device("cpu"), rounds=2)
+    assert sorted(set(seen)) == [False, True] and len(seen) == 2 * (1 + 2)
+    assert model.chunked_loss is False
+    assert m["tokens"] == batch["input_ids"].numel() and m["vocab"] == CAUSAL_VOCAB
+    assert m["unchunked"] > 0 and m["chunked"] > 0 and len(m["speedup_interval"]) == 2
 
 
 def test_refusals_name_the_key_and_the_fix() -> None:
-    cpu = torch.device("cpu")
     with pytest.raises(UserError, match=r"model.chunked_loss=true: model.task=classification .* set "
                                         r"model.chunked_loss=auto or false"):
-        decide_chunked_loss("true", "classification", torch.nn.Linear(2, 2), 8, torch.float32, cpu)
+        _auto(torch.nn.Linear(2, 2), None, requested="true", task="classification")
     with pytest.raises(UserError, match=r"model.chunked_loss=true: model.task=classification"):  # before any data
         load_config(None, ["model.chunked_loss=true"])
-    assert not decide_chunked_loss("auto", "classification", torch.nn.Linear(2, 2), 8, torch.float32, cpu)["applied"]
+    assert not _auto(torch.nn.Linear(2, 2), None, task="classification")["applied"]
     model = _tiny("llama", ATTENTION[0])
     model.inner.set_output_embeddings(torch.nn.Sequential(model.inner.get_output_embeddings()))
     ok, why = probe_loss_head(model)
     assert not ok and "not a linear LM head" in why
     with pytest.raises(UserError, match="model.chunked_loss=true: .*not a linear LM head"):
-        decide_chunked_loss("true", "causal-lm", model, 8, torch.float32, cpu)
-    auto = decide_chunked_loss("auto", "causal-lm", model, 8, torch.float32, cpu)
+        _auto(model, None, requested="true")
+    auto = _auto(model, None)
     assert not auto["applied"] and auto["source"] == "rule"
 
 

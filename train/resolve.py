@@ -23,13 +23,20 @@ import torch
 
 from train.compiling.session import resolve_compile
 from train.config import RunConfig
-from train.data import DataBundle, make_loader
+from train.data import DataBundle
 from train.data.attention import AttentionChoice, apply_attention
 from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, broadcast_from_main
 from train.models.dropout import decide_fast_dropout
 from train.precision import PrecisionDecision, PrecisionPolicy
-from train.setup import attention_choice, build_model, check_packing, chunked_loss_decision, probe_steps
+from train.setup import (
+    attention_choice,
+    build_model,
+    check_packing,
+    chunked_loss_decision,
+    first_train_batch,
+    probe_steps,
+)
 
 
 @dataclass(frozen=True)
@@ -117,12 +124,7 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
         batching = decision.as_report()
         say(f"batching: {decision.reason}", flush=True)
     fast_dropout = decided(lambda: _decide_fast_dropout(cfg, model, policy, bundle, device))
-    chunked = decided(lambda: chunked_loss_decision(cfg, model, policy, device))
-    if chunked["applied"]:
-        model.set_chunked_loss(True)
     decided_values = {"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}
-    if cfg.model.task == "causal-lm":  # a classifier's config keeps its value (nothing to chunk)
-        decided_values["model.chunked_loss"] = "true" if chunked["applied"] else "false"
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
@@ -130,6 +132,12 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
         apply_attention(model, attention, device)
         if hasattr(model, "set_packed_attention"):  # a resume replays the path (the paths differ in rounding)
             decided_values["model.packed_attention"] = attention.path
+    # after the attention path: its A/B times the step the run will take
+    chunked = decided(lambda: chunked_loss_decision(cfg, model, policy, bundle, device))
+    if chunked["applied"]:
+        model.set_chunked_loss(True)
+    if cfg.model.task == "causal-lm":  # a classifier's config keeps its value (nothing to chunk)
+        decided_values["model.chunked_loss"] = "true" if chunked["applied"] else "false"
     cfg = cfg.with_values(decided_values).freeze()
     return Resolved(cfg, policy, bundle, model, compile_enabled, compile_reason, batching, fast_dropout, attention,
                     chunked)
@@ -140,10 +148,8 @@ def _decide_fast_dropout(cfg: RunConfig, model: torch.nn.Module, policy: Precisi
     """``model.fast_dropout`` (train/models/dropout.py) on one real training batch (a loader of its own: the run's
     loaders are built from the resolved config); ``auto`` becomes ``true``/``false`` in the run's config, so a
     resume replays the choice instead of measuring again."""
-    def batch() -> dict:
-        return next(iter(make_loader(bundle, "train", cfg, train=True, device=device)))
-
-    return decide_fast_dropout(model, cfg.model.fast_dropout, policy.mode, cfg.data.cache_dir, batch, device,
+    return decide_fast_dropout(model, cfg.model.fast_dropout, policy.mode, cfg.data.cache_dir,
+                               lambda: first_train_batch(cfg, bundle, device), device,
                                lambda: probe_steps(cfg, model, policy, device))
 
 

@@ -24,7 +24,7 @@ import torch
 from train.config import RunConfig, dump_config
 from train.errors import UserError, atomic_write_text
 from train.models.encoder import EncoderClassifier, resolve_spec
-from train.precision import DTYPES, PrecisionPolicy
+from train.precision import PrecisionPolicy
 from train.tools.cores import usable_cores
 from train.tools.env import resolve_device
 from train.tools.run_dir import make_run_dir
@@ -180,7 +180,7 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
 
         set_fast_dropout(model, True)
     attention = packed_attention_for(cfg, model, policy, bundle, device, compile)
-    chunked_loss_for(cfg, model, policy, device)
+    chunked_loss_for(cfg, model, policy, bundle, device)
     loaders = {s: make_loader(bundle, s, cfg, train=s == "train", device=device, world_size=ctx.world_size,
                               rank=ctx.rank) for s in splits}
     compiled = None
@@ -209,15 +209,24 @@ def attention_choice(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPo
                                    lambda: probe_steps(cfg, model, policy, device))
 
 
-def chunked_loss_decision(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy,
+def chunked_loss_decision(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
                           device: torch.device) -> dict:
-    """``model.chunked_loss`` decided for this run (:func:`train.tasks.chunked_loss.decide_chunked_loss` on the run's
-    tokens per step), without applying it: the resolve phase's decision, and :func:`chunked_loss_for`'s. Raises
-    UserError as that does."""
+    """``model.chunked_loss`` decided for this run (:func:`train.tasks.chunked_loss.decide_chunked_loss`: ``auto``
+    times the run's own step both ways on its first training batch, cached), without applying it: the resolve
+    phase's decision, and :func:`chunked_loss_for`'s. Raises UserError as that does."""
     from train.tasks.chunked_loss import decide_chunked_loss
 
-    tokens = cfg.batching.max_tokens or cfg.batching.batch_size * cfg.data.max_len  # a fixed batch: its most tokens
-    return decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model, tokens, DTYPES[policy.mode], device)
+    return decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model, policy.mode, device,
+                               cache_dir=cfg.data.cache_dir, batch=lambda: first_train_batch(cfg, bundle, device),
+                               probe=lambda: probe_steps(cfg, model, policy, device))
+
+
+def first_train_batch(cfg: RunConfig, bundle: Any, device: torch.device) -> dict:
+    """The first batch of a training loader of its own (the run's loaders are built later, from the resolved
+    config): what the ``auto`` probes that time one real batch measure on."""
+    from train.data import make_loader
+
+    return next(iter(make_loader(bundle, "train", cfg, train=True, device=device)))
 
 
 def packed_attention_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
@@ -236,7 +245,7 @@ def packed_attention_for(cfg: RunConfig, model: torch.nn.Module, policy: Precisi
     return choice
 
 
-def chunked_loss_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy,
+def chunked_loss_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
                      device: torch.device) -> Optional[dict]:
     """Set a causal LM's ``model.chunked_loss`` where nothing has (a bench row, an optimize arm or a bench-vs-hf side
     that asks for it) as the resolve phase decides it (:func:`chunked_loss_decision`). Its result, or None (model
@@ -244,7 +253,7 @@ def chunked_loss_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPo
     if cfg.model.task != "causal-lm" or not hasattr(model, "set_chunked_loss") \
             or cfg.model.chunked_loss == ("true" if model.chunked_loss else "false"):
         return None
-    decision = chunked_loss_decision(cfg, model, policy, device)
+    decision = chunked_loss_decision(cfg, model, policy, bundle, device)
     model.set_chunked_loss(decision["applied"])
     return decision
 

@@ -16,6 +16,8 @@ cross-entropy is fp32; the gradients are kept in fp32 until the backward pass sc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from typing import Any, Optional
 
 import torch
@@ -94,52 +96,74 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, targets: 
 
 
 CHUNKED_MARGIN = 1.05
-"""``auto`` keeps the chunked loss unless it measures slower than this × the unchunked one (median step ms): within
-5 % the two are a tie on a shared CPU, and the memory saved decides."""
+"""``auto`` keeps the chunked loss unless the run's training step measures slower with it: its paired interval
+wholly below 1.0, or its median step more than this × the unchunked one (within 5 % the two are a tie on a shared
+CPU, and the memory saved decides)."""
+DECISION_FORMAT = 1
 
 
-def measure_head_paths(head: torch.nn.Linear, tokens: int, compute_dtype: torch.dtype, device: torch.device,
+def measure_step_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
                        rounds: int = 5) -> dict[str, Any]:
-    """Median ms of the head + cross-entropy forward and backward on ``tokens`` random hidden states, unchunked
-    (fp32 logits ``[tokens, V]`` whole) and chunked, through the one A/B primitive (one untimed call each, then
-    ``rounds`` rotated rounds). The head's ``.grad`` is not touched; no RNG of the run is drawn from."""
+    """Median ms of the run's whole training step (``step(batch)``: a probe trainer's
+    :meth:`~train.trainer.Trainer.step`, restored by its caller) on one real training ``batch`` with the logits
+    whole and with the chunked loss, through the one A/B primitive (one untimed step each, then ``rounds`` rotated
+    rounds). The whole step, not the head alone: the head + loss measured alone favoured the chunked loss where the
+    step was slower with it (it moves the head's gradient into the forward pass, beside the optimizer's work).
+    Returns ``{"unchunked": ms, "chunked": ms, "speedup": unchunked ÷ chunked, "speedup_interval": [low, high],
+    "rounds", "shape", "tokens", "vocab", "chunk_rows"}``; the model's setting is restored afterwards."""
     from train.perf.ab import Arm, interleave
 
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(tokens, head.in_features, generator=gen).to(device, compute_dtype).requires_grad_()
-    targets = torch.randint(0, head.out_features, (tokens,), generator=gen).to(device)
+    before = model.chunked_loss
 
-    wrt = [hidden, *head.parameters()]  # gradients returned, never accumulated into the model's .grad
+    def arm(on: bool) -> Arm:
+        def one() -> None:
+            model.set_chunked_loss(on)
+            step(batch)
 
-    def unchunked() -> None:
-        logits = F.linear(hidden, head.weight.to(compute_dtype),
-                          None if head.bias is None else head.bias.to(compute_dtype)).float()
-        torch.autograd.grad(F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX), wrt)
+        return Arm("chunked" if on else "unchunked", one)
 
-    def chunked() -> None:
-        torch.autograd.grad(chunked_cross_entropy(hidden, head, targets, compute_dtype), wrt)
-
-    ab = interleave([Arm("unchunked", unchunked), Arm("chunked", chunked)], rounds=rounds, window=1, warmup=1,
-                    device=device)
-    med = {arm: ab.arms[arm].median_step_ms() for arm in ("unchunked", "chunked")}
+    try:
+        ab = interleave([arm(False), arm(True)], rounds=rounds, window=1, warmup=1, device=device)
+    finally:
+        model.set_chunked_loss(before)
+    med = {a: ab.arms[a].median_step_ms() for a in ("unchunked", "chunked")}
     ratio = ab.ratio("chunked", "unchunked", "steps")
+    head = model.inner.get_output_embeddings()
+    tokens = int(batch["input_ids"].numel())
     return {**med, "speedup": med["unchunked"] / med["chunked"], "speedup_interval": [ratio.low, ratio.high],
-            "rounds": rounds, "tokens": tokens, "vocab": head.out_features,
-            "chunk_rows": chunk_rows(tokens, head.in_features, head.out_features)}
+            "rounds": rounds, "shape": "x".join(map(str, batch["input_ids"].shape)), "tokens": tokens,
+            "vocab": head.out_features, "chunk_rows": chunk_rows(tokens, head.in_features, head.out_features)}
 
 
-def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, tokens: int, compute_dtype: torch.dtype,
-                        device: torch.device, measure: Optional[Any] = None) -> dict[str, Any]:
-    """Resolve ``model.chunked_loss`` (``auto`` | ``true`` | ``false``) for a run: report.json's
-    ``levers.chunked_loss`` — ``applied``, ``requested``, ``reason``, ``source`` (requested | rule | measured) and,
-    when measured, ``measurement`` (:func:`measure_head_paths` on ``tokens``, the run's token budget; tests force
-    ``measure``).
+def _fingerprint(model: torch.nn.Module, precision: str, batch: dict) -> dict[str, Any]:
+    from train.tools import decisions
+
+    return {**decisions.machine_identity(next(model.parameters()).device),
+            "model": [str(getattr(model, "spec", type(model).__name__)), sum(p.numel() for p in model.parameters())],
+            "precision": precision, "shape": list(batch["input_ids"].shape),
+            "attention": getattr(model, "packed_attention", None) if "seq_index" in batch else None}
+
+
+def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, precision: str, device: torch.device, *,
+                        cache_dir: Optional[str] = None, batch: Optional[Callable[[], dict]] = None,
+                        probe: Optional[Callable[[], ContextManager[Callable[[dict], Any]]]] = None,
+                        measure: Optional[Callable[..., dict[str, Any]]] = None) -> dict[str, Any]:
+    """Resolve ``model.chunked_loss`` (``auto`` | ``true`` | ``false``) for a run (the model is left as it is: the
+    caller sets it when ``applied``): report.json's ``levers.chunked_loss`` — ``applied``, ``requested``,
+    ``reason``, ``source`` (requested | rule | measured | cached) and, when measured or cached, ``measurement``
+    (:func:`measure_step_paths`). ``auto`` times the run's training step both ways on ``batch()`` (one real training
+    batch, asked for only when measuring) through ``probe()`` (a context giving the run's step and restoring the
+    model after it; :func:`train.setup.probe_steps`); ``measure`` replaces :func:`measure_step_paths` (tests).
+    Measured decisions are cached under ``cache_dir/decisions/`` like the other ``auto`` probes; a busy machine
+    measures but does not cache.
 
     Raises:
         UserError: ``true`` where it cannot run (a classifier; a causal LM whose logits are not a linear head over
             its last hidden states).
     """
     from train.errors import UserError
+    from train.tools import decisions
+    from train.tools.env import machine_load
 
     def out(applied: bool, reason: str, source: str, m: Optional[dict] = None) -> dict[str, Any]:
         return {"applied": applied, "requested": requested, "reason": reason, "source": source, "measurement": m}
@@ -160,10 +184,25 @@ def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, token
         return out(False, f"auto: {why}: unchunked", "rule")
     if requested == "true":
         return out(True, "requested (model.chunked_loss=true)", "requested")
-    m = (measure or measure_head_paths)(model.inner.get_output_embeddings(), tokens, compute_dtype, device)
-    applied = m["chunked"] <= CHUNKED_MARGIN * m["unchunked"]
-    reason = (f"auto: the LM head + cross-entropy over {m['tokens']} tokens x vocabulary {m['vocab']} took "
-              f"{m['chunked']:.1f} ms chunked ({m['chunk_rows']} rows a chunk) vs {m['unchunked']:.1f} ms with the "
-              f"logits whole (median of {m['rounds']}; chunked kept unless > {CHUNKED_MARGIN}x): "
+    if batch is None or probe is None:
+        raise ValueError("model.chunked_loss=auto is measured on the run's step: pass batch and probe")
+    sample = batch()
+    fp = _fingerprint(model, precision, sample)
+    path = decisions.cache_path(cache_dir, "chunked-loss", fp, DECISION_FORMAT)
+    cached = decisions.read_cached(path, fp, "applied", (True, False))
+    if cached is not None:
+        return out(cached["applied"], cached["reason"], "cached", cached["measurement"])
+    load = machine_load()
+    with probe() as step:
+        m = (measure or measure_step_paths)(model, step, sample, device)
+    low, high = m["speedup_interval"]
+    slower = high is not None and high < 1.0
+    applied = not slower and m["chunked"] <= CHUNKED_MARGIN * m["unchunked"]
+    interval = "no interval" if low is None else f"{low:.2f}, {high:.2f}"
+    reason = (f"auto: the training step on [{m['shape']}] ({m['tokens']} tokens, vocabulary {m['vocab']}, "
+              f"{precision}) ran {m['speedup']:.2f}x [{interval}] chunked ({m['chunk_rows']} rows a chunk; "
+              f"{m['chunked']:.1f} vs {m['unchunked']:.1f} ms with the logits whole, median of {m['rounds']} paired "
+              f"rounds; chunked kept unless measurably slower or > {CHUNKED_MARGIN}x): "
               f"{'chunked' if applied else 'unchunked'}")
-    return out(applied, reason, "measured", m)
+    decisions.store(path, {"applied": applied, "reason": reason, "measurement": m, "fingerprint": fp}, load)
+    return out(applied, reason + decisions.busy_note(load), "measured", m)
