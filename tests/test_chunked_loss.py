@@ -75,9 +75,11 @@ def test_bf16_matmul_matches_autocast_head_within_bf16_rounding() -> None:
 
 
 def test_chunk_rows_follow_the_hidden_size_rule() -> None:
-    assert chunk_rows(2048, 256, 32000) == 32  # ceil(2048 / ceil(32000 / 256)) = 17 → 32
+    assert chunk_rows(2048, 256, 32000) == 256  # Liger's ceil(2048 / ceil(32000 / 256)) = 17 → 32; floor 256
+    assert chunk_rows(2 ** 16, 256, 32000) == 1024  # Liger's: ceil(65536 / 125) = 525 → 1024, above the floor
     assert chunk_rows(2048, 256, 256) == 2048
-    assert chunk_rows(1, 8, 10**6) == 1
+    assert chunk_rows(2048, 200, 32000) == 256  # the floor is the next power of two of the hidden size
+    assert chunk_rows(1, 8, 10**6) == 8
 
 
 @pytest.mark.parametrize("attn", ATTENTION)

@@ -28,10 +28,18 @@ IGNORE_INDEX = -100
 
 
 def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
-    """Rows per chunk: Liger's rule, ``next_pow2(ceil(tokens / ceil(vocab / hidden)))`` — a chunk's logits
-    ``[rows, vocab]`` hold about as many values as the hidden states ``[tokens, hidden]`` — at least 1."""
+    """Rows per chunk: Liger's rule, ``next_pow2(ceil(tokens / ceil(vocab / hidden)))`` (a chunk's logits
+    ``[rows, vocab]`` hold about as many values as the hidden states ``[tokens, hidden]``), raised to at least
+    ``next_pow2(hidden)`` rows, and at least 1.
+
+    The floor: every chunk adds its ``[vocab, hidden]`` share to the head's fp32 weight gradient, a fixed cost per
+    chunk; with ``rows ≥ hidden`` a chunk's logits are at least as large as that gradient, so the accumulation costs
+    no more memory traffic than the logits themselves, and a chunk's logits take no more memory than the weight
+    gradient the loss holds anyway. Liger's rule alone (sized for GPU memory) cut a CPU step into chunks so small
+    that the accumulation dominated (docs/models.md has the head + loss timings per chunk size)."""
     per = math.ceil(tokens / max(1, math.ceil(vocab / max(1, hidden))))
-    return max(1, 1 << max(0, per - 1).bit_length())
+    liger = 1 << max(0, per - 1).bit_length()
+    return max(1, liger, 1 << max(0, hidden - 1).bit_length())
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -99,7 +107,7 @@ CHUNKED_MARGIN = 1.05
 """``auto`` keeps the chunked loss unless the run's training step measures slower with it: its paired interval
 wholly below 1.0, or its median step more than this × the unchunked one (within 5 % the two are a tie on a shared
 CPU, and the memory saved decides)."""
-DECISION_FORMAT = 1
+DECISION_FORMAT = 2  # 2: chunks of at least next_pow2(hidden) rows
 
 
 def measure_step_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
