@@ -298,6 +298,7 @@ def test_bench_vs_hf_on_a_causal_lm_runs_both_hf_configurations_warm_and_cold(wn
     assert all(runs[0]["process_s"] > 0 for runs in cold["runs"].values())
     text = (tmp_path / "runs" / "vsc" / "bench-vs-hf.md").read_text()
     assert "| hf-padding-free |" in text and "(the faster HF configuration)" in text and "cold this-project" in text
+    assert f"ran: packed_attention {ran['packed_attention']}, chunked_loss {ran['chunked_loss']}" in text
 
 
 def _cli_error(argv: list[str], capsys) -> str:

@@ -159,6 +159,8 @@ def _result(cfg: RunConfig, policy: PrecisionPolicy, train_samples: int, ab: ABR
     every = result["sides"][ALL_LEVERS]["median"]
     result[ALL_LEVERS.replace("-", "_")] = {
         "levers": levers, "speedup_vs_hf_trainer": ab.ratio(ALL_LEVERS, "hf-trainer").as_dict(),
+        # what its levers' auto chose (the first timed run; every run decides the same, from the cache)
+        "ran": {k: (runs[ALL_LEVERS] or [{}])[0].get(k) for k in ("packed_attention", "chunked_loss")},
         "speedup_vs_this_project": ab.ratio(ALL_LEVERS, "this-project").as_dict(),
         "eval_accuracy_delta_vs_hf_trainer": (
             every["eval_accuracy"] - theirs["eval_accuracy"]
@@ -223,7 +225,9 @@ def markdown(result: dict[str, Any]) -> str:
     every = result.get("all_levers")
     if every:
         r = every["speedup_vs_hf_trainer"]
-        lines.append(f"{ALL_LEVERS} ({', '.join(f'{k}={v}' for k, v in every['levers'].items())}) / HF Trainer: "
+        ran = ", ".join(f"{k} {v}" for k, v in every.get("ran", {}).items() if v is not None)
+        lines.append(f"{ALL_LEVERS} ({', '.join(f'{k}={v}' for k, v in every['levers'].items())}; ran: {ran}) / "
+                     "HF Trainer: "
                      f"{_fmt(r['median'], '.2f')}x [{_fmt(r['low'], '.2f')}, {_fmt(r['high'], '.2f')}] "
                      f"({r['verdict']}, median of paired rounds); "
                      f"vs this-project {_fmt(every['speedup_vs_this_project']['median'], '.2f')}x; eval accuracy "
