@@ -4,8 +4,8 @@ config and the decisions block.
 Every ``auto`` of a run is decided here, once, in this order: the run id (the run directory's name), the precision
 (the checkpoint's on resume, else ``train.precision``), the model (built and checked for packing), the batching
 method (``batching.method=auto``: the run's own step on its batches), fast dropout (``model.fast_dropout=auto``), the
-chunked LM loss (``model.chunked_loss``: causal LMs), the
-compile switch (``compile.enabled``: a rule) and the packed rows' attention path (``model.packed_attention``). The
+compile switch (``compile.enabled``: a rule), the packed rows' attention path (``model.packed_attention``) and the
+chunked LM loss (``model.chunked_loss``: causal LMs; its step A/B runs on the attention path just chosen). The
 probes run on the run's model through a throwaway trainer and restore it bit-exactly. What comes out is a value:
 nothing after this phase edits the config; :func:`train.setup.build_run` builds the run from it.
 
