@@ -121,13 +121,6 @@ def unswappable(model: nn.Module) -> list[str]:
     return out
 
 
-def _fingerprint(model: nn.Module, precision: str, batch: dict) -> dict[str, Any]:
-    return {**decisions.machine_identity(next(model.parameters()).device),
-            "model": [type(getattr(model, "inner", model)).__name__, sum(p.numel() for p in model.parameters()),
-                      str(getattr(model, "spec", ""))], "precision": precision,
-            "shape": list(batch["input_ids"].shape)}
-
-
 def measure(model: nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
             rounds: int = 5) -> dict[str, Any]:
     """One training step (``step(batch)``) with ``nn.Dropout`` vs :class:`FastDropout`, interleaved; the model is
@@ -170,7 +163,7 @@ def decide_fast_dropout(model: nn.Module, requested: str, precision: str, cache_
         return {**out, "applied": True, "modules": dropouts, "source": "requested",
                 "reason": f"requested (model.fast_dropout=true): {dropouts} nn.Dropout modules swapped"}
     batch = batch()
-    fp = _fingerprint(model, precision, batch)
+    fp = decisions.step_fingerprint(model, precision, batch)
     path = decisions.cache_path(cache_dir, "fast-dropout", fp, DECISION_FORMAT)
     cached = decisions.read_cached(path, fp, "fast", (True, False))
     if cached is not None:

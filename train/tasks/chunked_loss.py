@@ -107,7 +107,7 @@ CHUNKED_MARGIN = 1.05
 """``auto`` keeps the chunked loss unless the run's training step measures slower with it: its paired interval
 wholly below 1.0, or its median step more than this × the unchunked one (within 5 % the two are a tie on a shared
 CPU, and the memory saved decides)."""
-DECISION_FORMAT = 2  # 2: chunks of at least next_pow2(hidden) rows
+DECISION_FORMAT = 3  # 2: chunks of at least next_pow2(hidden) rows; 3: the shared step fingerprint
 
 
 def measure_step_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
@@ -141,15 +141,6 @@ def measure_step_paths(model: torch.nn.Module, step: Callable[[dict], Any], batc
     return {**med, "speedup": med["unchunked"] / med["chunked"], "speedup_interval": [ratio.low, ratio.high],
             "rounds": rounds, "shape": "x".join(map(str, batch["input_ids"].shape)), "tokens": tokens,
             "vocab": head.out_features, "chunk_rows": chunk_rows(tokens, head.in_features, head.out_features)}
-
-
-def _fingerprint(model: torch.nn.Module, precision: str, batch: dict) -> dict[str, Any]:
-    from train.tools import decisions
-
-    return {**decisions.machine_identity(next(model.parameters()).device),
-            "model": [str(getattr(model, "spec", type(model).__name__)), sum(p.numel() for p in model.parameters())],
-            "precision": precision, "shape": list(batch["input_ids"].shape),
-            "attention": getattr(model, "packed_attention", None) if "seq_index" in batch else None}
 
 
 def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, precision: str, device: torch.device, *,
@@ -195,7 +186,8 @@ def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, preci
     if batch is None or probe is None:
         raise ValueError("model.chunked_loss=auto is measured on the run's step: pass batch and probe")
     sample = batch()
-    fp = _fingerprint(model, precision, sample)
+    fp = {**decisions.step_fingerprint(model, precision, sample),  # the step ran on the path resolved before it
+          "attention": getattr(model, "packed_attention", None) if "seq_index" in sample else None}
     path = decisions.cache_path(cache_dir, "chunked-loss", fp, DECISION_FORMAT)
     cached = decisions.read_cached(path, fp, "applied", (True, False))
     if cached is not None:

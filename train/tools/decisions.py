@@ -1,7 +1,8 @@
 """Measured automatic decisions, cached per machine and settings under ``<data.cache_dir>/decisions/``.
 
 ``train.precision=auto`` (train/precision.py), ``batching.method=auto`` (train/data/batching_auto.py) and
-``model.packed_attention=auto`` (train/data/attention.py) each measure once; a later run whose ``fingerprint``
+``model.packed_attention=auto`` (train/data/attention.py), ``model.fast_dropout=auto`` (train/models/dropout.py)
+and ``model.chunked_loss=auto`` (train/tasks/chunked_loss.py) each measure once; a later run whose ``fingerprint``
 (machine, torch, threads, model, settings: whatever the measurement depends on) is the same reuses the answer and
 says ``(cached <when> in <path>)``. A measurement taken while the machine is busy (1-minute load average above
 the core count) is used for that run but not cached: other work skews the candidates differently.
@@ -34,6 +35,16 @@ def machine_identity(device: Any) -> dict[str, Any]:
         name, flags = cpuinfo()
         where = f"{name or os.uname().machine} {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
     return {"device": where, "torch": torch.__version__.split("+")[0], "threads": torch.get_num_threads()}
+
+
+def step_fingerprint(model: Any, precision: str, batch: dict) -> dict[str, Any]:
+    """The fingerprint of a decision measured on one training step of ``model`` (a ``torch.nn.Module``) in
+    ``precision`` on ``batch`` (its ``input_ids`` shape): :func:`machine_identity` of the model's device, the model
+    (the wrapped module's class, its parameter count, its spec), the precision and the batch shape."""
+    return {**machine_identity(next(model.parameters()).device),
+            "model": [type(getattr(model, "inner", model)).__name__, sum(p.numel() for p in model.parameters()),
+                      str(getattr(model, "spec", ""))], "precision": precision,
+            "shape": list(batch["input_ids"].shape)}
 
 
 def cache_path(cache_dir: Optional[str], kind: str, fingerprint: Any, version: int) -> Optional[str]:
