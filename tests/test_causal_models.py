@@ -62,7 +62,7 @@ def test_block_causal_mask_is_causal_within_samples_and_padding_sees_itself() ->
     assert not causal_block_mask(seq, window=2)[0, 4, 2] and causal_block_mask(seq, window=2)[0, 4, 3]
 
 
-@pytest.mark.parametrize("path", ["sdpa-mask", "varlen"])
+@pytest.mark.parametrize("path", ["sdpa-mask", "varlen", "eager-mask"])
 @pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_per_token_loss_equals_unpacked(kind: str, attn: str, path: str) -> None:
@@ -71,6 +71,12 @@ def test_packed_per_token_loss_equals_unpacked(kind: str, attn: str, path: str) 
     assert ok, reason
     assert kind in reason and attn in reason and ("boolean" if attn == "sdpa" else "additive float") in reason
     assert model.varlen_available() is None, model.varlen_reason  # the probe found varlen exact too
+    if path == "eager-mask" and attn == "eager":  # the model's own attention is eager: sdpa-mask is that path
+        assert "eager already" in model.path_available(path)
+        with pytest.raises(ValueError, match="eager already"):
+            model.set_packed_attention(path)
+        return
+    assert model.path_available(path) is None, model.eager_reason
     model.set_packed_attention(path)
     samples = _samples()
     batch = _packed_batch(samples)
@@ -126,15 +132,19 @@ def test_sliding_window_layers_are_packed_with_their_window(attn: str) -> None:
         model.set_packed_attention("varlen")
     samples = _samples()
     batch = _packed_batch(samples)
-    with torch.no_grad():
-        logits = model(batch["input_ids"], batch["attention_mask"], position_ids=batch["position_ids"],
-                       seq_index=batch["seq_index"], num_seqs=batch["num_seqs"])
+    for path in ("sdpa-mask", "eager-mask") if attn != "eager" else ("sdpa-mask",):
+        model.set_packed_attention(path)  # the eager path gets the window in its additive mask too
+        with torch.no_grad():
+            logits = model(batch["input_ids"], batch["attention_mask"], position_ids=batch["position_ids"],
+                           seq_index=batch["seq_index"], num_seqs=batch["num_seqs"])
         for r, row in enumerate(ROWS):
             at = 0
             for i in row:
                 n = LENGTHS[i]
                 got = F.cross_entropy(logits[r, at:at + n - 1], samples[i][1:], reduction="none")
-                torch.testing.assert_close(got, _alone(model, samples[i]), rtol=0, atol=1e-5)
+                with torch.no_grad():
+                    want = _alone(model, samples[i])
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=path)
                 at += n
 
 

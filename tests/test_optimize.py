@@ -487,6 +487,39 @@ def test_the_chunked_loss_lever_is_offered_to_causal_lms_ranked_by_the_loss_stag
     assert lever.propose(LeverContext(cfg=on, device_type="cpu"), ev) == "already on"
 
 
+def test_the_attention_lever_offers_packed_rows_the_other_paths_ranked_by_the_attention_share():
+    from train.commands.optimize.command import baseline_settings
+    from train.data.layout_cost import LayoutCost
+
+    lever = next(lv for lv in CATALOGUE if lv.name == "attention")
+    ev = Evidence(step_ms=100.0, attention_share=0.25, top_op="aten::_scaled_dot_product_flash_attention_for_cpu")
+    causal = RunConfig().with_values({"model.task": "causal-lm", "model.source": "hf:llama", "train.precision": "bf16",
+                                      "batching.method": "packed", "model.packed_attention": "sdpa-mask"})
+    costs = {"current": LayoutCost(tokens=21.6, scores=1382.0, real_tokens=21.5),
+             "optimal+batch-max": LayoutCost(tokens=24.2, scores=691.0, real_tokens=21.5)}
+    paths = {"varlen": "", "eager-mask": ""}
+    ctx = LeverContext(cfg=causal, device_type="cpu", attention_paths=paths, batching_costs=costs)
+    got = {c.value: c for c in lever.propose(ctx, ev)}
+    assert got["eager-mask"].overrides == {"model.packed_attention": "eager-mask"}
+    assert got["eager-mask"].predicted == pytest.approx(amdahl(0.25, 2.0)) and "25.0%" in got["eager-mask"].evidence
+    assert got["varlen"].predicted == pytest.approx(amdahl(0.25, 2.0)) and "1382 -> 691" in got["varlen"].evidence
+    assert all(c.may_change == NUMERICS for c in got.values())
+    # fp32: eager-mask ranks no gain; compiled: varlen would recompile; CUDA: the fused kernel stays
+    fp32 = lever.propose(LeverContext(cfg=causal.with_values({"train.precision": "fp32"}), device_type="cpu",
+                                      attention_paths=paths, batching_costs=costs), ev)
+    assert {c.value: c.predicted for c in fp32}["eager-mask"] == 1.0
+    compiled = LeverContext(cfg=causal.with_values({"compile.enabled": "true"}), device_type="cuda",
+                            attention_paths=paths, batching_costs=costs)
+    why = lever.propose(compiled, ev)
+    assert isinstance(why, str) and "recompile" in why and "fused kernel" in why
+    assert "batching.method=optimal" in lever.propose(LeverContext(cfg=causal.with_values(
+        {"batching.method": "optimal"}), device_type="cpu", attention_paths=paths), ev)
+    assert "no other path" in lever.propose(LeverContext(cfg=causal, device_type="cpu"), ev)
+    # the baseline runs the block mask: the other paths are this lever's, never auto's inside an arm
+    settings, notes = baseline_settings(causal.with_values({"model.packed_attention": "auto"}), "bf16")
+    assert settings["model.packed_attention"] == "sdpa-mask" and any("attention lever" in n for n in notes)
+
+
 def test_token_budget_doubles_up_to_the_bound():
     cfg = RunConfig().with_values({"batching.method": "optimal", "batching.max_tokens": 8192})
     ctx = LeverContext(cfg=cfg, device_type="cpu", base_budget=4096)
@@ -757,7 +790,7 @@ def test_the_grid_on_the_naive_cpu_config_holds_its_112_points():
     got = grid_points(base, native_bf16=True, supports_packing=True, fused=True, cuda=False, workers=0)
     assert len(want) == 112 and got == want
     assert SETTINGS_KEYS == ("train.precision", "batching.method", "batching.pad_to", "batching.max_tokens",
-                             "model.fast_dropout", "model.chunked_loss", "optim.fused", "data.num_workers",
+                             "model.packed_attention", "model.fast_dropout", "model.chunked_loss", "optim.fused", "data.num_workers",
                              "train.num_threads",
                              "compile.enabled", "compile.mode", "optim.lr", "train.max_steps", "train.eval_every",
                              "train.checkpoint_every")

@@ -145,3 +145,51 @@ def test_the_attention_choice_offers_a_decoder_varlen_and_refuses_what_it_has_no
     windowed = SimpleNamespace(**{**vars(decoder), "varlen_available": lambda: "hf:qwen2: a sliding window"})
     ruled = attn.choose_packed_attention(windowed, None, auto, None, cpu, compiled=False)
     assert (ruled.path, ruled.source) == ("sdpa-mask", "rule") and "sliding window" in ruled.reason
+
+
+def test_auto_times_every_decoder_path_that_runs_and_keeps_the_fastest(monkeypatch, tiny_cfg, tmp_path) -> None:
+    """A decoder has three packed paths: ``auto`` times sdpa-mask against each one that runs here (varlen not under
+    compile) and keeps the fastest; a path the probe did not find exact is refused in one line when asked for."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from train.data import attention as attn
+    from train.errors import UserError
+
+    why = {"varlen": None, "eager-mask": None}
+    decoder = SimpleNamespace(packed_attention_paths=("sdpa-mask", "varlen", "eager-mask"), set_packed_attention=None,
+                              path_available=why.get, spec="hf:llama")
+    monkeypatch.setattr(attn, "probe_batch", lambda cfg, bundle: {"input_ids": torch.zeros(3, 64, dtype=torch.long),
+                                                                 "labels": torch.zeros(3, 64, dtype=torch.long)})
+    monkeypatch.setattr(attn, "machine_load", lambda: 0.0)
+    cpu, policy, asked = torch.device("cpu"), SimpleNamespace(mode="bf16"), []
+
+    def forced(ms: dict):
+        def measure(model, step, batch, device, fns, alts):
+            asked.append(alts)
+            return {**{p: ms[p] for p in ("sdpa-mask", *alts)}, "repeats": 3, "shape": "3x64"}
+        return measure
+
+    times = {"sdpa-mask": 10.0, "varlen": 12.0, "eager-mask": 8.0}
+    cfg = tiny_cfg("batching.method=packed", "model.task=causal-lm", f"data.cache_dir={tmp_path / 'a'}")
+    choice = attn.choose_packed_attention(decoder, policy, cfg, None, cpu, False, probe=contextlib.nullcontext,
+                                          measure=forced(times))
+    assert (choice.path, choice.source, asked[-1]) == ("eager-mask", "measured", ("varlen", "eager-mask"))
+    assert "eager-mask ran 1.25x the speed of sdpa-mask" in choice.reason and "varlen 12.0 ms" in choice.reason
+    # compiled: varlen's per-batch shapes would recompile, so only eager-mask is timed; slower here: sdpa-mask
+    choice = attn.choose_packed_attention(decoder, policy, cfg, None, cpu, True, probe=contextlib.nullcontext,
+                                          measure=forced({**times, "eager-mask": 11.0}))
+    assert (choice.path, asked[-1]) == ("sdpa-mask", ("eager-mask",)) and choice.reason.endswith(": sdpa-mask")
+    # requested where the probe found it inexact: one line naming the key and the fix
+    why["eager-mask"] = "LlamaForCausalLM: eager-mask logits differ from unpacked by 1.0e-02"
+    asked_cfg = tiny_cfg("batching.method=packed", "model.task=causal-lm", "model.packed_attention=eager-mask")
+    with pytest.raises(UserError) as info:
+        attn.choose_packed_attention(decoder, policy, asked_cfg, None, cpu, False)
+    assert "\n" not in str(info.value) and "model.packed_attention=eager-mask: LlamaForCausalLM" in str(info.value)
+    # neither other path runs: sdpa-mask by rule, nothing timed
+    why["varlen"] = "a sliding window"
+    n = len(asked)
+    ruled = attn.choose_packed_attention(decoder, policy, tiny_cfg("batching.method=packed", "model.task=causal-lm",
+                                                                   f"data.cache_dir={tmp_path / 'b'}"),
+                                         None, cpu, False, probe=contextlib.nullcontext, measure=forced(times))
+    assert (ruled.path, ruled.source, len(asked)) == ("sdpa-mask", "rule", n) and "sliding window" in ruled.reason

@@ -118,14 +118,15 @@ class ModelConfig(Frozen):
     """Dropout probability on embeddings, attention output and FFN output."""
     pooling: str = allowed("mean", choices=("mean", "cls"))
     """``mean`` (average of real tokens) or ``cls`` (the first token)."""
-    packed_attention: str = allowed("auto", choices=("auto", "sdpa-mask", "flex", "varlen"))
+    packed_attention: str = allowed("auto", choices=("auto", "sdpa-mask", "flex", "varlen", "eager-mask"))
     """Attention of packed rows (``batching.method=packed``): ``sdpa-mask`` (``scaled_dot_product_attention`` with a
     block-diagonal bool mask, every torch), ``flex`` (the built-in encoder: FlexAttention with a document block mask,
     torch ≥ 2.5 with a backward on the device, i.e. not CPU in torch 2.13; no attention-probability dropout),
     ``varlen`` (causal LMs: each sample's causal attention over itself, samples of similar length batched into SDPA
-    calls; eager runs, no sliding window), or ``auto``: the model's other path only where it runs (``flex``: with
-    ``model.dropout`` 0) and it measures ≥ 1.0× as fast on the run's packed shape (measured once, cached;
-    train/data/attention.py), else ``sdpa-mask`` with the reason."""
+    calls; eager runs, no sliding window), ``eager-mask`` (causal LMs: the same mask added to the scores in
+    transformers' eager attention, no fused kernel), or ``auto``: the fastest of the model's other paths that run
+    (``flex``: with ``model.dropout`` 0) where it measures ≥ 1.0× as fast on the run's packed shape (measured once,
+    cached; train/data/attention.py), else ``sdpa-mask`` with the reason."""
     fast_dropout: Union[bool, str] = allowed("auto", choices=("auto", "true", "false"))
     """Swap the model's ``nn.Dropout`` modules for :class:`train.models.dropout.FastDropout` (the same keep probability
     and scaling — p rounded to a multiple of 2^-16 —, the mask drawn as 16-bit uniform integers, four per 64-bit
@@ -162,7 +163,7 @@ class ModelConfig(Frozen):
         if self.chunked_loss == "true" and self.task != "causal-lm":
             raise UserError(f"model.chunked_loss=true: model.task={self.task} has logits [N, classes], nothing to "
                             "chunk; set model.chunked_loss=auto or false")
-        theirs = {"varlen": "causal-lm", "flex": "classification"}.get(self.packed_attention)
+        theirs = {"varlen": "causal-lm", "eager-mask": "causal-lm", "flex": "classification"}.get(self.packed_attention)
         if theirs is not None and self.task != theirs:
             raise UserError(f"model.packed_attention={self.packed_attention} is for model.task={theirs} models; "
                             "set model.packed_attention=auto or sdpa-mask")

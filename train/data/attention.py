@@ -1,6 +1,6 @@
 """``model.packed_attention``: which attention runs packed rows (``batching.method=packed``), decided and said.
 
-Three paths, all exact (a packed sample's logits equal its unpacked logits; tests/test_packing.py,
+Four paths, all exact (a packed sample's logits equal its unpacked logits; tests/test_packing.py,
 tests/test_causal_models.py):
 
 * ``sdpa-mask``: ``scaled_dot_product_attention`` with a block-diagonal mask [R, 1, C, C] (every model and torch;
@@ -12,14 +12,18 @@ tests/test_causal_models.py):
 * ``varlen`` (causal LMs): each sample attends over itself only, samples of similar length batched into causal SDPA
   calls (train/models/varlen.py): Σ Lᵢ² scores instead of C² per row, on every torch and device. Offered where the
   model's packing probe found it exact; never with a sliding window or under compile (shapes change per batch).
+* ``eager-mask`` (causal LMs whose own attention is SDPA): the same block-causal mask, added to the scores in
+  transformers' eager attention (score matmul, softmax in fp32, value matmul). It computes what ``sdpa-mask`` does,
+  without the fused kernel: on rows of tens of tokens in bf16 on a CPU the flash kernel's per-block overhead costs
+  more than the scores it saves (docs/models.md has the timings).
 
 Availability: :func:`train.compat.flex_attention_functions` for ``flex`` (training needs its backward: torch 2.13
-has none on CPU), the decoder's probe for ``varlen``. A path requested where it cannot run, or on a model without
-it, is a one-line :class:`~train.errors.UserError`. ``auto`` is ``sdpa-mask`` by rule where the other path cannot
+has none on CPU), the decoder's probe for ``varlen`` and ``eager-mask``. A path requested where it cannot run, or on a model without
+it, is a one-line :class:`~train.errors.UserError`. ``auto`` is ``sdpa-mask`` by rule where no other path can
 run, or for ``flex`` where ``model.dropout`` > 0 (flex would drop attention dropout and so change the model's
 training); otherwise it times the run's training step (a probe trainer's) on one packed batch of the run's own shape
-with each path (one untimed call each, then ``repeats`` interleaved, median) and picks the other path when it is
-≥ :data:`ALT_MARGIN` × as fast. The model and every RNG are restored afterwards. Measured decisions are cached under
+with ``sdpa-mask`` and each path that can run (one untimed call each, then ``repeats`` interleaved rounds, median)
+and picks the fastest other path when it is ≥ :data:`ALT_MARGIN` × as fast as ``sdpa-mask``. The model and every RNG are restored afterwards. Measured decisions are cached under
 ``data.cache_dir/decisions/`` like ``batching.method=auto`` (train/data/batching_auto.py); a busy machine measures
 but does not cache.
 """
@@ -47,13 +51,15 @@ from train.tools import decisions
 from train.tools.env import machine_load
 
 ALT_MARGIN = 1.0
-"""``auto`` picks ``flex`` / ``varlen`` when the ``sdpa-mask`` step takes ≥ this × its step (ties go to it: it
-computes fewer scores)."""
-DECISION_FORMAT = 2
+"""``auto`` picks another path when the ``sdpa-mask`` step takes ≥ this × its step (ties go to the other
+path: flex and varlen compute fewer scores)."""
+DECISION_FORMAT = 3
 PATH_DETAIL = {"sdpa-mask": "scaled_dot_product_attention with a block-diagonal bool mask [R, 1, C, C]",
                "flex": "FlexAttention (torch.nn.attention.flex_attention) with a document BlockMask",
                "varlen": "scaled_dot_product_attention per sample, causal, samples of similar length batched "
-                         "(train/models/varlen.py)"}
+                         "(train/models/varlen.py)",
+               "eager-mask": "transformers' eager attention: score matmul + the block-causal mask as an additive float "
+                             "mask, softmax in fp32, value matmul"}
 
 
 @dataclass
@@ -106,28 +112,30 @@ def probe_batch(cfg: RunConfig, bundle: DataBundle) -> dict:
 
 
 def measure_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
-                  fns: Optional[tuple[Callable, Callable]], alt: str = "flex", repeats: int = 3) -> dict[str, Any]:
+                  fns: Optional[tuple[Callable, Callable]], alts: tuple[str, ...] = ("flex",),
+                  repeats: int = 3) -> dict[str, Any]:
     """Median ms of the run's training step (``step(batch)``: a probe trainer's :meth:`~train.trainer.Trainer.step`,
-    restored by its caller) on the packed ``batch`` with ``sdpa-mask`` and with ``alt`` (``flex``, its ``fns``, or
-    ``varlen``), through the one A/B primitive (one untimed step each, then ``repeats`` rotated rounds):
-    ``{"sdpa-mask": ms, alt: ms, "speedup": sdpa ÷ alt, "speedup_interval": [low, high], "repeats", "shape"}``. The
-    model's path is restored afterwards."""
+    restored by its caller) on the packed ``batch`` with ``sdpa-mask`` and with each path of ``alts`` (``flex``, with
+    its ``fns``; ``varlen``; ``eager-mask``), through the one A/B primitive (one untimed step each, then ``repeats``
+    rotated rounds): ``{"sdpa-mask": ms, <alt>: ms, …, "speedup": {alt: sdpa ÷ alt}, "speedup_interval": {alt:
+    [low, high]}, "repeats", "shape"}``. The model's path is restored afterwards."""
     before = (model.packed_attention, getattr(model, "_flex", None))
 
     def arm(path: str) -> Arm:
         def one() -> None:
-            model.set_packed_attention(path, fns if path == alt else None)
+            model.set_packed_attention(path, fns if path == "flex" else None)
             step(batch)
 
         return Arm(path, one)
 
     try:
-        ab = interleave([arm("sdpa-mask"), arm(alt)], rounds=repeats, window=1, warmup=1, device=device)
+        ab = interleave([arm("sdpa-mask"), *map(arm, alts)], rounds=repeats, window=1, warmup=1, device=device)
     finally:
         model.set_packed_attention(*before)
-    med = {path: ab.arms[path].median_step_ms() for path in ("sdpa-mask", alt)}
-    ratio = ab.ratio(alt, "sdpa-mask", "steps")
-    return {**med, "speedup": med["sdpa-mask"] / med[alt], "speedup_interval": [ratio.low, ratio.high],
+    med = {path: ab.arms[path].median_step_ms() for path in ("sdpa-mask", *alts)}
+    ratios = {alt: ab.ratio(alt, "sdpa-mask", "steps") for alt in alts}
+    return {**med, "speedup": {a: med["sdpa-mask"] / med[a] for a in alts},
+            "speedup_interval": {a: [r.low, r.high] for a, r in ratios.items()},
             "repeats": repeats, "shape": "x".join(map(str, batch["input_ids"].shape))}
 
 
@@ -138,19 +146,24 @@ def _cache_key(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, dev
             "compiled": compiled, "shape": list(batch["input_ids"].shape), "label_slots": int(batch["labels"].shape[0])}
 
 
-def _alternative(model: Optional[torch.nn.Module], device: torch.device,
-                 compiled: bool) -> tuple[str, Optional[tuple[Callable, Callable]], str]:
-    """``(path, fns, why_not)``: the path that skips other samples' scores for this model — ``flex`` for the
-    built-in encoder (``fns``: FlexAttention's pair), ``varlen`` for a causal LM — and why it cannot run ("" when
-    it can)."""
+def alternatives(model: Optional[torch.nn.Module], device: torch.device,
+                 compiled: bool) -> list[tuple[str, Optional[tuple[Callable, Callable]], str]]:
+    """``[(path, fns, why_not)]``: the paths besides ``sdpa-mask`` this model has — ``flex`` for the built-in encoder
+    (``fns``: FlexAttention's pair), ``varlen`` and ``eager-mask`` for a causal LM — each with why it cannot run here
+    ("" when it can)."""
     paths = getattr(model, "packed_attention_paths", ("sdpa-mask", "flex"))  # None: the encoder (tests)
-    if "varlen" in paths:
-        why = model.varlen_available() or ""
-        if not why and compiled:
+    if "flex" in paths:
+        fns, why = flex_functions(device, compiled)
+        return [("flex", fns, why)]
+    out = []
+    for path in paths[1:]:
+        available = getattr(model, "path_available", None)
+        why = (available(path) if available is not None else model.varlen_available() if path == "varlen"
+               else "not offered by this model") or ""
+        if not why and compiled and path == "varlen":
             why = "its group shapes change with every batch, so a compiled model would recompile"
-        return "varlen", None, why
-    fns, why = flex_functions(device, compiled)
-    return "flex", fns, why
+        out.append((path, None, why))
+    return out
 
 
 def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
@@ -176,26 +189,33 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
                                "(train/models/packed.py)", "rule")
     if requested == "sdpa-mask":
         return AttentionChoice("sdpa-mask", requested, "requested (model.packed_attention=sdpa-mask)", "requested")
-    alt, fns, why = _alternative(model, device, compiled)
-    if requested not in ("auto", alt):
+    alts = alternatives(model, device, compiled)
+    names = [a for a, _, _ in alts]
+    if requested not in ("auto", *names):
         raise UserError(f"model.packed_attention={requested}: model.source={cfg.model.source} runs sdpa-mask or "
-                        f"{alt}; use model.packed_attention=auto, sdpa-mask or {alt}")
-    if why:
-        if requested == alt:
-            fix = ("a torch ≥ 2.5 build whose FlexAttention has a backward on this device (CUDA)" if alt == "flex"
-                   else "compile.enabled=false" if compiled else "a decoder without a sliding window")
-            raise UserError(f"model.packed_attention={alt}: {why} (torch {torch.__version__}, device {device.type}); "
-                            f"use model.packed_attention=sdpa-mask or auto, or {fix}")
-        return AttentionChoice("sdpa-mask", requested, f"auto: {alt} cannot train here ({why}): sdpa-mask", "rule")
-    how = ("compiled" if compiled else "eager, unfused") if alt == "flex" else "per-sample SDPA"
-    dropout = cfg.model.dropout if alt == "flex" else 0.0  # varlen applies attention dropout as SDPA does
-    if requested == alt:
+                        f"{' or '.join(names)}; use model.packed_attention=auto, sdpa-mask or {', '.join(names)}")
+    fns = next((f for a, f, _ in alts if a == "flex"), None)
+    if requested != "auto":
+        why = next(w for a, _, w in alts if a == requested)
+        if why:
+            fix = ("a torch ≥ 2.5 build whose FlexAttention has a backward on this device (CUDA)" if requested == "flex"
+                   else "compile.enabled=false" if compiled and requested == "varlen" else
+                   "a decoder without a sliding window" if requested == "varlen" else "model.packed_attention=auto")
+            raise UserError(f"model.packed_attention={requested}: {why} (torch {torch.__version__}, device "
+                            f"{device.type}); use model.packed_attention=sdpa-mask or auto, or {fix}")
+        dropout = cfg.model.dropout if requested == "flex" else 0.0
         note = f"; attention dropout {dropout} not applied (FlexAttention has none)" if dropout else ""
-        return AttentionChoice(alt, requested, f"requested (model.packed_attention={alt}, {how}){note}", "requested",
-                               compiled_flex=compiled and alt == "flex")
-    if dropout > 0:
-        return AttentionChoice("sdpa-mask", requested, f"auto: model.dropout={dropout} > 0 and FlexAttention "
-                               "has no attention dropout (flex would change training): sdpa-mask by rule", "rule")
+        return AttentionChoice(requested, requested, f"requested (model.packed_attention={requested}, "
+                               f"{_how(requested, compiled)}){note}", "requested",
+                               compiled_flex=compiled and requested == "flex")
+    runnable = tuple(a for a, _, w in alts if not w)
+    if not runnable:
+        whys = "; ".join(f"{a} cannot train here ({w})" for a, _, w in alts)
+        return AttentionChoice("sdpa-mask", requested, f"auto: {whys}: sdpa-mask", "rule")
+    if "flex" in runnable and cfg.model.dropout > 0:  # varlen and eager-mask apply attention dropout as SDPA does
+        return AttentionChoice("sdpa-mask", requested, f"auto: model.dropout={cfg.model.dropout} > 0 and "
+                               "FlexAttention has no attention dropout (flex would change training): sdpa-mask by rule",
+                               "rule")
     batch = probe_batch(cfg, bundle)
     fp = _cache_key(model, policy, batch, device, compiled)
     path = decisions.cache_path(cfg.data.cache_dir, "attention", fp, DECISION_FORMAT)
@@ -205,13 +225,21 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
                                compiled and cached["path"] == "flex", cached["measurement"], path)
     load = machine_load()
     with probe() as step:
-        m = (measure or measure_paths)(model, step, batch, device, fns, alt)
-    chosen = alt if m["speedup"] >= ALT_MARGIN else "sdpa-mask"
-    reason = (f"auto: {alt} ran {m['speedup']:.2f}x the speed of sdpa-mask on this run's packed shape {m['shape']} "
-              f"(training step {m[alt]:.1f} vs {m['sdpa-mask']:.1f} ms, median of {m['repeats']}, {policy.mode}, "
-              f"{alt} {how}): {chosen}")
+        m = (measure or measure_paths)(model, step, batch, device, fns, runnable)
+    speedup = {a: m["sdpa-mask"] / m[a] for a in runnable}
+    best = max(runnable, key=speedup.__getitem__)
+    chosen = best if speedup[best] >= ALT_MARGIN else "sdpa-mask"
+    others = "".join(f"; {a} {m[a]:.1f} ms ({_how(a, compiled)})" for a in runnable if a != best)
+    reason = (f"auto: {best} ran {speedup[best]:.2f}x the speed of sdpa-mask on this run's packed shape {m['shape']} "
+              f"(training step {m[best]:.1f} vs {m['sdpa-mask']:.1f} ms, median of {m['repeats']}, {policy.mode}, "
+              f"{best} {_how(best, compiled)}{others}): {chosen}")
     choice = AttentionChoice(chosen, requested, reason + decisions.busy_note(load), "measured",
                              compiled and chosen == "flex", m)
     choice.cache_path = decisions.store(path, {"path": chosen, "reason": reason, "measurement": m, "fingerprint": fp},
                                         load)
     return choice
+
+
+def _how(path: str, compiled: bool) -> str:
+    return {"flex": "compiled" if compiled else "eager, unfused", "varlen": "per-sample SDPA",
+            "eager-mask": "transformers' eager attention"}.get(path, path)

@@ -106,9 +106,10 @@ class ExternalCausalLM(nn.Module):
 
     supports_packing = False  # the class default; probe_causal_packing sets it per instance
     chunked_loss = False  # training forward returns hidden states for the task's chunked loss (set_chunked_loss)
-    packed_attention = "sdpa-mask"  # or "varlen" (train/models/varlen.py), set by set_packed_attention
-    packed_attention_paths = ("sdpa-mask", "varlen")
+    packed_attention = "sdpa-mask"  # or "varlen" (train/models/varlen.py) or "eager-mask", set by set_packed_attention
+    packed_attention_paths = ("sdpa-mask", "varlen", "eager-mask")
     varlen_reason = "not checked"  # probe_causal_packing says whether the varlen path is exact here
+    eager_reason = "not checked"  # … and whether the eager-mask path is
 
     def __init__(self, inner: nn.Module, spec: CausalLMSpec, kind: str = "hf") -> None:
         super().__init__()
@@ -134,16 +135,25 @@ class ExternalCausalLM(nn.Module):
         """None where packed rows can run ``varlen`` (probed exact), else why not (one line)."""
         return None if self.varlen_reason.startswith("exact") else self.varlen_reason
 
+    def path_available(self, path: str) -> Optional[str]:
+        """None where packed rows can run attention ``path`` (``sdpa-mask`` always; ``varlen`` / ``eager-mask``
+        where :func:`probe_causal_packing` found them exact), else why not (one line)."""
+        reason = {"varlen": self.varlen_reason, "eager-mask": self.eager_reason}.get(path, "exact")
+        return None if reason.startswith("exact") else reason
+
     def set_packed_attention(self, path: str, fns: Any = None) -> None:
-        """Run packed rows through ``path``: ``sdpa-mask`` (the 4-D block-causal mask) or ``varlen`` (each sample
-        attends over itself only: train/models/varlen.py). ``fns`` is unused (the encoder's FlexAttention pair).
+        """Run packed rows through ``path``: ``sdpa-mask`` (the 4-D block-causal mask in the model's own attention),
+        ``varlen`` (each sample attends over itself only: train/models/varlen.py) or ``eager-mask`` (the mask added
+        to the scores in transformers' eager attention: :meth:`_run_packed`). ``fns`` is unused (the encoder's
+        FlexAttention pair).
 
         Raises:
-            ValueError: an unknown path, or ``varlen`` where :func:`probe_causal_packing` did not find it exact."""
+            ValueError: an unknown path, or one :func:`probe_causal_packing` did not find exact."""
         if path not in self.packed_attention_paths:
             raise ValueError(f"packed attention {path!r}: one of {', '.join(self.packed_attention_paths)}")
-        if path == "varlen" and self.varlen_available() is not None:
-            raise ValueError(f"packed attention varlen: {self.varlen_reason}")
+        why = self.path_available(path)
+        if why is not None:
+            raise ValueError(f"packed attention {path}: {why}")
         self.packed_attention = path
 
     @property
@@ -171,16 +181,17 @@ class ExternalCausalLM(nn.Module):
             return self.inner.base_model(**kwargs, use_cache=False).last_hidden_state
         return self.inner(**kwargs, use_cache=False).logits
 
-    def packed_mask(self, seq_index: torch.Tensor) -> Any:
-        """The attention mask for packed rows: one 4-D mask (with the sliding window when every layer has it), or
-        ``{layer type: mask}`` when only some layers have a sliding window."""
+    def packed_mask(self, seq_index: torch.Tensor, implementation: Optional[str] = None) -> Any:
+        """The attention mask for packed rows in the form ``implementation`` takes (default: the model's own): one
+        4-D mask (with the sliding window when every layer has it), or ``{layer type: mask}`` when only some layers
+        have a sliding window."""
         dtype = next(self.inner.parameters()).dtype
+        impl = implementation or self.attn_implementation
         if self.sliding_window is None or self.window_per_layer_type:
-            full = packed_attention_mask(causal_block_mask(seq_index), self.attn_implementation, dtype)
+            full = packed_attention_mask(causal_block_mask(seq_index), impl, dtype)
             if self.sliding_window is None:
                 return full
-        window = packed_attention_mask(causal_block_mask(seq_index, int(self.sliding_window)),
-                                       self.attn_implementation, dtype)
+        window = packed_attention_mask(causal_block_mask(seq_index, int(self.sliding_window)), impl, dtype)
         return {"full_attention": full, "sliding_attention": window} if self.window_per_layer_type else window
 
     def _run_packed(self, hidden: bool, path: str, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -188,6 +199,12 @@ class ExternalCausalLM(nn.Module):
         if path == "varlen":  # no mask: the plan says which tokens form each sample
             with packed_forward(self.inner.config, seq_index):
                 return self._run(hidden, input_ids=input_ids, attention_mask=None, position_ids=position_ids)
+        if path == "eager-mask":
+            # transformers' eager attention: score matmul + the additive mask, softmax in fp32, value matmul. On
+            # rows of tens of tokens it beats torch's CPU flash kernel in bf16 (per-block overhead; docs/models.md)
+            with attention_implementation(self.inner.config, "eager"):
+                return self._run(hidden, input_ids=input_ids, attention_mask=self.packed_mask(seq_index, "eager"),
+                                 position_ids=position_ids)
         return self._run(hidden, input_ids=input_ids, attention_mask=self.packed_mask(seq_index),
                          position_ids=position_ids)
 
@@ -220,6 +237,18 @@ class ExternalCausalLM(nn.Module):
         with blocks_context():
             out = self._run(hidden, input_ids=input_ids, attention_mask=mask, position_ids=positions)
         return out if hidden else out.float()
+
+
+@contextlib.contextmanager
+def attention_implementation(config: Any, name: str) -> Any:
+    """For the block, the decoder whose ``config`` this is runs attention implementation ``name`` (every layer reads
+    ``config._attn_implementation`` at call time, transformers 4.48+ and 5.x); its own is put back after."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 # --- packing probe -------------------------------------------------------------------------------------------------
@@ -274,6 +303,7 @@ def probe_causal_packing(wrapper: ExternalCausalLM) -> tuple[bool, str]:
                 return wrapper.set_packing(False, f"{arch}: its forward rejects the 4-D block-causal mask "
                                                   f"({type(exc).__name__}: {text})")
             varlen = _varlen_logits(wrapper, batch, arch)
+            eager = _eager_logits(wrapper, batch, arch)
     finally:
         inner.train(was_training)
     want = torch.cat(ref)
@@ -289,6 +319,10 @@ def probe_causal_packing(wrapper: ExternalCausalLM) -> tuple[bool, str]:
                                  "exact: each sample's causal attention over itself, samples of similar length "
                                  "batched into SDPA calls" if gap_of(varlen) <= EXACT_ATOL * scale else
                                  f"{arch}: varlen logits differ from unpacked by {gap_of(varlen):.1e}")
+        wrapper.eager_reason = (eager if isinstance(eager, str) else
+                                "exact: the block-causal mask added to the scores (transformers' eager attention)"
+                                if gap_of(eager) <= EXACT_ATOL * scale else
+                                f"{arch}: eager-mask logits differ from unpacked by {gap_of(eager):.1e}")
         form = "boolean" if wrapper.attn_implementation == "sdpa" else "additive float"
         return wrapper.set_packing(True, f"{arch}: per-sample positions and a 4-D {form} block-causal mask"
                                          f"{' (+ its sliding window)' if wrapper.sliding_window else ''} (max logit "
@@ -308,6 +342,19 @@ def _varlen_logits(wrapper: ExternalCausalLM, batch: dict, arch: str) -> Any:
     except (ImportError, AttributeError, KeyError, TypeError, ValueError, RuntimeError) as exc:  # an older transformers
         text = str(exc).splitlines()[0][:120] if str(exc) else ""
         return f"{arch}: the varlen attention does not run here ({type(exc).__name__}: {text})"
+
+
+def _eager_logits(wrapper: ExternalCausalLM, batch: dict, arch: str) -> Any:
+    """The probe's packed logits through the ``eager-mask`` path, or why it is not offered (a str): the model runs
+    eager attention already (``sdpa-mask`` is that path), or its forward refuses it."""
+    if wrapper.attn_implementation == "eager":
+        return f"{arch}: the model's own attention is eager already (sdpa-mask runs the same)"
+    try:
+        return wrapper.packed_logits(batch["input_ids"], batch["position_ids"], batch["seq_index"],
+                                     "eager-mask").float()
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        text = str(exc).splitlines()[0][:120] if str(exc) else ""
+        return f"{arch}: the eager attention does not run here ({type(exc).__name__}: {text})"
 
 
 @torch.no_grad()

@@ -55,7 +55,8 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool,
     b, external = cfg.batching, cfg.model.source != "builtin"
     where = "autocast around the whole forward of the wrapped model (parameters fp32; loss fp32, outside)" if external \
         else "autocast around the encoder blocks (embeddings, pooling, head and loss fp32)"
-    attention = {"varlen": "each sample's attention over itself (varlen)", "flex": "FlexAttention's block mask"}.get(
+    attention = {"varlen": "each sample's attention over itself (varlen)", "flex": "FlexAttention's block mask",
+                 "eager-mask": "block-diagonal mask in eager attention"}.get(
         getattr(model, "packed_attention", None), "block-diagonal mask")  # the path the resolve phase applied
     packing_reason = f"batching.method={b.method}" if b.method != "packed" else f"packed rows, {attention}"
     if external:  # whether this model's packed rows are exact, and how (train/models/packed.py)

@@ -20,6 +20,7 @@ from train.compat import fused_adamw_supported
 from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig
 from train.data import make_loader
+from train.data.attention import alternatives
 from train.data.layout_cost import layout_cost
 from train.evaluation import evaluate
 from train.precision import PrecisionPolicy, cpu_native_bf16
@@ -122,7 +123,7 @@ class RunBackend:
         self.default_threads = torch.get_num_threads()
         self._policies: dict[str, PrecisionPolicy] = {}
         self._quality: Optional[list[dict]] = None
-        self._caps: Optional[tuple[bool, int]] = None
+        self._caps: Optional[tuple[bool, int, dict[str, str]]] = None
         self._roofline: dict[str, dict] = {}
         self._costs: dict[str, Any] = {}
         b = base.batching
@@ -154,11 +155,13 @@ class RunBackend:
             self._quality = out
         return self._quality
 
-    def _capabilities(self) -> tuple[bool, int]:
+    def _capabilities(self) -> tuple[bool, int, dict[str, str]]:
         if self._caps is None:
             model = build_model(self.base, self.bundle)
             drops = sum(1 for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0)
-            self._caps = (bool(getattr(model, "supports_packing", False)), drops)
+            paths = ({path: why for path, _, why in alternatives(model, self.device, compiled=False)}
+                     if hasattr(model, "set_packed_attention") else {})
+            self._caps = (bool(getattr(model, "supports_packing", False)), drops, paths)
         return self._caps
 
     def arm(self, name: str, settings: dict[str, Any]) -> RunArm:
@@ -186,9 +189,10 @@ class RunBackend:
 
     def context(self, settings: dict[str, Any]) -> LeverContext:
         cfg = self.cfg(settings)
-        packing, drops = self._capabilities()
+        packing, drops, paths = self._capabilities()
         cuda = self.device.type == "cuda"
         return LeverContext(cfg=cfg, device_type=self.device.type, supports_packing=packing, dropout_modules=drops,
+                            attention_paths=paths,
                             native_bf16=cpu_native_bf16(), cuda_bf16=cuda and torch.cuda.is_bf16_supported(),
                             fused_adamw=fused_adamw_supported(self.device), torch_threads=self.default_threads,
                             planned_steps=self.planned_steps(), batch_shapes=len(replan(cfg, self.bundle).bounds),

@@ -29,7 +29,8 @@ def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str
     """The overrides that make the user's config explicit where it says ``auto`` (so every arm runs one decided
     setting), and a note for each. ``train.precision=auto`` → what auto decided; ``batching.method=auto`` →
     ``optimal`` (packing is a lever the search measures); ``model.fast_dropout=auto`` → ``false`` (idem);
-    a causal LM's ``model.chunked_loss=auto`` → ``false`` (idem)."""
+    a causal LM's ``model.chunked_loss=auto`` → ``false`` (idem); ``model.packed_attention=auto`` → ``sdpa-mask``
+    (the other paths are the attention lever)."""
     out, notes = {}, []
     if cfg.train.precision == "auto":
         out["train.precision"] = resolved_precision
@@ -44,6 +45,9 @@ def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str
     if cfg.model.task == "causal-lm" and cfg.model.chunked_loss == "auto":
         out["model.chunked_loss"] = "false"
         notes.append("model.chunked_loss=auto: the baseline keeps the logits whole; chunking is the chunked_loss lever")
+    if cfg.model.packed_attention == "auto":
+        out["model.packed_attention"] = "sdpa-mask"
+        notes.append("model.packed_attention=auto: packed rows run sdpa-mask; the other paths are the attention lever")
     return out, notes
 
 

@@ -227,6 +227,50 @@ def _chunked_loss(ctx: LeverContext, ev: Evidence) -> Proposal:
                       NUMERICS)]
 
 
+ATTENTION_K = {"varlen": None, "flex": None, "eager-mask": 2.0}
+"""How many times faster each packed-rows path makes the attention's share of the step, to rank it: ``varlen`` and
+``flex`` skip other samples' scores (the ratio of the scores a packed row pays to those its samples need, from the
+layout costs: None here); ``eager-mask`` computes the same scores without the fused kernel, which pays on a CPU in
+16-bit where torch's flash kernel costs per block (docs/models.md: 2.6x on rows of 64 in bf16, 0.6x in fp32)."""
+
+
+def _attention(ctx: LeverContext, ev: Evidence) -> Proposal:
+    cfg = ctx.cfg
+    if cfg.batching.method != "packed":
+        return f"batching.method={cfg.batching.method}: the attention path is packed rows' (batching.method=packed)"
+    if not ctx.attention_paths:
+        return "the model runs its own attention with a block-diagonal mask (no other path)"
+    now, fitted = ctx.batching_costs.get("current"), ctx.batching_costs.get("optimal+batch-max")
+    skipped = now.scores / fitted.scores if now is not None and fitted is not None and fitted.scores else 2.0
+    out, why_not = [], []
+    for path, why in ctx.attention_paths.items():
+        if path == cfg.model.packed_attention:
+            continue
+        why = why or ("a compiled model would recompile on its per-batch shapes" if path == "varlen"
+                      and cfg.compile.enabled == "true" else
+                      f"model.dropout={cfg.model.dropout}: FlexAttention has no attention dropout" if path == "flex"
+                      and cfg.model.dropout > 0 else
+                      "the fused kernel is the faster one on CUDA" if path == "eager-mask" and ctx.device_type == "cuda"
+                      else "")
+        if why:
+            why_not.append(f"{path}: {why}")
+            continue
+        if path == "eager-mask":
+            k = ATTENTION_K[path] if cfg.train.precision != "fp32" else 1.0
+            words = (f"attention {_pct(ev.attention_share)} of the step (top op {ev.top_op}); the same scores without "
+                     f"the fused kernel, whose per-block cost dominates short rows on a CPU in 16-bit"
+                     + ("" if k > 1 else " (fp32 here: no gain expected)"))
+        else:
+            k = skipped
+            words = (f"attention {_pct(ev.attention_share)} of the step; scores per sample {now.scores:.0f} -> "
+                     f"{fitted.scores:.0f} when each sample attends over itself only" if now is not None and fitted
+                     is not None else f"attention {_pct(ev.attention_share)} of the step; other samples' scores "
+                     "skipped")
+        out.append(Candidate("attention", path, {"model.packed_attention": path}, amdahl(ev.attention_share, k),
+                             words, NUMERICS))
+    return out or "; ".join(why_not) or f"already {cfg.model.packed_attention}"
+
+
 FUSED_ADAMW = (False, True)
 """``optim.fused`` off and on (the lever's value); ``optimize-grid`` crosses both where torch has the fused kernel."""
 
@@ -297,13 +341,17 @@ BATCHING_KEYS = ("batching.method", "batching.pad_to", "batching.max_tokens")
 CATALOGUE: tuple[Lever, ...] = (
     Lever("precision", "train.precision (bf16 / fp16 with a loss scaler / fp32)", "bf16 where the device has native "
           "bf16; fp16 on CUDA", "compute- and memory-bound share", NUMERICS, _precision, ("train.precision",)),
-    Lever("batching", "batching.method (dynamic padding, fitted buckets, packing) and its attention path",
+    Lever("batching", "batching.method (dynamic padding, fitted buckets, packing)",
           "packing where the model runs packed rows", "attention share, with each method's tokens and attention "
           "scores per sample on this data (padding share alone without them)", SAMPLE_ORDER, _batching, BATCHING_KEYS),
     Lever("token_budget", "batching.max_tokens: tokens per step, the next power-of-two multiple of the config's "
           "batch_size x max_len at least 1.5x the current tokens per step, up to optimize.max_budget_factor while "
           "memory fits; the schedule kept in samples (optimize.lr_scaling)", "bucketed or packed batching",
           "per-step overhead share, memory headroom", TRAINING, _token_budget, BATCHING_KEYS),
+    Lever("attention", "model.packed_attention: packed rows' attention (varlen: each sample over itself; eager-mask: "
+          "the block mask in transformers' eager attention; flex: FlexAttention)", "packed rows of a causal LM or the "
+          "built-in encoder", "attention share (and the scores a row pays against its samples')", NUMERICS,
+          _attention, ("model.packed_attention",)),
     Lever("fast_dropout", "model.fast_dropout: dropout masks drawn as 16-bit uniform integers",
           "models with nn.Dropout", "dropout-mask op share", RNG, _fast_dropout, ("model.fast_dropout",)),
     Lever("chunked_loss", "model.chunked_loss: the LM head + cross-entropy over token chunks, gradients in the "

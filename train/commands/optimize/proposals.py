@@ -62,6 +62,9 @@ class LeverContext:
     device_type: str
     supports_packing: bool = False
     dropout_modules: int = 0
+    attention_paths: dict[str, str] = field(default_factory=dict)
+    """The model's packed-rows attention paths besides ``sdpa-mask`` → why each cannot run here ("" where it can;
+    :func:`train.data.attention.alternatives`)."""
     native_bf16: bool = False
     cuda_bf16: bool = False
     fused_adamw: bool = False
