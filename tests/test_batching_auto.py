@@ -52,6 +52,7 @@ def test_auto_picks_the_faster_layout_says_why_and_caches_it(tiny_cfg, ratio, wa
 
 def test_auto_on_a_busy_machine_measures_again(tiny_cfg, monkeypatch) -> None:
     monkeypatch.setattr(batching_auto, "machine_load", lambda: 1e6)
+    monkeypatch.setattr("train.tools.decisions.cpu_used_elsewhere", lambda: 1e6)  # and still busy at its end
     cfg, bundle, model, policy = _setup(tiny_cfg)
     measure, calls = _forced(1.5)
     for _ in range(2):

@@ -2,6 +2,8 @@
 gradients unscaled before clipping."""
 
 import json
+import os
+import time
 import warnings
 from pathlib import Path
 
@@ -228,9 +230,34 @@ def test_precision_command_reports_and_remeasures(monkeypatch, tmp_path, capsys)
 def test_a_decision_measured_on_a_busy_machine_is_not_cached(monkeypatch, tmp_path) -> None:
     calls = _forced(monkeypatch, native=True, ratio=3.0)
     monkeypatch.setattr("train.precision.machine_load", lambda: 64.0)  # far above any core count
+    monkeypatch.setattr("train.tools.decisions.cpu_used_elsewhere", lambda: 64.0)  # other processes still running
     busy = decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path))
     assert busy.source == "measured" and busy.cache_path is None and "not cached: the machine was busy" in busy.reason
+    assert "using 64.0 cores" in busy.reason
+    # the load average lags a minute: right after another run ended it is still high, but nothing else runs now
+    monkeypatch.setattr("train.tools.decisions.cpu_used_elsewhere", lambda: 0.1)
+    lagging = decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path / "lag"))
+    assert lagging.cache_path and "not cached" not in lagging.reason
     monkeypatch.setattr("train.precision.machine_load", lambda: 0.0)
     quiet = decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path))
-    assert quiet.source == "measured" and quiet.cache_path and len(calls) == 2
+    assert quiet.source == "measured" and quiet.cache_path and len(calls) == 3
     assert decide("auto", CPU, ProbeShape(64, 32, 64), str(tmp_path)).source == "cached"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat (Linux)")
+def test_cpu_used_elsewhere_sees_another_process_spinning(monkeypatch) -> None:
+    """The busy check behind every cached decision counts other processes' CPU time now, not the lagging load
+    average: a process spinning beside this one shows up as most of a core."""
+    import subprocess
+    import sys
+
+    from train.tools import decisions
+
+    monkeypatch.setattr(decisions, "_others", {})
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 5\nwhile time.time() < t: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        assert decisions.cpu_used_elsewhere(0.5) >= 0.6
+    finally:
+        spin.kill()
+        spin.wait()

@@ -5,7 +5,9 @@
 and ``model.chunked_loss=auto`` (train/tasks/chunked_loss.py) each measure once; a later run whose ``fingerprint``
 (machine, torch, threads, model, settings: whatever the measurement depends on) is the same reuses the answer and
 says ``(cached <when> in <path>)``. A measurement taken while the machine is busy (1-minute load average above
-the core count) is used for that run but not cached: other work skews the candidates differently.
+the core count, and other processes still using at least half the cores when it ends: the load average lags a
+minute behind, so right after another run ends it still counts that run) is used for that run but not cached:
+other work skews the candidates differently.
 
 A record is a JSON object with at least ``fingerprint``, ``reason``, ``measurement``, ``decided_at`` and the
 decision under its own key (``mode``, ``method``, ``path``). Unreadable or foreign entries are measured again.
@@ -70,13 +72,49 @@ def read_cached(path: Optional[str], fingerprint: Any, field: str, choices: tupl
         return None  # an unreadable entry is measured again
 
 
+OTHERS_INTERVAL_S = 0.25
+"""How long :func:`cpu_used_elsewhere` samples the CPU counters."""
+_others: dict[str, float] = {}  # the latest sample of cpu_used_elsewhere: its time and value
+
+
+def cpu_used_elsewhere(interval: float = OTHERS_INTERVAL_S) -> Optional[float]:
+    """Cores' worth of CPU time that other processes used over the next ``interval`` seconds: the busy jiffies of
+    ``/proc/stat``'s ``cpu`` line (user, nice, system, irq, softirq, steal) less this process's own CPU time
+    (``os.times``), ÷ the interval. A sample under a second old is reused (one decision asks twice). None where
+    ``/proc/stat`` cannot be read."""
+    now = time.monotonic()
+    if "at" in _others and now - _others["at"] < 1.0:
+        return _others["value"]
+
+    def sample() -> tuple[float, float, float]:
+        with open("/proc/stat", encoding="ascii") as fh:
+            f = [int(x) for x in fh.readline().split()[1:9]]
+        own = os.times()
+        return (f[0] + f[1] + f[2] + f[5] + f[6] + f[7]) / os.sysconf("SC_CLK_TCK"), own.user + own.system, \
+            time.monotonic()
+    try:
+        busy0, own0, t0 = sample()
+        time.sleep(interval)
+        busy1, own1, t1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    value = max(0.0, (busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-3)
+    _others.update(at=time.monotonic(), value=value)
+    return value
+
+
 def busy_note(load: Optional[float]) -> str:
-    """``"; not cached: the machine was busy (…)"`` when ``load`` (taken before the measurement) exceeds the core
-    count, else ``""``."""
+    """``"; not cached: the machine was busy (…)"`` when ``load`` (the 1-minute load average, taken before the
+    measurement) exceeds the core count and other processes still use at least half the cores now
+    (:func:`cpu_used_elsewhere`: the load average lags, so it still counts a run that has just ended), else ``""``."""
     cores = os.cpu_count() or 1
     if load is None or load <= cores:
         return ""
-    return (f"; not cached: the machine was busy (load average {load:.1f} on {cores} cores), so the next run "
+    others = cpu_used_elsewhere()
+    if others is not None and others < cores / 2:
+        return ""
+    now = "" if others is None else f", other processes using {others:.1f} cores at its end"
+    return (f"; not cached: the machine was busy (load average {load:.1f} on {cores} cores{now}), so the next run "
             "measures again")
 
 
