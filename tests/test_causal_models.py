@@ -39,8 +39,9 @@ from train.compat import hf_attn_implementation, load_state
 from train.config import load_config
 from train.errors import UserError
 from train.models import build_external, model_supports_packing
-from train.models.causal import ExternalCausalLM, causal_block_mask, probe_causal_packing
+from train.models.causal import ExternalCausalLM, causal_block_mask
 from train.models.causal_build import causal_preset
+from train.models.causal_probe import probe_causal_packing
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from train.config import load_config
 from train.errors import UserError
-from train.models.causal import probe_causal_packing, probe_loss_head
+from train.models.causal_probe import probe_causal_packing, probe_loss_head
 from train.tasks import task_for
 from train.tasks.base import LossHead
 from train.tasks.chunked_loss import (

@@ -73,7 +73,7 @@ def test_varlen_equals_the_block_causal_mask_forward_and_backward(layout, kv_hea
 def test_a_decoder_training_step_through_varlen_has_the_block_mask_gradients() -> None:
     pytest.importorskip("transformers")
     from tests.conftest import causal_samples, packed_causal_batch, tiny_causal_lm
-    from train.models.causal import probe_causal_packing
+    from train.models.causal_probe import probe_causal_packing
 
     model = tiny_causal_lm("llama", hf_attn_implementation())
     assert probe_causal_packing(model)[0] and model.varlen_available() is None

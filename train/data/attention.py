@@ -18,12 +18,13 @@ tests/test_causal_models.py):
   more than the scores it saves (docs/models.md has the timings).
 
 Availability: :func:`train.compat.flex_attention_functions` for ``flex`` (training needs its backward: torch 2.13
-has none on CPU), the decoder's probe for ``varlen`` and ``eager-mask``. A path requested where it cannot run, or on a model without
-it, is a one-line :class:`~train.errors.UserError`. ``auto`` is ``sdpa-mask`` by rule where no other path can
-run, or for ``flex`` where ``model.dropout`` > 0 (flex would drop attention dropout and so change the model's
-training); otherwise it times the run's training step (a probe trainer's) on one packed batch of the run's own shape
-with ``sdpa-mask`` and each path that can run (one untimed call each, then ``repeats`` interleaved rounds, median)
-and picks the fastest other path when it is ≥ :data:`ALT_MARGIN` × as fast as ``sdpa-mask``. The model and every RNG are restored afterwards. Measured decisions are cached under
+has none on CPU), the decoder's probe for ``varlen`` and ``eager-mask``. A path requested where it cannot run, or
+on a model without it, is a one-line :class:`~train.errors.UserError`. ``auto`` is ``sdpa-mask`` by rule where no
+other path can run, or for ``flex`` where ``model.dropout`` > 0 (flex would drop attention dropout and so change
+the model's training); otherwise it times the run's training step (a probe trainer's) on one packed batch of the
+run's own shape with ``sdpa-mask`` and each path that can run (one untimed call each, then ``repeats`` interleaved
+rounds, median) and picks the fastest other path when it is ≥ :data:`ALT_MARGIN` × as fast as ``sdpa-mask``. The
+model and every RNG are restored afterwards. Measured decisions are cached under
 ``data.cache_dir/decisions/`` like ``batching.method=auto`` (train/data/batching_auto.py); a busy machine measures
 but does not cache.
 """

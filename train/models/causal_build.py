@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from train.errors import UserError
-from train.models.causal import CausalLMSpec, ExternalCausalLM, probe_causal_packing
+from train.models.causal import CausalLMSpec, ExternalCausalLM
+from train.models.causal_probe import probe_causal_packing
 
 POSITION_KEYS = {"gpt2": "n_positions"}
 """model_type → the config key of its position table size (default ``max_position_embeddings``)."""

@@ -174,7 +174,7 @@ def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, preci
         return out(False, f"{task}: logits [N, classes] are small, nothing to chunk", "rule")
     if requested == "false":
         return out(False, "requested (model.chunked_loss=false)", "requested")
-    from train.models.causal import probe_loss_head
+    from train.models.causal_probe import probe_loss_head
 
     ok, why = probe_loss_head(model) if hasattr(model, "set_chunked_loss") else (False, "not a causal-LM wrapper")
     if not ok:

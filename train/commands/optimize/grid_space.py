@@ -9,12 +9,12 @@ from typing import Any, Optional
 
 from train.commands.optimize.levers import (
     BATCHING,
-    FAST_DROPOUT,
     FIXED_BATCH,
     FUSED_ADAMW,
     GRID_BUDGET_FACTORS,
     precisions_on,
 )
+from train.commands.optimize.model_levers import FAST_DROPOUT
 from train.config import RunConfig
 
 LEFT_OUT = {"workers": "a DataLoader process pool per arm: forked from a process holding every arm, each worker "

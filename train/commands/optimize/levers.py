@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from train.commands.optimize.model_levers import attention_lever, chunked_loss_lever, fast_dropout_lever
 from train.commands.optimize.proposals import (
     EXACT,
     NUMERICS,
@@ -26,13 +27,9 @@ from train.commands.optimize.proposals import (
     LeverContext,
     Proposal,
     amdahl,
+    pct,
 )
 from train.commands.optimize.schedule import SCHEDULE_KEYS
-
-
-def _pct(x: Optional[float]) -> str:
-    return "not measured" if x is None else f"{100 * x:.1f}%"
-
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """``train.precision``'s values, those a device runs given by :func:`precisions_on`; ``optimize-grid`` crosses every
@@ -50,7 +47,7 @@ def _precision(ctx: LeverContext, ev: Evidence) -> Proposal:
     dense = (ev.compute_share or 0) + (ev.memory_share or 0)
     if ctx.device_type == "cuda":
         out = [Candidate("precision", value, {"train.precision": value}, amdahl(dense, 2.0),
-                         f"compute- and memory-bound ops {_pct(dense)} of the step: 16-bit tensor cores and half the "
+                         f"compute- and memory-bound ops {pct(dense)} of the step: 16-bit tensor cores and half the "
                          "bytes", NUMERICS)
                for value in precisions_on("cuda", ctx.cuda_bf16) if value not in ("fp32", mode)]
         return out or f"already {mode}"
@@ -59,7 +56,7 @@ def _precision(ctx: LeverContext, ev: Evidence) -> Proposal:
     if not ctx.native_bf16:
         return "this CPU has no native bf16 (avx512_bf16 / amx_bf16): emulated bf16 is slower than fp32"
     return [Candidate("precision", "bf16", {"train.precision": "bf16"}, amdahl(dense, 1.8),
-                      f"compute- and memory-bound ops {_pct(dense)} of the step; the CPU has native bf16", NUMERICS)]
+                      f"compute- and memory-bound ops {pct(dense)} of the step; the CPU has native bf16", NUMERICS)]
 
 
 BATCHING = {"optimal": ({"batching.method": "optimal", "batching.pad_to": "bound"}, 0.85),
@@ -113,11 +110,11 @@ def _batching(ctx: LeverContext, ev: Evidence) -> Proposal:
             # attention share, fitted buckets can beat packing (docs/optimize.md, "The lever catalogue")
             gain = batching_speedup(now, cost, ev.attention_share)
             words = (f"tokens processed per sample {now.tokens:.1f} -> {cost.tokens:.1f}, attention scores "
-                     f"{now.scores:.0f} -> {cost.scores:.0f} (attention {_pct(ev.attention_share)} of the step; "
-                     f"padding {_pct(pad)})")
+                     f"{now.scores:.0f} -> {cost.scores:.0f} (attention {pct(ev.attention_share)} of the step; "
+                     f"padding {pct(pad)})")
         else:
             gain = amdahl(pad * removed, 1e9)
-            words = f"padding {_pct(pad)} of the processed tokens"
+            words = f"padding {pct(pad)} of the processed tokens"
         out.append(Candidate("batching", value, batching_settings(ctx.cfg, value), gain, words, SAMPLE_ORDER))
     return out or f"no other batching method for this model (batching.method={b.method})"
 
@@ -186,89 +183,12 @@ def _token_budget(ctx: LeverContext, ev: Evidence) -> Proposal:
         k = value / tokens_now
         # the overhead is paid once per step: per sample it shrinks by k (Amdahl on the per-step share)
         spread = f"spread over {k:.1f}x" if k > 1 else f"the rung down: {k:.1f}x"
-        words = (f"per-step overhead (launch-bound, optimizer, other) {_pct(per_step)} of the step, {spread} the "
+        words = (f"per-step overhead (launch-bound, optimizer, other) {pct(per_step)} of the step, {spread} the "
                  f"tokens per step ({tokens_now:.0f} -> {value})"
                  + (f"; {100 * head:.0f}% of device memory free" if head is not None else "") + how)
         out.append(Candidate("token_budget", str(value), {**switch, "batching.max_tokens": int(value)},
                              amdahl(per_step, k) * layout, words, TRAINING))
     return out
-
-
-FAST_DROPOUT = ("false", "true")
-"""``model.fast_dropout`` off (nn.Dropout) and on (masks drawn as 16-bit integers: the lever's value);
-``optimize-grid`` crosses both."""
-
-
-def _fast_dropout(ctx: LeverContext, ev: Evidence) -> Proposal:
-    on = FAST_DROPOUT[1]
-    if ctx.cfg.model.fast_dropout == on:
-        return "already on"
-    if not ctx.dropout_modules:
-        return "the model has no nn.Dropout module with p > 0"
-    return [Candidate("fast_dropout", on, {"model.fast_dropout": on}, amdahl(ev.dropout_mask_share, 4.0),
-                      f"dropout mask ops (bernoulli_/rand) {_pct(ev.dropout_mask_share)} of the step", RNG)]
-
-
-CHUNKED_LOSS = ("false", "true")
-"""``model.chunked_loss`` off (the LM head's logits whole) and on (head + cross-entropy chunk by chunk: the lever's
-value)."""
-
-
-def _chunked_loss(ctx: LeverContext, ev: Evidence) -> Proposal:
-    if ctx.cfg.model.task != "causal-lm":
-        return f"model.task={ctx.cfg.model.task}: logits [N, classes], nothing to chunk"
-    if ctx.cfg.model.chunked_loss == CHUNKED_LOSS[1]:
-        return "already on"
-    # the head's matmuls run either way; what goes is the fp32 [tokens, vocab] logits' round trips through memory
-    # (log-softmax, its gradient, the casts), which live in the loss stage and the head's backward
-    return [Candidate("chunked_loss", CHUNKED_LOSS[1], {"model.chunked_loss": CHUNKED_LOSS[1]},
-                      amdahl(ev.loss_share, 2.0),
-                      f"the loss stage (cross-entropy over the whole fp32 logits) {_pct(ev.loss_share)} of the step",
-                      NUMERICS)]
-
-
-ATTENTION_K = {"varlen": None, "flex": None, "eager-mask": 2.0}
-"""How many times faster each packed-rows path makes the attention's share of the step, to rank it: ``varlen`` and
-``flex`` skip other samples' scores (the ratio of the scores a packed row pays to those its samples need, from the
-layout costs: None here); ``eager-mask`` computes the same scores without the fused kernel, which pays on a CPU in
-16-bit where torch's flash kernel costs per block (docs/models.md: 2.6x on rows of 64 in bf16, 0.6x in fp32)."""
-
-
-def _attention(ctx: LeverContext, ev: Evidence) -> Proposal:
-    cfg = ctx.cfg
-    if cfg.batching.method != "packed":
-        return f"batching.method={cfg.batching.method}: the attention path is packed rows' (batching.method=packed)"
-    if not ctx.attention_paths:
-        return "the model runs its own attention with a block-diagonal mask (no other path)"
-    now, fitted = ctx.batching_costs.get("current"), ctx.batching_costs.get("optimal+batch-max")
-    skipped = now.scores / fitted.scores if now is not None and fitted is not None and fitted.scores else 2.0
-    out, why_not = [], []
-    for path, why in ctx.attention_paths.items():
-        if path == cfg.model.packed_attention:
-            continue
-        why = why or ("a compiled model would recompile on its per-batch shapes" if path == "varlen"
-                      and cfg.compile.enabled == "true" else
-                      f"model.dropout={cfg.model.dropout}: FlexAttention has no attention dropout" if path == "flex"
-                      and cfg.model.dropout > 0 else
-                      "the fused kernel is the faster one on CUDA" if path == "eager-mask" and ctx.device_type == "cuda"
-                      else "")
-        if why:
-            why_not.append(f"{path}: {why}")
-            continue
-        if path == "eager-mask":
-            k = ATTENTION_K[path] if cfg.train.precision != "fp32" else 1.0
-            words = (f"attention {_pct(ev.attention_share)} of the step (top op {ev.top_op}); the same scores without "
-                     f"the fused kernel, whose per-block cost dominates short rows on a CPU in 16-bit"
-                     + ("" if k > 1 else " (fp32 here: no gain expected)"))
-        else:
-            k = skipped
-            words = (f"attention {_pct(ev.attention_share)} of the step; scores per sample {now.scores:.0f} -> "
-                     f"{fitted.scores:.0f} when each sample attends over itself only" if now is not None and fitted
-                     is not None else f"attention {_pct(ev.attention_share)} of the step; other samples' scores "
-                     "skipped")
-        out.append(Candidate("attention", path, {"model.packed_attention": path}, amdahl(ev.attention_share, k),
-                             words, NUMERICS))
-    return out or "; ".join(why_not) or f"already {cfg.model.packed_attention}"
 
 
 FUSED_ADAMW = (False, True)
@@ -282,7 +202,7 @@ def _fused_adamw(ctx: LeverContext, ev: Evidence) -> Proposal:
     if ctx.cfg.optim.fused is not off:
         return "already fused (optim.fused=null uses it where torch supports it)"
     return [Candidate("fused_adamw", "true", {"optim.fused": on}, amdahl(ev.optimizer_share, 2.0),
-                      f"optimizer stage {_pct(ev.optimizer_share)} of the step", NUMERICS)]
+                      f"optimizer stage {pct(ev.optimizer_share)} of the step", NUMERICS)]
 
 
 def _workers(ctx: LeverContext, ev: Evidence) -> Proposal:
@@ -292,7 +212,7 @@ def _workers(ctx: LeverContext, ev: Evidence) -> Proposal:
     if ctx.device_type != "cuda" and ctx.cpu_count <= 2:
         n = 1
     return [Candidate("workers", str(n), {"data.num_workers": n}, amdahl(ev.data_wait_share, 1e9),
-                      f"DataLoader wait {_pct(ev.data_wait_share)} of the step"
+                      f"DataLoader wait {pct(ev.data_wait_share)} of the step"
                       + ("; pinned host memory is on for CUDA" if ctx.device_type == "cuda" else ""), EXACT)]
 
 
@@ -325,7 +245,7 @@ def _compile(ctx: LeverContext, ev: Evidence) -> Proposal:
     run_s = (ctx.planned_steps or 0) * (ev.step_ms or 0) / 1e3
     amortised = run_s / (run_s / steady + warm) if run_s > 0 else steady
     return [Candidate("compile", mode, {"compile.enabled": "true", "compile.mode": mode}, amortised,
-                      f"launch-bound {_pct(ev.launch_share)} and memory-bound {_pct(ev.memory_share)} of the step; "
+                      f"launch-bound {pct(ev.launch_share)} and memory-bound {pct(ev.memory_share)} of the step; "
                       f"~{warm:.0f} s of compilation over a {run_s:.0f} s run", NUMERICS, warm) for mode in modes]
 
 
@@ -351,12 +271,12 @@ CATALOGUE: tuple[Lever, ...] = (
     Lever("attention", "model.packed_attention: packed rows' attention (varlen: each sample over itself; eager-mask: "
           "the block mask in transformers' eager attention; flex: FlexAttention)", "packed rows of a causal LM or the "
           "built-in encoder", "attention share (and the scores a row pays against its samples')", NUMERICS,
-          _attention, ("model.packed_attention",)),
+          attention_lever, ("model.packed_attention",)),
     Lever("fast_dropout", "model.fast_dropout: dropout masks drawn as 16-bit uniform integers",
-          "models with nn.Dropout", "dropout-mask op share", RNG, _fast_dropout, ("model.fast_dropout",)),
+          "models with nn.Dropout", "dropout-mask op share", RNG, fast_dropout_lever, ("model.fast_dropout",)),
     Lever("chunked_loss", "model.chunked_loss: the LM head + cross-entropy over token chunks, gradients in the "
           "forward pass (the fp32 logits never whole)", "causal LMs with a linear head", "loss-stage share", NUMERICS,
-          _chunked_loss, ("model.chunked_loss",)),
+          chunked_loss_lever, ("model.chunked_loss",)),
     Lever("fused_adamw", "optim.fused: AdamW's fused kernel", "CUDA; CPU from torch 2.4", "optimizer share",
           NUMERICS, _fused_adamw, ("optim.fused",)),
     Lever("workers", "data.num_workers (and pinned memory on CUDA)", "any", "data-wait share", EXACT, _workers,

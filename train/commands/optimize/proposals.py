@@ -119,6 +119,11 @@ class Lever:
     keys: tuple[str, ...] = ()
 
 
+def pct(x: Optional[float]) -> str:
+    """A share as a lever's evidence words put it: ``12.3%``, or ``not measured`` (None)."""
+    return "not measured" if x is None else f"{100 * x:.1f}%"
+
+
 def amdahl(share: Optional[float], k: float) -> float:
     """Speedup when a fraction ``share`` of the step becomes ``k`` times faster (``share`` None: 1.0)."""
     s = min(1.0, share or 0.0)
