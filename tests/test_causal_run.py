@@ -149,8 +149,7 @@ def test_a_bench_row_or_optimize_arm_runs_the_attention_and_loss_its_config_name
     run = built("model.packed_attention=sdpa-mask", "model.chunked_loss=false")
     assert (run.model.packed_attention, run.model.chunked_loss, run.attention) == ("sdpa-mask", False, None)
     for speedup, path in ((2.0, "varlen"), (0.5, "sdpa-mask")):
-        forced = {"sdpa-mask": 2.0, "varlen": 2.0 / speedup, "speedup": speedup, "speedup_interval": [speedup] * 2,
-                  "repeats": 1, "shape": [2, 64]}
+        forced = {"sdpa-mask": 2.0, "varlen": 2.0 / speedup, "eager-mask": 4.0, "repeats": 1, "shape": [2, 64]}
         monkeypatch.setattr(attn, "measure_paths", lambda *_a, f=forced, **_k: f)
         run = built("model.packed_attention=auto", f"data.cache_dir={root / f'cache-{path}'}")
         assert (run.model.packed_attention, run.attention.source) == (path, "measured"), run.attention.reason
