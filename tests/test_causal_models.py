@@ -71,7 +71,7 @@ def test_packed_per_token_loss_equals_unpacked(kind: str, attn: str, path: str) 
     ok, reason = probe_causal_packing(model)
     assert ok, reason
     assert kind in reason and attn in reason and ("boolean" if attn == "sdpa" else "additive float") in reason
-    assert model.varlen_available() is None, model.varlen_reason  # the probe found varlen exact too
+    assert model.path_available("varlen") is None, model.varlen_reason  # the probe found varlen exact too
     if path == "eager-mask" and attn == "eager":  # the model's own attention is eager: sdpa-mask is that path
         assert "eager already" in model.path_available(path)
         with pytest.raises(ValueError, match="eager already"):
@@ -128,7 +128,7 @@ def test_sliding_window_layers_are_packed_with_their_window(attn: str) -> None:
     assert model.sliding_window == 4 and "sliding_attention" in model.layer_types
     ok, reason = probe_causal_packing(model)
     assert ok and "sliding window" in reason, reason
-    assert "sliding window" in model.varlen_available()  # varlen has no window: the block mask only
+    assert "sliding window" in model.path_available("varlen")  # varlen has no window: the block mask only
     with pytest.raises(ValueError, match="varlen"):
         model.set_packed_attention("varlen")
     samples = _samples()

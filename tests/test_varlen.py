@@ -76,7 +76,7 @@ def test_a_decoder_training_step_through_varlen_has_the_block_mask_gradients() -
     from train.models.causal_probe import probe_causal_packing
 
     model = tiny_causal_lm("llama", hf_attn_implementation())
-    assert probe_causal_packing(model)[0] and model.varlen_available() is None
+    assert probe_causal_packing(model)[0] and model.path_available("varlen") is None
     model.train()
     batch = packed_causal_batch(causal_samples())
     grads = {}
@@ -125,7 +125,7 @@ def test_the_attention_choice_offers_a_decoder_varlen_and_refuses_what_it_has_no
     from train.errors import UserError
 
     decoder = SimpleNamespace(packed_attention_paths=("sdpa-mask", "varlen"), set_packed_attention=None,
-                              varlen_available=lambda: None)
+                              path_available=lambda path: None)
     cpu = torch.device("cpu")
     # the other task's path is refused by the config itself, before any data is prepared
     for task, requested in (("classification", "varlen"), ("causal-lm", "flex")):
@@ -142,7 +142,7 @@ def test_the_attention_choice_offers_a_decoder_varlen_and_refuses_what_it_has_no
     auto = tiny_cfg("batching.method=packed", "model.task=causal-lm", "model.packed_attention=auto")
     ruled = attn.choose_packed_attention(decoder, None, auto, None, cpu, compiled=True)
     assert (ruled.path, ruled.source) == ("sdpa-mask", "rule") and "recompile" in ruled.reason
-    windowed = SimpleNamespace(**{**vars(decoder), "varlen_available": lambda: "hf:qwen2: a sliding window"})
+    windowed = SimpleNamespace(**{**vars(decoder), "path_available": lambda path: "hf:qwen2: a sliding window"})
     ruled = attn.choose_packed_attention(windowed, None, auto, None, cpu, compiled=False)
     assert (ruled.path, ruled.source) == ("sdpa-mask", "rule") and "sliding window" in ruled.reason
 

@@ -158,9 +158,7 @@ def alternatives(model: Optional[torch.nn.Module], device: torch.device,
         return [("flex", fns, why)]
     out = []
     for path in paths[1:]:
-        available = getattr(model, "path_available", None)
-        why = (available(path) if available is not None else model.varlen_available() if path == "varlen"
-               else "not offered by this model") or ""
+        why = model.path_available(path) or ""
         if not why and compiled and path == "varlen":
             why = "its group shapes change with every batch, so a compiled model would recompile"
         out.append((path, None, why))

@@ -131,10 +131,6 @@ class ExternalCausalLM(nn.Module):
         self.supports_packing, self.packing_reason = supported, reason
         return supported, reason
 
-    def varlen_available(self) -> Optional[str]:
-        """None where packed rows can run ``varlen`` (probed exact), else why not (one line)."""
-        return None if self.varlen_reason.startswith("exact") else self.varlen_reason
-
     def path_available(self, path: str) -> Optional[str]:
         """None where packed rows can run attention ``path`` (``sdpa-mask`` always; ``varlen`` / ``eager-mask``
         where :func:`probe_causal_packing` found them exact), else why not (one line)."""
