@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from train.models.varlen import packed_forward
+from train.models.varlen import attention_implementation, packed_forward
 
 EXACT_ATOL = 1e-5
 """Packed vs one-by-one logits: the largest gap allowed, relative to the logits' scale (at least 1)."""
@@ -233,15 +233,3 @@ class ExternalCausalLM(nn.Module):
         with blocks_context():
             out = self._run(hidden, input_ids=input_ids, attention_mask=mask, position_ids=positions)
         return out if hidden else out.float()
-
-
-@contextlib.contextmanager
-def attention_implementation(config: Any, name: str) -> Any:
-    """For the block, the decoder whose ``config`` this is runs attention implementation ``name`` (every layer reads
-    ``config._attn_implementation`` at call time, transformers 4.48+ and 5.x); its own is put back after."""
-    before = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = before

@@ -171,16 +171,25 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def packed_forward(config: Any, seq_index: torch.Tensor) -> Iterator[VarlenPlan]:
-    """For the block: the decoder whose ``config`` this is runs :data:`ATTN_IMPLEMENTATION` (every layer reads
-    ``config._attn_implementation`` at call time) with the plan of ``seq_index`` [R, C]; its own implementation
-    is put back after."""
+def attention_implementation(config: Any, name: str) -> Iterator[None]:
+    """For the block, the decoder whose ``config`` this is runs attention implementation ``name`` (every layer reads
+    ``config._attn_implementation`` at call time, transformers 4.48+ and 5.x); its own is put back after."""
     before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+@contextlib.contextmanager
+def packed_forward(config: Any, seq_index: torch.Tensor) -> Iterator[VarlenPlan]:
+    """For the block: the decoder whose ``config`` this is runs :data:`ATTN_IMPLEMENTATION` with the plan of
+    ``seq_index`` [R, C] (:func:`attention_implementation`)."""
     plan = varlen_plan(seq_index)
-    config._attn_implementation = ATTN_IMPLEMENTATION
     _ACTIVE.append(plan)
     try:
-        yield plan
+        with attention_implementation(config, ATTN_IMPLEMENTATION):
+            yield plan
     finally:
         _ACTIVE.pop()
-        config._attn_implementation = before
