@@ -147,6 +147,17 @@ def _cache_key(model: torch.nn.Module, policy: PrecisionPolicy, batch: dict, dev
             "compiled": compiled, "shape": list(batch["input_ids"].shape), "label_slots": int(batch["labels"].shape[0])}
 
 
+def ruled_out(path: str, compiled: bool, dropout: float) -> str:
+    """Why ``auto`` does not run ``path`` with these settings, by rule ("" where it may): ``varlen`` under compile
+    (its shapes change with every batch), ``flex`` with ``model.dropout`` > 0 (FlexAttention has no attention
+    dropout). The run's choice and ``make optimize``'s attention lever both ask it."""
+    if path == "varlen" and compiled:
+        return "its group shapes change with every batch, so a compiled model would recompile"
+    if path == "flex" and dropout > 0:
+        return f"model.dropout={dropout} > 0 and FlexAttention has no attention dropout (flex would change training)"
+    return ""
+
+
 def alternatives(model: Optional[torch.nn.Module], device: torch.device,
                  compiled: bool) -> list[tuple[str, Optional[tuple[Callable, Callable]], str]]:
     """``[(path, fns, why_not)]``: the paths besides ``sdpa-mask`` this model has — ``flex`` for the built-in encoder
@@ -158,10 +169,8 @@ def alternatives(model: Optional[torch.nn.Module], device: torch.device,
         return [("flex", fns, why)]
     out = []
     for path in paths[1:]:
-        why = model.path_available(path) or ""
-        if not why and compiled and path == "varlen":
-            why = "its group shapes change with every batch, so a compiled model would recompile"
-        out.append((path, None, why))
+        # dropout rules out flex for auto only (a requested flex runs, with a note): choose_packed_attention
+        out.append((path, None, model.path_available(path) or ruled_out(path, compiled, 0.0)))
     return out
 
 
@@ -211,10 +220,9 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
     if not runnable:
         whys = "; ".join(f"{a} cannot train here ({w})" for a, _, w in alts)
         return AttentionChoice("sdpa-mask", requested, f"auto: {whys}: sdpa-mask", "rule")
-    if "flex" in runnable and cfg.model.dropout > 0:  # varlen and eager-mask apply attention dropout as SDPA does
-        return AttentionChoice("sdpa-mask", requested, f"auto: model.dropout={cfg.model.dropout} > 0 and "
-                               "FlexAttention has no attention dropout (flex would change training): sdpa-mask by rule",
-                               "rule")
+    why = ruled_out("flex", compiled, cfg.model.dropout) if "flex" in runnable else ""
+    if why:  # varlen and eager-mask apply attention dropout as SDPA does
+        return AttentionChoice("sdpa-mask", requested, f"auto: {why}: sdpa-mask by rule", "rule")
     batch = probe_batch(cfg, bundle)
     fp = _cache_key(model, policy, batch, device, compiled)
     path = decisions.cache_path(cfg.data.cache_dir, "attention", fp, DECISION_FORMAT)

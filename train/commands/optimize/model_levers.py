@@ -5,6 +5,7 @@ catalogue that lists them with the others is levers.py."""
 from __future__ import annotations
 
 from train.commands.optimize.proposals import NUMERICS, RNG, Candidate, Evidence, LeverContext, Proposal, amdahl, pct
+from train.data.attention import ruled_out
 
 FAST_DROPOUT = ("false", "true")
 """``model.fast_dropout`` off (nn.Dropout) and on (masks drawn as 16-bit integers: the lever's value);
@@ -39,11 +40,10 @@ def chunked_loss_lever(ctx: LeverContext, ev: Evidence) -> Proposal:
                       NUMERICS)]
 
 
-ATTENTION_K = {"varlen": None, "flex": None, "eager-mask": 2.0}
-"""How many times faster each packed-rows path makes the attention's share of the step, to rank it: ``varlen`` and
-``flex`` skip other samples' scores (the ratio of the scores a packed row pays to those its samples need, from the
-layout costs: None here); ``eager-mask`` computes the same scores without the fused kernel, which pays on a CPU in
-16-bit where torch's flash kernel costs per block (docs/models.md: 2.6x on rows of 64 in bf16, 0.6x in fp32)."""
+EAGER_MASK_K = 2.0
+"""How many times faster ``eager-mask`` makes the attention's share of a 16-bit CPU step, to rank it: the same scores
+without the fused kernel, whose per-block cost dominates short rows (docs/models.md: 2.6x on rows of 64 in bf16,
+0.6x in fp32). ``varlen`` and ``flex`` are ranked by the scores they skip (the layout costs)."""
 
 
 def attention_lever(ctx: LeverContext, ev: Evidence) -> Proposal:
@@ -58,17 +58,13 @@ def attention_lever(ctx: LeverContext, ev: Evidence) -> Proposal:
     for path, why in ctx.attention_paths.items():
         if path == cfg.model.packed_attention:
             continue
-        why = why or ("a compiled model would recompile on its per-batch shapes" if path == "varlen"
-                      and cfg.compile.enabled == "true" else
-                      f"model.dropout={cfg.model.dropout}: FlexAttention has no attention dropout" if path == "flex"
-                      and cfg.model.dropout > 0 else
-                      "the fused kernel is the faster one on CUDA" if path == "eager-mask" and ctx.device_type == "cuda"
-                      else "")
+        why = why or ruled_out(path, cfg.compile.enabled == "true", cfg.model.dropout) or (
+            "the fused kernel is the faster one on CUDA" if path == "eager-mask" and ctx.device_type == "cuda" else "")
         if why:
             why_not.append(f"{path}: {why}")
             continue
         if path == "eager-mask":
-            k = ATTENTION_K[path] if cfg.train.precision != "fp32" else 1.0
+            k = EAGER_MASK_K if cfg.train.precision != "fp32" else 1.0
             words = (f"attention {pct(ev.attention_share)} of the step (top op {ev.top_op}); the same scores without "
                      f"the fused kernel, whose per-block cost dominates short rows on a CPU in 16-bit"
                      + ("" if k > 1 else " (fp32 here: no gain expected)"))
