@@ -180,8 +180,8 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("train the classifier and write runs/<id>/report.json", cmd_train, _args_train,
-                     run_id="<UTC time>-<random>"),
+    "train": Command("train a classifier or a causal LM (model.task=causal-lm) and write runs/<id>/report.json",
+                     cmd_train, _args_train, run_id="<UTC time>-<random>"),
     "precision": Command("what train.precision=auto picks on this machine for a config, and why", cmd_precision,
                          _args_precision),
     "buckets": Command("fit bucket boundaries on the training split and save them as JSON", cmd_buckets, _args_buckets),

@@ -46,7 +46,7 @@ from train.data.causal_collate import pack_collate_for
 from train.data.loaders import pack_layout
 from train.data.packing import pack_rows
 from train.errors import UserError
-from train.perf.ab import Arm, interleave
+from train.perf.switch_ab import switch_ab
 from train.precision import PrecisionPolicy
 from train.tools import decisions
 from train.tools.env import machine_load
@@ -120,19 +120,9 @@ def measure_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: di
     its ``fns``; ``varlen``; ``eager-mask``), through the one A/B primitive (one untimed step each, then ``repeats``
     rotated rounds): ``{"sdpa-mask": ms, <alt>: ms, …, "speedup": {alt: sdpa ÷ alt}, "speedup_interval": {alt:
     [low, high]}, "repeats", "shape"}``. The model's path is restored afterwards."""
-    before = (model.packed_attention, getattr(model, "_flex", None))
-
-    def arm(path: str) -> Arm:
-        def one() -> None:
-            model.set_packed_attention(path, fns if path == "flex" else None)
-            step(batch)
-
-        return Arm(path, one)
-
-    try:
-        ab = interleave([arm("sdpa-mask"), *map(arm, alts)], rounds=repeats, window=1, warmup=1, device=device)
-    finally:
-        model.set_packed_attention(*before)
+    states = {path: (path, fns if path == "flex" else None) for path in ("sdpa-mask", *alts)}
+    ab = switch_ab(step, batch, lambda state: model.set_packed_attention(*state), states,
+                   restore=(model.packed_attention, getattr(model, "_flex", None)), rounds=repeats, device=device)
     med = {path: ab.arms[path].median_step_ms() for path in ("sdpa-mask", *alts)}
     ratios = {alt: ab.ratio(alt, "sdpa-mask", "steps") for alt in alts}
     return {**med, "speedup": {a: med["sdpa-mask"] / med[a] for a in alts},

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from train.compat import is_compiling
-from train.perf.ab import Arm, interleave
+from train.perf.switch_ab import switch_ab
 from train.tools import decisions
 from train.tools.env import machine_load
 
@@ -126,17 +126,8 @@ def measure(model: nn.Module, step: Callable[[dict], Any], batch: dict, device: 
     """One training step (``step(batch)``) with ``nn.Dropout`` vs :class:`FastDropout`, interleaved; the model is
     left with ``nn.Dropout``. Returns ``{"speedup": fast ÷ torch steps/s, "low", "high", "verdict", "torch_ms",
     "fast_ms", "rounds"}``."""
-    def arm(fast: bool) -> Arm:
-        def one() -> None:
-            set_fast_dropout(model, fast)
-            step(batch)
-
-        return Arm("fast" if fast else "torch", one)
-
-    try:
-        ab = interleave([arm(False), arm(True)], rounds=rounds, window=1, warmup=1, device=device)
-    finally:
-        set_fast_dropout(model, False)
+    ab = switch_ab(step, batch, lambda fast: set_fast_dropout(model, fast), {"torch": False, "fast": True},
+                   restore=False, rounds=rounds, device=device)
     r = ab.ratio("fast", "torch", "steps")
     return {"speedup": r.median, "low": r.low, "high": r.high, "verdict": r.verdict, "rounds": rounds,
             "torch_ms": ab.arms["torch"].median_step_ms(), "fast_ms": ab.arms["fast"].median_step_ms(),

@@ -119,21 +119,10 @@ def measure_step_paths(model: torch.nn.Module, step: Callable[[dict], Any], batc
     step was slower with it (it moves the head's gradient into the forward pass, beside the optimizer's work).
     Returns ``{"unchunked": ms, "chunked": ms, "speedup": unchunked ÷ chunked, "speedup_interval": [low, high],
     "rounds", "shape", "tokens", "vocab", "chunk_rows"}``; the model's setting is restored afterwards."""
-    from train.perf.ab import Arm, interleave
+    from train.perf.switch_ab import switch_ab
 
-    before = model.chunked_loss
-
-    def arm(on: bool) -> Arm:
-        def one() -> None:
-            model.set_chunked_loss(on)
-            step(batch)
-
-        return Arm("chunked" if on else "unchunked", one)
-
-    try:
-        ab = interleave([arm(False), arm(True)], rounds=rounds, window=1, warmup=1, device=device)
-    finally:
-        model.set_chunked_loss(before)
+    ab = switch_ab(step, batch, model.set_chunked_loss, {"unchunked": False, "chunked": True},
+                   restore=model.chunked_loss, rounds=rounds, device=device)
     med = {a: ab.arms[a].median_step_ms() for a in ("unchunked", "chunked")}
     ratio = ab.ratio("chunked", "unchunked", "steps")
     head = model.inner.get_output_embeddings()
