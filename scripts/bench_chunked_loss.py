@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.models.causal import CausalLMSpec, ExternalCausalLM  # noqa: E402
+from train.models.causal import ExternalCausalLM  # noqa: E402
+from train.models.wrap import ExternalSpec  # noqa: E402
 from train.models.causal_build import causal_preset  # noqa: E402
 from train.models.causal_probe import probe_causal_packing  # noqa: E402
 from train.precision import DTYPES, cpu_native_bf16  # noqa: E402
@@ -37,7 +38,7 @@ def build(vocab: int, capacity: int):
     torch.manual_seed(0)
     kw = causal_preset(transformers, "llama", "tiny", vocab, capacity, 0, bos_id=1, eos_id=2)
     inner = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("llama", **kw))
-    model = ExternalCausalLM(inner, CausalLMSpec("hf:llama", vocab, capacity), "hf")
+    model = ExternalCausalLM(inner, ExternalSpec("hf:llama", 0, vocab, capacity, task="causal-lm"), "hf")
     assert probe_causal_packing(model)[0]
     return model.train()
 

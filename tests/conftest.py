@@ -337,13 +337,14 @@ def tiny_causal_lm(kind: str, attn: str, **extra):
     """A tiny random-init Hugging Face decoder of family ``kind`` (fp32, eval mode) in the causal-LM wrapper."""
     import transformers
 
-    from train.models.causal import CausalLMSpec, ExternalCausalLM
+    from train.models.causal import ExternalCausalLM
+    from train.models.wrap import ExternalSpec
 
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(kind, vocab_size=CAUSAL_VOCAB, pad_token_id=0,
                                                **{**CAUSAL_TINY[kind], **extra})
     inner = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).float().eval()
-    return ExternalCausalLM(inner, CausalLMSpec(f"hf:{kind}", CAUSAL_VOCAB, 64), "hf")
+    return ExternalCausalLM(inner, ExternalSpec(f"hf:{kind}", 0, CAUSAL_VOCAB, 64, task="causal-lm"), "hf")
 
 
 def causal_samples() -> list[torch.Tensor]:

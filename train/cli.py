@@ -29,6 +29,7 @@ from train.commands.entry import (  # noqa: F401  (load_cfg, flag_overrides: par
     cmd_bench_vs_hf,
     cmd_buckets,
     cmd_compare,
+    cmd_export,
     cmd_optimize,
     cmd_optimize_grid,
     cmd_precision,
@@ -121,6 +122,15 @@ def _args_compare(p: argparse.ArgumentParser) -> None:
                    "or bench.json files (make bench results, e.g. from two machines) to compare benchmarks")
     p.add_argument("--out", default=None, help="output directory (default: <runs-dir>/compare)")
     p.add_argument("--runs-dir", default="runs", help="where bare run ids are looked up (default: runs)")
+
+
+def _args_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<id>) of a hf:<dir> / hf:<model_type> run")
+    p.add_argument("--checkpoint", default=None, metavar="FILE",
+                   help="a middle checkpoint (runs/<id>/checkpoints/step-*.pt; default: the final checkpoint.pt)")
+    p.add_argument("--merged", action="store_true",
+                   help="an adapter run: merge_and_unload into a plain model directory (default out: model-merged)")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/model)")
 
 
 def _args_wandb_sync(p: argparse.ArgumentParser) -> None:
@@ -219,6 +229,8 @@ COMMANDS: dict[str, Command] = {
                       cmd_warmup, _args_warmup, run_id="<UTC time>-<random>"),
     "compare": Command("compare runs side by side: markdown table + PNG (no network)", cmd_compare, _args_compare,
                        config=False),
+    "export": Command("write a run's model (or a middle checkpoint's) as a Hugging Face directory: transformers, "
+                      "or a peft adapter (--merged: merged) → RUN_DIR/model", cmd_export, _args_export, config=False),
     "wandb-sync": Command("upload offline W&B runs under --runs-dir with `wandb sync`", cmd_wandb_sync,
                           _args_wandb_sync, config=False),
 }

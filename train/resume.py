@@ -31,6 +31,8 @@ from train.callbacks import Callback
 from train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from train.distributed import DistContext, agreed, any_rank, gather_to_main
 from train.errors import UserError, atomic_temps, atomic_write_text, describe_temps
+from train.models.adapter import model_state
+from train.models.export import special_tokens
 
 FORMAT = 1
 CHECKPOINT_DIR = "checkpoints"
@@ -59,10 +61,11 @@ def full_state(trainer, model: torch.nn.Module, bundle, cfg, ctx: DistContext) -
     ranks = gather_to_main({"rng": rng_state(), **trainer.rank_state_dict()}, ctx)
     if not ctx.is_main:
         return None
-    return {"format": FORMAT, **trainer.state_dict(), "model": model.state_dict(), "ranks": ranks,
+    return {"format": FORMAT, **trainer.state_dict(), "model": model_state(model), "ranks": ranks,
             "world_size": ctx.world_size, "spec": asdict(model.spec), "label_names": list(bundle.corpus.label_names),
             "data_fingerprint": bundle.data_fingerprint, "tokenizer_fingerprint": bundle.tokenizer_info["fingerprint"],
-            "precision": trainer.policy.state(), "config": cfg.to_dict(), "torch": str(torch.__version__)}
+            "precision": trainer.policy.state(), "config": cfg.to_dict(), "torch": str(torch.__version__),
+            "special_tokens": special_tokens(bundle)}
 
 
 def write_state(path: Path, state: Optional[dict], ctx: DistContext, keep: Optional[int] = None) -> None:
@@ -239,6 +242,9 @@ def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bund
     want = asdict(spec)
     for key, have in state["spec"].items():
         if want.get(key) != have:
+            if key == "base_fingerprint":
+                raise UserError(f"{where}: its adapter was trained on another base model (content {have}, this "
+                                f"model.source={spec.source} gives {want[key]}); resume on the same base weights")
             if key == "max_len":
                 raise UserError(f"{where}: its position table holds {have} positions but data.max_len={want[key]}; "
                                 f"set data.max_len={have}")

@@ -155,6 +155,15 @@ def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, t_start: float) -> int:
+    from train.commands.export import export_run
+
+    block = export_run(args.run_dir, args.checkpoint, args.merged, args.out)
+    print(f"exported {block['format']} to {block['path']}: {', '.join(block['files'])}"
+          + (f" (base: {block['base']})" if block.get("base") else ""), flush=True)
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace, t_start: float) -> int:
     from train.tracking.compare import compare, compare_bench, is_bench_file
 

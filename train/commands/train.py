@@ -19,12 +19,13 @@ import torch
 from train.callbacks import AfterFirstStep
 from train.checkpoint import optimizer_state_for
 from train.commands.ranks import prepare_data_on_ranks, reduce_stats
+from train.commands.run_files import export_at_end, say_data, write_run_files
 from train.compiling.warmup import warm_up_for_run
-from train.config import RunConfig, dump_config
-from train.data import DataBundle
+from train.config import RunConfig
 from train.distributed import DistContext, agreed, any_rank, broadcast_from_main, init_distributed, teardown
 from train.errors import Interrupted, UserError, atomic_write_text
 from train.evaluation import EvaluationAbandoned, evaluate
+from train.models.adapter import load_model_state
 from train.numerics import NumericsAbort
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
@@ -124,7 +125,7 @@ def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional
             t_data = time.perf_counter()
             bundle = prepare_data_on_ranks(cfg, run_dir, buckets_force, ctx, say)
             data_s = time.perf_counter() - t_data
-            _say_data(bundle, data_s, say)
+            say_data(bundle, data_s, say)
             shutdown.phase = "model set-up"
             resolved = resolve_run(cfg, run_dir.name, bundle, device, ctx, checkpoint, say)
             checkpoint = _check_resume(resolved, checkpoint, run_dir, ctx, say)
@@ -133,9 +134,9 @@ def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional
                 return {**{k: v for k, v in done.items() if k != "_why"}, "nothing_trained": True}
             run = _build(resolved, checkpoint, run_dir, ctx, device, t_start, data_s, say)
             if checkpoint is None:
-                _write_run_files(resolved, run_dir, ctx)
+                write_run_files(resolved, run_dir, ctx)
             else:  # a resume that crashes before it trains leaves the run's files as they were
-                run.built.trainer.add_callback(AfterFirstStep(lambda: _write_run_files(resolved, run_dir, ctx)))
+                run.built.trainer.add_callback(AfterFirstStep(lambda: write_run_files(resolved, run_dir, ctx)))
             shutdown.phase = "compile warm-up"
             warm_up_for_run(run.built.compiled, run.built.trainer, run.built.model, run_dir)
         except (Interrupted, UserError) as exc:
@@ -173,14 +174,6 @@ def _load_checkpoint(resume: Optional[str], ctx: DistContext, say: Callable[...,
     return Checkpoint(path, state)
 
 
-def _say_data(bundle: DataBundle, data_s: float, say: Callable[..., None]) -> None:
-    b, classes = bundle, "" if bundle.task == "causal-lm" else f"{bundle.num_classes} classes, "
-    say(f"data: {b.corpus.name}, {len(b.splits['train'])} train / {len(b.splits['validation'])} val / "
-        f"{len(b.splits['test'])} test, {classes}vocab {b.vocab_size} "
-        f"(tokenizer {b.tokenizer_info['source']}, prepared data {b.cache.get('cache', 'off')}), {data_s:.1f}s",
-        flush=True)
-
-
 def _check_resume(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, ctx: DistContext,
                   say: Callable[..., None]) -> Optional[Checkpoint]:
     """The checkpoint checked against the resolved run (data, tokenizer, model; baked-in settings refused), before
@@ -195,20 +188,6 @@ def _check_resume(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir:
     say(f"resuming from {checkpoint.path} (step {state['step']})"
         + (f"; changed settings applied: {'; '.join(applied)}" if applied else ""), flush=True)
     return Checkpoint(checkpoint.path, state)
-
-
-def _write_run_files(resolved: Resolved, run_dir: Path, ctx: DistContext) -> None:
-    """``config.yaml`` (the resolved config; ``--resume`` replays it) and the run's tokenizer copy (what ``--resume``
-    needs if caches are cleared; ``data.tokenizer.run_copy`` names it): before a fresh run's first step, after a
-    resumed run's."""
-    if not ctx.is_main:
-        return
-    atomic_write_text(run_dir / "config.yaml", dump_config(resolved.cfg))
-    info = resolved.bundle.tokenizer_info
-    src = Path(info.get("path") or "")
-    if src.is_file():
-        atomic_write_text(run_dir / "tokenizer.json", src.read_text(encoding="utf-8"))
-        info["run_copy"] = str(run_dir / "tokenizer.json")
 
 
 def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, ctx: DistContext,
@@ -229,7 +208,7 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
 
     def load_weights(model: torch.nn.Module, _compiled: Any) -> None:
         if checkpoint is not None:
-            model.load_state_dict(checkpoint.state["model"])
+            load_model_state(model, checkpoint.state["model"], f"checkpoint {checkpoint.path}")
 
     built = build_run(cfg, resolved.bundle, device, resolved.policy, splits=("train", "validation", "test"),
                       model=resolved.model, ctx=ctx, compile=True, before_wrap=load_weights,
@@ -337,7 +316,7 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     sections["compile"] = compiled.report()
     sections["resumed_from"] = (None if run.checkpoint is None
                                 else {"checkpoint": str(run.checkpoint.path), "step": run.checkpoint.state["step"]})
-    sections["model"] = model_section(cfg, built.model)
+    sections["model"] = model_section(cfg, built.model, trainer.optimizer, peak_memory(device))
     from train.commands.bench.training import skip_reasons  # here: the bench package's imports cost start-up
 
     sections["levers"] = levers_section(cfg, built.model, resolved.policy, compiled, run.ctx, profiled=bool(hooks),
@@ -356,5 +335,6 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     if run.ctx.is_main:
         for line in compiled.loud_warnings():
             print(line, file=sys.stderr, flush=True)
+        report["export"] = export_at_end(run.built.model, run.run_dir, resolved.bundle, run.say)
         atomic_write_text(run.run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report

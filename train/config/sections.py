@@ -152,6 +152,10 @@ class ModelConfig(Frozen):
     num_labels_mismatch: str = allowed("refuse", choices=("refuse", "resize"))
     """An ``hf:`` model whose ``num_labels`` differs from the data's classes: ``refuse`` (exit 2) or ``resize``
     (re-initialise the classification head, with a notice)."""
+    adapter: Optional[dict] = None
+    """Train a low-rank adapter instead of the whole model (``hf:`` sources; peft's LoRA): ``{type: lora, r: 16,
+    alpha: 32, dropout: 0.0, targets: auto}`` (``auto``: the family's attention and MLP projections; or a list of
+    module names). Only the adapter (and a classifier's head) trains; null = full fine-tuning (docs/models.md)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.fast_dropout, bool):  # YAML true/false
@@ -170,7 +174,14 @@ class ModelConfig(Frozen):
         from train.models import source_kind
 
         # preset's choices are train.models.encoder.PRESETS' keys (a test keeps them equal)
-        source_kind(self.source)  # UserError for a malformed source
+        kind = source_kind(self.source)  # UserError for a malformed source
+        from train.config.adapter import parse_adapter
+
+        if parse_adapter(self.adapter) is not None and kind not in ("hf-dir", "hf-type"):
+            what = "the built-in encoder" if kind == "builtin" else "a python: model"
+            raise UserError(f"model.adapter: {what} cannot take a peft adapter (model.source={self.source}); adapters "
+                            "wrap Hugging Face models: use model.source=hf:<dir> or hf:llama / hf:qwen2 / hf:gpt2 / "
+                            "hf:bert, or remove model.adapter for full fine-tuning")
 
 
 @dataclass

@@ -18,7 +18,7 @@ re-exports it.
 
 from __future__ import annotations
 
-from train.models.causal import CausalLMSpec, ExternalCausalLM
+from train.models.causal import ExternalCausalLM
 from train.models.external import (
     DEFAULT_CACHE_DIR,
     TOKENIZER_FILES,
@@ -29,5 +29,5 @@ from train.models.external import (
 )
 from train.models.wrap import ExternalClassifier, ExternalSpec
 
-__all__ = ["ExternalClassifier", "ExternalSpec", "ExternalCausalLM", "CausalLMSpec", "build_external", "source_kind",
+__all__ = ["ExternalClassifier", "ExternalSpec", "ExternalCausalLM", "build_external", "source_kind",
            "model_dir_tokenizer", "model_supports_packing", "TOKENIZER_FILES", "DEFAULT_CACHE_DIR"]

@@ -28,31 +28,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from train.models.varlen import attention_implementation, packed_forward
+from train.models.wrap import ExternalSpec
 
 EXACT_ATOL = 1e-5
 """Packed vs one-by-one logits: the largest gap allowed, relative to the logits' scale (at least 1)."""
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 """``config.layer_types`` values whose masks :class:`ExternalCausalLM` builds for packed rows."""
-@dataclass
-class CausalLMSpec:
-    """What a checkpoint records about a causal LM (checked on resume, field by field; plain fields only, so a
-    ``weights_only`` load reads it). ``hf_config``: the Hugging Face config as JSON, so a resume rebuilds the same
-    architecture; ``hidden_size`` / ``num_layers``: 0 where the config does not say."""
-
-    source: str
-    vocab_size: int
-    max_len: int
-    hidden_size: int = 0
-    num_layers: int = 0
-    hf_config: str = ""
-    task: str = "causal-lm"
 
 
 def causal_block_mask(seq_index: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
@@ -111,7 +98,7 @@ class ExternalCausalLM(nn.Module):
     varlen_reason = "not checked"  # probe_causal_packing says whether the varlen path is exact here
     eager_reason = "not checked"  # … and whether the eager-mask path is
 
-    def __init__(self, inner: nn.Module, spec: CausalLMSpec, kind: str = "hf") -> None:
+    def __init__(self, inner: nn.Module, spec: ExternalSpec, kind: str = "hf") -> None:
         super().__init__()
         self.inner = inner
         self.spec = spec

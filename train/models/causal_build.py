@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from train.errors import UserError
-from train.models.causal import CausalLMSpec, ExternalCausalLM
+from train.models.causal import ExternalCausalLM
 from train.models.causal_probe import probe_causal_packing
 
 POSITION_KEYS = {"gpt2": "n_positions"}
@@ -123,7 +123,9 @@ def build_causal_lm(cfg, bundle, kind: str, hf_config: Optional[str] = None) -> 
             encoder / encoder-decoder / architecture without a causal-LM head, a vocabulary smaller than the
             tokenizer's, a position table shorter than ``data.max_len``, weights that do not fit the config.
     """
+    from train.models.adapter import attach_configured_adapter, fresh_weights
     from train.models.hf import config_json, load_hf_model
+    from train.models.wrap import ExternalSpec
 
     src = cfg.model.source
     if kind not in ("hf-dir", "hf-type"):
@@ -131,13 +133,14 @@ def build_causal_lm(cfg, bundle, kind: str, hf_config: Optional[str] = None) -> 
                         "hf:<model dir> (an AutoModelForCausalLM directory) or hf:llama / hf:qwen2 / hf:gpt2")
     config = _causal_config(cfg, bundle, kind, hf_config)
     _check_causal_fits(cfg, bundle, config, kind)
-    inner = load_hf_model(cfg, config, kind, fresh=hf_config is not None, auto_class="AutoModelForCausalLM")
+    inner = load_hf_model(cfg, config, kind, fresh=fresh_weights(cfg, hf_config), auto_class="AutoModelForCausalLM")
     c = inner.config
     size = {k: int(getattr(c, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers")}
-    spec = CausalLMSpec(source=src, vocab_size=int(c.vocab_size), max_len=cfg.data.max_len,
+    spec = ExternalSpec(source=src, num_classes=0, vocab_size=int(c.vocab_size), max_len=cfg.data.max_len,
                         hidden_size=size["hidden_size"], num_layers=size["num_hidden_layers"],
-                        hf_config=config_json(c))
+                        hf_config=config_json(c), task="causal-lm")
     model = ExternalCausalLM(inner, spec, "hf")
+    attach_configured_adapter(cfg, model)
     probe_causal_packing(model)
     return model
 

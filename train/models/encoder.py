@@ -224,11 +224,12 @@ class EncoderClassifier(nn.Module):
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay on matrices of Linear layers; none on biases, LayerNorm and embeddings. A parameter shared
-    by two modules (a decoder's LM head tied to its token embedding) goes where its first module puts it."""
+    by two modules (a decoder's LM head tied to its token embedding) goes where its first module puts it. Frozen
+    parameters (``requires_grad`` false: an adapter run's base) get no group, so AdamW keeps no state for them."""
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if id(p) not in seen:
+            if id(p) not in seen and p.requires_grad:
                 seen.add(id(p))
                 (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

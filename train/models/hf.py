@@ -225,12 +225,16 @@ def build_hf(cfg, bundle, kind: str, hf_config: Optional[str] = None) -> Externa
     """The wrapped transformers model (see :func:`train.models.build_external`). Raises UserError (bad input)."""
     config = hf_model_config(cfg, bundle, kind, hf_config)
     _check_fits(cfg, bundle, config)
-    inner = load_hf_model(cfg, config, kind, fresh=hf_config is not None)
+    from train.models.adapter import attach_configured_adapter, fresh_weights
+
+    inner = load_hf_model(cfg, config, kind, fresh=fresh_weights(cfg, hf_config))
     size = {k: int(getattr(config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers")}
     spec = ExternalSpec(source=cfg.model.source, num_classes=bundle.num_classes, vocab_size=int(config.vocab_size),
                         max_len=cfg.data.max_len, hidden_size=size["hidden_size"], num_layers=size["num_hidden_layers"],
                         hf_config=config_json(inner.config))
-    return ExternalClassifier(inner, spec, "hf")
+    model = ExternalClassifier(inner, spec, "hf")
+    attach_configured_adapter(cfg, model)
+    return model
 
 
 def config_json(config) -> str:

@@ -20,10 +20,14 @@ from torch import nn
 
 @dataclass
 class ExternalSpec:
-    """What a checkpoint records about an external model (checked on resume, field by field).
+    """What a checkpoint records about a model from outside this project, classifier or causal LM alike (checked on
+    resume, field by field; plain fields only, so a ``weights_only`` load reads it).
 
-    ``hf_config``: the Hugging Face config as a JSON string ("" for ``python:`` models), so a resume rebuilds the
-    same architecture; ``hidden_size`` / ``num_layers``: 0 where the model does not say.
+    ``num_classes``: the classifier's classes (0 for a causal LM); ``hf_config``: the Hugging Face config as a JSON
+    string ("" for ``python:`` models), so a resume rebuilds the same architecture; ``hidden_size`` /
+    ``num_layers``: 0 where the model does not say; ``task``: ``classification`` or ``causal-lm``; ``adapter``: the
+    ``model.adapter`` settings as JSON ("" for full fine-tuning) and ``base_fingerprint`` the frozen base's content
+    hash (train/models/adapter.py), which a resume of an adapter checkpoint (the adapter alone) must match.
     """
 
     source: str
@@ -33,6 +37,9 @@ class ExternalSpec:
     hidden_size: int = 0
     num_layers: int = 0
     hf_config: str = ""
+    task: str = "classification"
+    adapter: str = ""
+    base_fingerprint: str = ""
 
 
 class ExternalClassifier(nn.Module):

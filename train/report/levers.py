@@ -10,15 +10,48 @@ BUCKETED = ("optimal", "quantile", "kmeans")
 
 
 
-def model_section(cfg, model) -> dict[str, Any]:
+def model_section(cfg, model, optimizer=None, peak: Optional[dict] = None) -> dict[str, Any]:
     """report.json ``model``: ``source``, ``class`` (the module that ran), ``parameters`` (count), ``preset``
-    (builtin and ``hf:<model_type>`` sizes), ``hf_model_type`` (``hf:`` sources, else null)."""
+    (builtin and ``hf:<model_type>`` sizes), ``hf_model_type`` (``hf:`` sources, else null), ``adapter``
+    (``model.adapter``'s block: type, r, targets, trainable parameters and their share; null for full fine-tuning)
+    and ``memory`` (:func:`memory_split`)."""
     inner = getattr(model, "inner", model)
     hf_type = getattr(getattr(inner, "config", None), "model_type", None)
     return {"source": cfg.model.source, "class": type(inner).__name__,
             "parameters": sum(p.numel() for p in model.parameters()),
             "preset": cfg.model.preset if source_kind(cfg.model.source) in ("builtin", "hf-type") else None,
-            "hf_model_type": hf_type}
+            "hf_model_type": hf_type, "adapter": getattr(model, "adapter_info", None),
+            "memory": memory_split(model, optimizer, peak)}
+
+
+def memory_split(model, optimizer=None, peak: Optional[dict] = None) -> dict[str, Any]:
+    """Bytes of the frozen weights, the trainable weights and the optimizer state (every tensor of its state:
+    AdamW's two moments and step), counted from the tensors themselves; ``activations_bytes``: the peak allocated by
+    torch on CUDA less those three (gradients are as large as the trainable weights and counted with them), null on
+    a CPU, where the peak is the whole process's resident memory (``activations_reason`` says so)."""
+    seen: set[int] = set()
+    frozen = trainable = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        size = p.numel() * p.element_size()
+        trainable, frozen = (trainable + size, frozen) if p.requires_grad else (trainable, frozen + size)
+    opt = None
+    if optimizer is not None:
+        opt = sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+                  if hasattr(t, "numel") and t.dim() > 0)
+    out: dict[str, Any] = {"frozen_weights_bytes": frozen, "trainable_weights_bytes": trainable,
+                           "gradients_bytes": trainable, "optimizer_state_bytes": opt,
+                           "activations_bytes": None, "activations_reason": None}
+    peak = peak or {}
+    if peak.get("peak_memory_source", "").startswith("torch.cuda") and opt is not None:
+        out["activations_bytes"] = max(0, int(peak["peak_memory_bytes"]) - frozen - 2 * trainable - opt)
+        out["activations_reason"] = "peak allocated less weights, gradients and optimizer state"
+    else:
+        out["activations_reason"] = ("not measurable apart on this device: the peak is the process's resident "
+                                     "memory (peak_memory_bytes), not torch's allocations")
+    return out
 
 
 def _yaml(v: Any) -> str:

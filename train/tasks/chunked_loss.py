@@ -59,7 +59,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         b = None if bias is None else bias.to(compute_dtype)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # a frozen head (an adapter run's tied embedding) needs no [V, H] gradient: one matmul a chunk saved
+        need_weight = bool(ctx.needs_input_grad[1])
+        grad_weight = torch.zeros(weight.shape if need_weight else (), dtype=torch.float32, device=weight.device)
         grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
         for start in range(0, hidden.shape[0], rows):
             h = hidden[start:start + rows].to(compute_dtype)
@@ -76,7 +78,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
             grad.mul_((keep.to(torch.float32) / count)[:, None])
             g = grad.to(compute_dtype)
             grad_hidden[start:start + rows] = (g @ w).float()
-            grad_weight += (g.t() @ h).float()
+            if need_weight:
+                grad_weight += (g.t() @ h).float()
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
         ctx.has_bias = bias is not None
@@ -87,10 +90,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         saved = ctx.saved_tensors
-        gh, gw = saved[0] * grad_out, saved[1] * grad_out
+        gh = saved[0] * grad_out
+        gw = saved[1] * grad_out if ctx.needs_input_grad[1] else None
         gb = saved[2] * grad_out if ctx.has_bias else None
         hd, wd, bd = ctx.dtypes
-        return gh.to(hd), gw.to(wd), (None if gb is None else gb.to(bd)), None, None, None
+        return gh.to(hd), (None if gw is None else gw.to(wd)), (None if gb is None else gb.to(bd)), None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,

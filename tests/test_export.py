@@ -1,0 +1,342 @@
+"""The model leaves in its ecosystem's format (train/models/export.py) and LoRA adapters train through peft
+(train/models/adapter.py): round trips through transformers' and peft's own loaders, logits within 1e-5 in fp32,
+the tokenizer's ids, and a whole adapter run (only the adapter trains and is checkpointed, exact resume, export)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import (
+    CAUSAL_ATTENTION,
+    assert_same_final_state,
+    run_cli,
+    synthetic_rows,
+    tiny_causal_lm,
+    tiny_overrides,
+    write_wndb,
+)
+from train.config import load_config
+from train.config.adapter import AdapterSettings, parse_adapter
+from train.errors import UserError
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-5
+TEXTS = ["a small domesticated carnivorous mammal", "the act of running quickly", "an instrument for writing"]
+IDS = {"bos_id": 1, "eos_id": 2, "pad_id": 0}
+
+
+def _perturb(model: torch.nn.Module, seed: int = 1) -> None:
+    """Stand in for training: every trainable tensor moved off its initial value (LoRA's B starts at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (2, 9), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 6:] = False  # right padding on the second row
+    return ids, mask
+
+
+def _theirs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    kwargs = {"input_ids": ids, "attention_mask": mask.long()}
+    if causal:  # the wrapper's positions: real tokens counted (the model's own for right padding)
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        return model.eval()(**kwargs).logits.float()
+
+
+def _bpe_tokenizer(path: Path) -> Path:
+    from train.data.causal_tokenizer import train_bpe
+
+    tok = train_bpe(TEXTS * 20, 300)
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_an_exported_decoder_loads_with_auto_classes_and_gives_the_runs_logits_and_ids(kind, tmp_path) -> None:
+    from train.models.export import export_model
+
+    model = tiny_causal_lm(kind, CAUSAL_ATTENTION[0])
+    _perturb(model)
+    tok = _bpe_tokenizer(tmp_path / "tokenizer.json")
+    block = export_model(model, tmp_path / "model", tok, IDS)
+    assert block["format"] == "transformers"
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= set(block["files"])
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    ids, mask = _batch(100)
+    with torch.no_grad():
+        ours = model.eval()(ids, mask)
+    assert (ours - _theirs(loaded, ids, mask, True))[mask].abs().max() <= ATOL
+    assert loaded.generation_config.eos_token_id == 2 and loaded.generation_config.pad_token_id == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(tok))
+    for text in TEXTS:
+        assert hf_tok(text)["input_ids"] == backend.encode(text).ids
+    assert hf_tok.eos_token_id == 2 and hf_tok.pad_token_id == 0 and hf_tok.bos_token_id == 1
+
+
+def _tiny_bert_classifier(tmp_path: Path, adapter: AdapterSettings | None = None):
+    from train.data.tokenizer import train_wordpiece
+    from train.models.adapter import attach_adapter
+    from train.models.wrap import ExternalClassifier, ExternalSpec
+
+    tok = train_wordpiece(TEXTS * 20, 200)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("bert", vocab_size=tok.get_vocab_size(), hidden_size=32,
+                                               num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                               max_position_embeddings=64, num_labels=3, pad_token_id=0)
+    inner = transformers.AutoModelForSequenceClassification.from_config(config)
+    wrapper = ExternalClassifier(inner, ExternalSpec("hf:bert", 3, tok.get_vocab_size(), 32), "hf")
+    if adapter is not None:
+        wrapper.adapter_info = attach_adapter(wrapper, adapter, "bert")
+    _perturb(wrapper)
+    return wrapper.eval(), tok
+
+
+def test_an_exported_bert_classifier_gives_the_runs_logits_and_the_tokenizers_ids(tmp_path) -> None:
+    from train.models.export import export_model
+
+    model, tok = _tiny_bert_classifier(tmp_path)
+    export_model(model, tmp_path / "model", tmp_path / "tokenizer.json", {"pad_id": tok.token_to_id("[PAD]")})
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "model"))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    enc = hf_tok(TEXTS, padding=True, return_tensors="pt")
+    assert enc["input_ids"][0].tolist()[: len(tok.encode(TEXTS[0]).ids)] == tok.encode(TEXTS[0]).ids
+    assert hf_tok.cls_token == "[CLS]" and hf_tok.pad_token_id == tok.token_to_id("[PAD]")
+    mask = enc["attention_mask"].bool()
+    with torch.no_grad():
+        ours = model(enc["input_ids"], mask)
+    assert (ours - _theirs(loaded, enc["input_ids"], mask, False)).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_lora_adapter_loads_with_peft_and_merges_to_the_same_logits(kind, tmp_path) -> None:
+    from train.models.adapter import attach_adapter
+    from train.models.export import export_model
+
+    model = tiny_causal_lm(kind, CAUSAL_ATTENTION[0])
+    info = attach_adapter(model, AdapterSettings(r=4, alpha=8.0), kind)
+    assert 0 < info["trainable_parameters"] < info["total_parameters"] and info["modules_wrapped"] > 0
+    assert all(("lora_" in n) == p.requires_grad for n, p in model.named_parameters())
+    _perturb(model)
+    ids, mask = _batch(100)
+    with torch.no_grad():
+        ours = model.eval()(ids, mask)
+    block = export_model(model, tmp_path / "adapter", None, IDS)
+    assert block["format"] == "peft-adapter" and "adapter_config.json" in block["files"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(block["base"])
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    assert (ours - _theirs(loaded, ids, mask, True))[mask].abs().max() <= ATOL
+    merged = export_model(model, tmp_path / "merged", None, IDS, merged=True)
+    assert merged["format"] == "merged" and "adapter_config.json" not in merged["files"]
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    assert (ours - _theirs(plain, ids, mask, True))[mask].abs().max() <= ATOL
+    with torch.no_grad():  # the live model is untouched by the export (unload / merge ran on copies)
+        assert torch.equal(model(ids, mask), ours)
+
+
+def test_a_bert_classifier_adapter_trains_its_head_whole_and_round_trips_through_peft(tmp_path) -> None:
+    from train.models.export import export_model
+
+    model, tok = _tiny_bert_classifier(tmp_path, AdapterSettings(r=4, alpha=8.0))
+    assert model.adapter_info["heads_trained"] == ["classifier"]
+    ids = torch.tensor([tok.encode(TEXTS[0]).ids])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        ours = model(ids, mask)
+    block = export_model(model, tmp_path / "model", tmp_path / "tokenizer.json", {})
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForSequenceClassification.from_pretrained(block["base"]), str(tmp_path / "model"))
+    assert (ours - _theirs(loaded, ids, mask, False)).abs().max() <= ATOL
+
+
+def test_auto_targets_are_the_familys_projections_and_named_targets_are_checked() -> None:
+    from train.models.adapter import resolve_targets
+
+    model = tiny_causal_lm("llama", CAUSAL_ATTENTION[0])
+    auto = resolve_targets(AdapterSettings(), model.inner, "llama", "hf:llama")
+    assert auto == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with pytest.raises(UserError, match=r"targets: qkv not in the model .*its Linear modules: .*q_proj"):
+        resolve_targets(AdapterSettings(targets=("q_proj", "qkv")), model.inner, "llama", "hf:llama")
+    with pytest.raises(UserError, match="no known projections for model_type 'mamba'.*list the module names"):
+        resolve_targets(AdapterSettings(), model.inner, "mamba", "hf:mamba")
+
+
+@pytest.mark.parametrize("raw,match", [
+    ("lora", "expected a mapping"), ({"type": "ia3"}, r"model.adapter.type='ia3': supported: lora"),
+    ({"rank": 8}, r"model.adapter.rank: unknown key"), ({"r": 0}, r"model.adapter.r=0: expected an integer"),
+    ({"dropout": 1.5}, r"model.adapter.dropout=1.5"), ({"targets": []}, r"model.adapter.targets=\[\]"),
+    ({"alpha": -1}, "model.adapter.alpha=-1")])
+def test_a_malformed_adapter_setting_is_refused_naming_its_key(raw, match) -> None:
+    with pytest.raises(UserError, match=match):
+        parse_adapter(raw)
+
+
+def test_an_adapter_on_the_builtin_encoder_is_refused_when_the_config_loads() -> None:
+    with pytest.raises(UserError, match="the built-in encoder cannot take a peft adapter.*hf:"):
+        load_config(None, ["model.adapter={r: 8}"])
+
+
+def test_frozen_parameters_get_no_optimizer_group() -> None:
+    from train.models.encoder import param_groups
+
+    layer = torch.nn.Linear(4, 4)
+    layer.weight.requires_grad_(False)
+    groups = param_groups(layer, 0.01)
+    assert [len(g["params"]) for g in groups] == [0, 1]
+
+
+# --- a whole adapter run ------------------------------------------------------------------------------------------
+
+LLAMA = "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 4, intermediate_size: 64}"
+ADAPTER = "model.adapter={type: lora, r: 4, alpha: 8, dropout: 0.0, targets: auto}"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> tuple[Path, list[str], dict]:
+    """(root, overrides, report) of an uninterrupted 8-step LoRA run ``root/runs/ref`` (a tiny Llama, packed rows)."""
+    from train.commands.train import run_training
+
+    root = tmp_path_factory.mktemp("lora")
+    wndb = write_wndb(root / "wn", synthetic_rows())
+    overrides = tiny_overrides(wndb, root, "model.task=causal-lm", "model.source=hf:llama", LLAMA,
+                               "data.vocab_size=300", "batching.method=packed", "batching.max_tokens=128",
+                               "model.dropout=0.0", "model.packed_attention=sdpa-mask", ADAPTER, "optim.lr=1e-2",
+                               "train.max_steps=8", "train.eval_every=4", "train.log_every=1")
+    report = run_training(load_config(None, overrides + ["train.run_id=ref"]), time.perf_counter())
+    return root, overrides, report
+
+
+def test_an_adapter_run_trains_and_checkpoints_the_adapter_alone_and_exports_it(lora_run) -> None:
+    from train.checkpoint import load_checkpoint
+    from train.models.export import model_from_checkpoint
+
+    root, _, report = lora_run
+    a = report["model"]["adapter"]
+    assert a["type"] == "lora" and a["r"] == 4 and "q_proj" in a["targets"] and 0 < a["trainable_share"] < 0.5
+    mem = report["model"]["memory"]
+    assert mem["trainable_weights_bytes"] < mem["frozen_weights_bytes"]
+    assert mem["optimizer_state_bytes"] == 2 * mem["trainable_weights_bytes"]  # AdamW: two moments per weight
+    assert report["quality"]["evals"][-1]["loss"] < report["quality"]["evals"][0]["loss"]
+    run_dir = root / "runs" / "ref"
+    state = load_checkpoint(run_dir / "checkpoint.pt")
+    assert state["model"] and all("lora_" in k for k in state["model"])
+    assert state["spec"]["base_fingerprint"] and json.loads(state["spec"]["adapter"])["r"] == 4
+    assert report["export"]["format"] == "peft-adapter" and (run_dir / "model" / "adapter_config.json").is_file()
+    model = model_from_checkpoint(state, "test")
+    base = transformers.AutoModelForCausalLM.from_pretrained(report["export"]["base"])
+    loaded = peft.PeftModel.from_pretrained(base, str(run_dir / "model"))
+    ids, mask = _batch(300)
+    with torch.no_grad():
+        ours = model(ids, mask)
+    assert (ours - _theirs(loaded, ids, mask, True))[mask].abs().max() <= ATOL
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(run_dir / "model"))
+    assert hf_tok.eos_token_id == state["special_tokens"]["eos_id"]
+
+
+def test_an_adapter_run_resumes_from_a_middle_checkpoint_bit_identically(lora_run) -> None:
+    from train.commands.train import run_training
+    from train.resume import list_checkpoints
+
+    root, overrides, _ = lora_run
+    cfg = load_config(None, overrides + ["train.run_id=mid", "train.checkpoint_every=4"])
+    run_training(cfg, time.perf_counter())
+    run_dir = root / "runs" / "mid"
+    first = list_checkpoints(run_dir)[0]
+    (run_dir / "checkpoint.pt").unlink()
+    (run_dir / "report.json").unlink()
+    report = run_training(cfg, time.perf_counter(), resume=str(first))
+    assert report["resumed_from"]["step"] == 4
+    assert_same_final_state(root / "runs" / "ref", run_dir)
+    out = run_cli("export", str(run_dir), "--checkpoint", str(first), "--out", str(root / "mid-export"))
+    assert out.returncode == 0, out.stderr
+    assert (root / "mid-export" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("change", ["model.adapter=null",
+                                    "model.adapter={type: lora, r: 8, alpha: 8, dropout: 0.0, targets: auto}",
+                                    "model.adapter={type: lora, r: 4, alpha: 8, dropout: 0.0, targets: [q_proj]}"])
+def test_resuming_an_adapter_run_otherwise_is_refused_in_one_line(lora_run, change) -> None:
+    from train.commands.train import run_training
+
+    root, overrides, _ = lora_run
+    with pytest.raises(UserError, match=r"cannot change mid-run.*model.adapter"):
+        run_training(load_config(None, overrides + ["train.run_id=ref", change]), time.perf_counter(),
+                     resume=str(root / "runs" / "ref"))
+
+
+def test_resuming_an_adapter_on_another_base_is_refused_by_its_fingerprint(lora_run) -> None:
+    from train.checkpoint import load_checkpoint
+    from train.models.wrap import ExternalSpec
+    from train.resume import check_resume_state
+
+    root, _, _ = lora_run
+    state = load_checkpoint(root / "runs" / "ref" / "checkpoint.pt")
+    spec = ExternalSpec(**{**state["spec"], "base_fingerprint": "0" * 16})
+    ctx = type("Ctx", (), {"world_size": state["world_size"]})()
+    bundle = type("Bundle", (), {"corpus": type("C", (), {"label_names": state["label_names"]})(),
+                                 "data_fingerprint": state["data_fingerprint"],
+                                 "tokenizer_info": {"fingerprint": state["tokenizer_fingerprint"]},
+                                 "num_classes": 0})()
+    with pytest.raises(UserError, match="adapter was trained on another base model"):
+        check_resume_state(state, root / "runs" / "ref" / "checkpoint.pt", ctx, bundle, spec)
+
+
+def test_export_of_a_directory_without_a_complete_checkpoint_is_one_line_and_exit_2(tmp_path) -> None:
+    from tests.conftest import assert_clean_error
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    proc = run_cli("export", str(tmp_path / "run"))
+    assert_clean_error(proc, "no complete checkpoint")
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_two_ranks_train_an_adapter(lora_run, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.conftest import ddp_worker, free_port
+
+    root, overrides, _ = lora_run
+    over = [o for o in overrides if not o.startswith(("train.output_dir", "train.max_steps", "train.eval_every"))]
+    over += [f"train.output_dir={tmp_path / 'runs'}", "train.max_steps=4", "train.eval_every=4",
+             "train.run_id=ddp-lora"]
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(ddp_worker, args=(2, free_port(), over, str(out), None, None, None), nprocs=2, join=True)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    report = results[0]["report"]
+    assert report["env"]["world_size"] == 2 and report["status"] == "completed"
+    assert report["model"]["adapter"]["r"] == 4
+    assert results[0]["param_sha256"] == results[1]["param_sha256"]  # the adapters stayed identical across ranks
+
+
+def test_the_chunked_loss_takes_no_weight_gradient_for_a_frozen_head() -> None:
+    from train.tasks.chunked_loss import chunked_cross_entropy
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(12, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (12,))
+    ref = torch.nn.functional.cross_entropy(head(hidden), targets)
+    (want,) = torch.autograd.grad(ref, hidden)
+    head.weight.requires_grad_(False)
+    loss = chunked_cross_entropy(hidden, head, targets, rows=4)
+    loss.backward()
+    assert head.weight.grad is None and torch.allclose(hidden.grad, want, atol=1e-6)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)

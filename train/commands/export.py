@@ -1,0 +1,49 @@
+"""``python -m train export RUN_DIR [--checkpoint FILE] [--merged] [--out DIR]``: a run directory's model (its final
+``checkpoint.pt``, or any middle checkpoint) written in the Hugging Face format (train/models/export.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from train.checkpoint import load_checkpoint
+from train.errors import UserError
+from train.models.export import export_model, model_from_checkpoint
+from train.resume import FINAL, list_checkpoints
+
+
+def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = False,
+               out: Optional[str] = None) -> dict[str, Any]:
+    """Export ``run_dir``'s model to ``out`` (default ``<run_dir>/model``; ``<run_dir>/model-merged`` with
+    ``merged``). Returns the export block (train.models.export.export_model).
+
+    Raises:
+        UserError: no such directory, no complete checkpoint (the final one missing and none given: the periodic
+            ones are listed), a checkpoint that is not a Hugging Face model's, ``merged`` without an adapter.
+    """
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise UserError(f"export: {d} is not a run directory (runs/<id>/ written by python -m train train)")
+    path = Path(checkpoint) if checkpoint else d / FINAL
+    if not path.is_file():
+        middle = [str(p) for p in list_checkpoints(d)]
+        hint = f"pass --checkpoint with one of {', '.join(middle[-3:])}" if middle else \
+            "the run has no checkpoint yet: let it finish, or resume it (python -m train train --resume " + str(d) + ")"
+        raise UserError(f"export: {path} does not exist (no complete checkpoint); {hint}")
+    state = load_checkpoint(path)
+    if not isinstance(state, dict) or "spec" not in state or "model" not in state:
+        raise UserError(f"export: {path} is not a complete checkpoint of this project (no model or spec); use the "
+                        "run's checkpoint.pt or checkpoints/step-*.pt")
+    model = model_from_checkpoint(state, f"export: {path}")
+    if merged and getattr(model, "peft_model", None) is None:
+        raise UserError(f"export --merged: {path} is a full fine-tuning run (no model.adapter): there is nothing to "
+                        "merge; run without --merged")
+    ids = state.get("special_tokens") or _ids_from_config(model)
+    target = Path(out) if out else d / ("model-merged" if merged else "model")
+    return export_model(model, target, d / "tokenizer.json", ids, merged=merged)
+
+
+def _ids_from_config(model: Any) -> dict[str, Optional[int]]:
+    """A checkpoint without ``special_tokens`` (written before they were recorded): the ids in the model's config."""
+    c = model.inner.config
+    return {k: getattr(c, k.replace("_id", "_token_id"), None) for k in ("bos_id", "eos_id", "pad_id")}

@@ -1,0 +1,197 @@
+"""Low-rank adapters (``model.adapter``) through peft: LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large
+Language Models") injected into a transformers model with ``peft.get_peft_model``, nothing re-implemented.
+
+``model.adapter: {type: lora, r: 16, alpha: 32, dropout: 0.0, targets: auto}`` — ``targets: auto`` is the family's
+attention and MLP projections (:data:`FAMILY_TARGETS`), or a list of module names (the last component of a module
+path, as peft's ``target_modules`` takes them). Only the adapter's matrices train (and a classifier's head, kept
+whole through peft's ``modules_to_save``); the optimizer sees only those (``param_groups`` skips frozen
+parameters), and a checkpoint holds only them plus :func:`base_fingerprint`, the frozen base's content hash, which a
+resume compares before it loads anything.
+
+peft is imported only here and only when an adapter is asked for: runs without one never import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from train.config.adapter import AdapterSettings
+from train.errors import UserError
+
+_DECODER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_BERT = ("query", "key", "value", "dense")
+FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
+    "llama": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER, "mistral": _DECODER, "gemma": _DECODER,
+    "gemma2": _DECODER, "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "bert": _BERT, "roberta": _BERT, "xlm-roberta": _BERT, "electra": _BERT,
+    "distilbert": ("q_lin", "k_lin", "v_lin", "out_lin", "lin1", "lin2"),
+}
+"""``targets: auto`` per ``model_type``: every attention and MLP projection of a block (BERT's ``dense`` also names
+its pooler's and output layers' projections). GPT-2's are ``Conv1D`` (weights stored transposed: peft's
+``fan_in_fan_out``)."""
+CONV1D_FAMILIES = ("gpt2",)
+CLASSIFIER_HEADS = ("classifier", "score", "pre_classifier")
+"""A sequence classifier's head modules: newly initialised for the task, so they train whole beside the adapter."""
+
+
+def _module_names(model: nn.Module) -> list[str]:
+    """The last components of ``model``'s Linear / Conv1D module paths, sorted (what ``targets`` may name)."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+             if n and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")}
+    return sorted(names)
+
+
+def resolve_targets(settings: AdapterSettings, model: nn.Module, model_type: str, source: str) -> tuple[str, ...]:
+    """The module names the adapter wraps: the family's (``auto``) or the listed ones, each checked against the model.
+
+    Raises:
+        UserError: ``auto`` on a family without a known list, or names the model lacks (listing the ones it has).
+    """
+    if settings.targets == "auto":
+        if model_type not in FAMILY_TARGETS:
+            raise UserError(f"model.adapter.targets=auto: no known projections for model_type {model_type!r} "
+                            f"({source}); auto knows {', '.join(sorted(FAMILY_TARGETS))}: list the module names "
+                            f"instead, from {', '.join(_module_names(model))}")
+        wanted = FAMILY_TARGETS[model_type]
+        have = set(_module_names(model))
+        return tuple(n for n in wanted if n in have)
+    have = _module_names(model)
+    missing = [n for n in settings.targets if n not in have]
+    if missing:
+        raise UserError(f"model.adapter.targets: {', '.join(missing)} not in the model ({source}, {model_type}); "
+                        f"its Linear modules: {', '.join(have)}")
+    return tuple(settings.targets)
+
+
+def import_peft():
+    """The ``peft`` module; UserError when it is not installed."""
+    try:
+        import peft
+    except ImportError:
+        raise UserError("model.adapter: the peft package is not installed (pip install -r requirements.txt)") from None
+    return peft
+
+
+def lora_config(settings: AdapterSettings, targets: tuple[str, ...], model_type: str, heads: tuple[str, ...],
+                base_path: Optional[str] = None):
+    """peft's ``LoraConfig`` for ``settings`` on ``targets``; ``heads``: modules trained whole (``modules_to_save``)."""
+    peft = import_peft()
+    return peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                           target_modules=list(targets), fan_in_fan_out=model_type in CONV1D_FAMILIES,
+                           modules_to_save=list(heads) or None, base_model_name_or_path=base_path,
+                           task_type="CAUSAL_LM" if not heads else "SEQ_CLS")
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """A content hash (blake2b, 16 hex digits) of every parameter and buffer of ``model`` (a transformers model before
+    the adapter is attached), by name: the base a checkpoint's adapter was trained on."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, t in sorted(list(model.named_parameters()) + list(model.named_buffers()), key=lambda kv: kv[0]):
+        data = t.detach().cpu().contiguous()
+        h.update(f"{name}:{data.dtype}:{tuple(data.shape)}".encode())
+        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return h.hexdigest()
+
+
+def attach_adapter(wrapper: nn.Module, settings: AdapterSettings, model_type: str) -> dict[str, Any]:
+    """Inject LoRA into ``wrapper.inner`` (a transformers model) in place with ``peft.get_peft_model``; the wrapper's
+    forward, packed paths and chunked loss keep calling ``wrapper.inner``, now with the adapter's layers inside. The
+    PeftModel is kept as ``wrapper.peft_model`` (not a submodule: the state dict is the wrapper's own). Returns the
+    report's ``model.adapter`` block (type, r, alpha, dropout, targets, trainable parameters and share).
+
+    Raises:
+        UserError: see :func:`resolve_targets`.
+    """
+    inner = wrapper.inner
+    source = wrapper.spec.source
+    targets = resolve_targets(settings, inner, model_type, source)
+    heads = tuple(h for h in CLASSIFIER_HEADS if isinstance(getattr(inner, h, None), nn.Module)) \
+        if getattr(wrapper.spec, "task", "classification") != "causal-lm" else ()
+    with warnings.catch_warnings():  # transformers' deprecation notices, raised inside peft
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = import_peft().get_peft_model(inner, lora_config(settings, targets, model_type, heads))
+    wrapper.__dict__["peft_model"] = peft_model  # not registered: the same parameters as wrapper.inner
+    total = sum(p.numel() for p in wrapper.parameters())
+    trainable = sum(p.numel() for p in wrapper.parameters() if p.requires_grad)
+    wrapped = sorted({n for n, m in inner.named_modules() if hasattr(m, "lora_A")})
+    return {"type": settings.type, "r": settings.r, "alpha": settings.alpha, "dropout": settings.dropout,
+            "targets": list(targets), "heads_trained": list(heads), "modules_wrapped": len(wrapped),
+            "trainable_parameters": trainable, "total_parameters": total,
+            "trainable_share": round(trainable / total, 6) if total else None}
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable part of ``model``'s state dict (the adapter's matrices and any head trained whole)."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in names}
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load a checkpoint's adapter state (:func:`adapter_state`) into ``model``, whose base is already in place.
+
+    Raises:
+        UserError: the checkpoint's trainable tensors do not match the model's (another adapter layout)."""
+    want = set(adapter_state(model))
+    if set(state) != want:
+        extra, missing = sorted(set(state) - want), sorted(want - set(state))
+        raise UserError(f"{where}: its adapter does not fit this model ({len(missing)} tensors missing, e.g. "
+                        f"{missing[:1]}; {len(extra)} unexpected, e.g. {extra[:1]}); resume with the run's own config")
+    model.load_state_dict(state, strict=False)
+
+
+def fresh_weights(cfg, hf_config: Optional[str]) -> bool:
+    """Whether the builder skips the model directory's weights: on a resume (``hf_config`` given) of full
+    fine-tuning, whose checkpoint holds every weight; never for an adapter run, whose checkpoint holds the adapter
+    alone, so the base is built as the run built it. An adapter run seeds torch with ``train.seed`` first, so a base
+    from a random init (``hf:<model_type>``) is the same tensors in every process (:func:`base_fingerprint` checks)."""
+    if cfg.model.adapter is None:
+        return hf_config is not None
+    torch.manual_seed(cfg.train.seed)
+    return False
+
+
+def attach_configured_adapter(cfg, wrapper: nn.Module) -> None:
+    """``cfg.model.adapter`` on ``wrapper`` (an external classifier or causal LM) where one is set: the adapter
+    attached (:func:`attach_adapter`), ``wrapper.adapter_info`` the report's block, and the spec's ``adapter`` and
+    ``base_fingerprint`` filled for the checkpoint; nothing without one (``adapter_info`` None).
+
+    Raises:
+        UserError: see :func:`resolve_targets`; peft not installed."""
+    from train.config.adapter import parse_adapter
+
+    settings = parse_adapter(cfg.model.adapter)
+    wrapper.adapter_info = None
+    if settings is None:
+        return
+    model_type = str(getattr(wrapper.inner.config, "model_type", ""))
+    fingerprint = base_fingerprint(wrapper.inner)
+    wrapper.adapter_info = attach_adapter(wrapper, settings, model_type)
+    wrapper.spec.adapter = settings.as_json()
+    wrapper.spec.base_fingerprint = fingerprint
+
+
+def has_adapter(model: nn.Module) -> bool:
+    return getattr(model, "peft_model", None) is not None
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of ``model``: its whole state dict, or for an adapter run the adapter alone (the
+    frozen base is rebuilt from its source; the spec's ``base_fingerprint`` says which base it was)."""
+    return adapter_state(model) if has_adapter(model) else model.state_dict()
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load a checkpoint's :func:`model_state` into ``model`` (built by the same config).
+
+    Raises:
+        UserError: an adapter checkpoint whose tensors do not fit this model's adapter."""
+    if has_adapter(model):
+        load_adapter_state(model, state, where)
+    else:
+        model.load_state_dict(state)

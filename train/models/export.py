@@ -1,0 +1,201 @@
+"""A trained model in its ecosystem's format: ``runs/<id>/model/``, loadable by transformers, peft and any tool
+that reads a Hugging Face model directory (vLLM, text-generation-inference, a model hub).
+
+* full fine-tuning: ``config.json`` + ``model.safetensors`` (``save_pretrained``), ``generation_config.json`` for a
+  decoder (its BOS / EOS / pad ids), and the tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` +
+  ``special_tokens_map.json`` through ``PreTrainedTokenizerFast``, the roles set: bos / eos / pad, and a
+  classifier's WordPiece ``[CLS]`` / ``[SEP]`` / ``[UNK]`` / ``[MASK]``), so ``AutoModelFor….from_pretrained(dir)`` +
+  ``AutoTokenizer.from_pretrained(dir)`` give the run's logits and token ids;
+* an adapter run (``model.adapter``): peft's own layout (``adapter_config.json`` + ``adapter_model.safetensors``,
+  ``PeftModel.from_pretrained(base, dir)``) and the tokenizer; the base is the source directory when it has
+  weights, else the random-init base written to ``<dir>/base/`` (its ``adapter_config.json`` points there);
+  ``merged=True``: ``merge_and_unload`` into a plain model directory instead.
+
+Every directory is written beside its final place and renamed into it (:func:`atomic_dir`): a reader never sees
+half of one, and an export that fails leaves the previous one as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+from torch import nn
+
+from train.errors import UserError
+
+WORDPIECE_ROLES = {"unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                   "mask_token": "[MASK]"}
+"""The trained WordPiece tokenizer's special tokens (train/data/tokenizer.py) by transformers' role names."""
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path) -> Iterator[Path]:
+    """A temporary directory beside ``path``, renamed to ``path`` when the block ends without an error (an existing
+    ``path`` is replaced only then); removed on an error."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 → what mkdir would give
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def special_tokens(bundle: Any) -> dict[str, Optional[int]]:
+    """The ids the run's samples were built with: ``bos_id`` / ``eos_id`` (a causal LM's) and ``pad_id``."""
+    return {"bos_id": getattr(bundle, "bos_id", None), "eos_id": getattr(bundle, "eos_id", None),
+            "pad_id": getattr(bundle, "pad_id", None)}
+
+
+def save_tokenizer(tokenizer_json: Path, out: Path, ids: dict[str, Optional[int]], max_len: int) -> None:
+    """``tokenizer_json`` (the run's tokenizers file) as a transformers fast tokenizer in ``out``, with its roles:
+    bos / eos / pad from ``ids`` (a causal LM's; pad = EOS where the tokenizer has no pad token), and the
+    WordPiece specials where the vocabulary has them; ``model_max_length`` = ``max_len``."""
+    from tokenizers import Tokenizer
+
+    from train.models.hf import import_transformers
+
+    tf = import_transformers()
+    backend = Tokenizer.from_file(str(tokenizer_json))
+    roles: dict[str, str] = {role: tok for role, tok in WORDPIECE_ROLES.items()
+                             if backend.token_to_id(tok) is not None}
+    for role in ("bos", "eos", "pad"):
+        i = ids.get(f"{role}_id")
+        if i is not None and backend.id_to_token(int(i)) is not None:
+            roles[f"{role}_token"] = backend.id_to_token(int(i))
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_len, **roles)
+    fast.save_pretrained(str(out))
+
+
+def _generation_config(inner: nn.Module, ids: dict[str, Optional[int]]) -> None:
+    """A decoder's ``generation_config``: the run's EOS ends generation, its pad pads batches."""
+    gen = getattr(inner, "generation_config", None)
+    if gen is None:
+        return
+    for key in ("bos_id", "eos_id", "pad_id"):
+        if ids.get(key) is not None:
+            setattr(gen, key.replace("_id", "_token_id"), int(ids[key]))
+
+
+def _save_plain(inner: nn.Module, out: Path, ids: dict[str, Optional[int]], causal: bool) -> None:
+    if causal:
+        _generation_config(inner, ids)
+    inner.save_pretrained(str(out), safe_serialization=True)
+
+
+def export_model(wrapper: nn.Module, out: Path, tokenizer_json: Optional[Path], ids: dict[str, Optional[int]],
+                 merged: bool = False) -> dict[str, Any]:
+    """Write ``wrapper``'s transformers model (an :class:`~train.models.wrap.ExternalClassifier` or
+    :class:`~train.models.causal.ExternalCausalLM` of a ``hf:`` source, fp32 weights) to ``out`` (module docstring).
+    The live model is not changed: an adapter is unloaded or merged on a copy. Returns report.json's ``export``
+    block: ``path``, ``format`` (``transformers``, ``peft-adapter`` or ``merged``), ``files``, ``base``.
+
+    Raises:
+        UserError: the model does not come from transformers (``python:`` or the built-in encoder).
+    """
+    inner = getattr(wrapper, "inner", None)
+    if inner is None or not hasattr(inner, "save_pretrained") or getattr(wrapper, "kind", "hf") != "hf":
+        raise UserError(f"export: model.source={getattr(getattr(wrapper, 'spec', None), 'source', 'builtin')} is not "
+                        "a Hugging Face model: only hf:<dir> / hf:<model_type> runs export a model directory")
+    causal = getattr(wrapper.spec, "task", "classification") == "causal-lm"
+    peft_model = getattr(wrapper, "peft_model", None)
+    base: Optional[str] = None
+    with atomic_dir(out) as tmp:
+        if peft_model is None:
+            fmt = "transformers"
+            _save_plain(inner, tmp, ids, causal)
+        elif merged:
+            fmt = "merged"
+            _save_plain(copy.deepcopy(peft_model).merge_and_unload(), tmp, ids, causal)
+        else:
+            fmt = "peft-adapter"
+            base = _base_path(wrapper.spec.source)
+            if base is None:  # a random-init base exists nowhere else: it travels with the adapter
+                base = str(out.absolute() / "base")
+                _save_plain(copy.deepcopy(peft_model).unload(), tmp / "base", ids, causal)
+            peft_model.peft_config["default"].base_model_name_or_path = base
+            with warnings.catch_warnings():  # peft looks for the base's config at ``base``, written by the rename
+                warnings.simplefilter("ignore")
+                peft_model.save_pretrained(str(tmp))
+        if tokenizer_json is not None and Path(tokenizer_json).is_file():
+            save_tokenizer(Path(tokenizer_json), tmp, ids, int(wrapper.spec.max_len))
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    return {"path": str(out), "format": fmt, "files": files, "base": base}
+
+
+def _base_path(source: str) -> Optional[str]:
+    """The directory of an ``hf:<dir>`` source that has weights (the adapter's base), else None."""
+    from train.models.external import source_kind
+    from train.models.hf import WEIGHT_FILES
+
+    if source_kind(source) != "hf-dir":
+        return None
+    d = Path(source[3:]).expanduser()
+    return str(d.absolute()) if any((d / f).is_file() for f in WEIGHT_FILES) else None
+
+
+def model_from_checkpoint(state: dict[str, Any], where: str) -> nn.Module:
+    """The wrapped model of a run's checkpoint (``state`` from ``load_checkpoint``), rebuilt from its spec (the
+    Hugging Face config as JSON) with the checkpoint's weights — for an adapter run, the base rebuilt as the run built
+    it (the source directory's weights, or the random init of ``train.seed``), checked against the spec's
+    ``base_fingerprint``, and the adapter loaded on it.
+
+    Raises:
+        UserError: not a checkpoint of a ``hf:`` model, a base other than the one the adapter was trained on, an
+            adapter that does not fit.
+    """
+    import json
+
+    import torch
+
+    from train.config.adapter import parse_adapter
+    from train.models.adapter import attach_adapter, base_fingerprint, load_model_state
+    from train.models.causal import ExternalCausalLM
+    from train.models.hf import import_transformers
+    from train.models.wrap import ExternalClassifier, ExternalSpec
+
+    raw_spec = state.get("spec") or {}
+    if not raw_spec.get("hf_config") or not isinstance(state.get("model"), dict):
+        raise UserError(f"{where}: not a checkpoint of a Hugging Face model (model.source={raw_spec.get('source')}); "
+                        "only hf:<dir> / hf:<model_type> runs export a model directory")
+    known = {f for f in ExternalSpec.__dataclass_fields__}
+    spec = ExternalSpec(**{k: v for k, v in raw_spec.items() if k in known})
+    spec.num_classes = int(raw_spec.get("num_classes", 0))
+    tf = import_transformers()
+    raw = json.loads(spec.hf_config)
+    config = tf.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    causal = spec.task == "causal-lm"
+    auto = tf.AutoModelForCausalLM if causal else tf.AutoModelForSequenceClassification
+    settings = parse_adapter(json.loads(spec.adapter)) if spec.adapter else None
+    if settings is not None:
+        torch.manual_seed(int((state.get("config") or {}).get("train", {}).get("seed", 0)))
+    base = _base_path(spec.source) if settings is not None else None
+    inner = auto.from_pretrained(base, config=config, local_files_only=True) if base else auto.from_config(config)
+    if settings is not None:
+        have = base_fingerprint(inner)
+        if have != spec.base_fingerprint:
+            raise UserError(f"{where}: its adapter was trained on another base (content {spec.base_fingerprint}, "
+                            f"{spec.source} gives {have} now); export on the base the run trained on")
+    wrapper = ExternalCausalLM(inner, spec, "hf") if causal else ExternalClassifier(inner, spec, "hf")
+    if settings is not None:
+        wrapper.adapter_info = attach_adapter(wrapper, settings, config.model_type)
+    load_model_state(wrapper, state["model"], where)
+    return wrapper.eval()
