@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from train.models.causal import ExternalCausalLM  # noqa: E402
-from train.models.wrap import ExternalSpec  # noqa: E402
 from train.models.causal_build import causal_preset  # noqa: E402
 from train.models.causal_probe import probe_causal_packing  # noqa: E402
+from train.models.wrap import ExternalSpec  # noqa: E402
 from train.precision import DTYPES, cpu_native_bf16  # noqa: E402
 from train.tasks import task_for  # noqa: E402
 from train.tasks.base import LossHead  # noqa: E402
