@@ -20,6 +20,7 @@ from tests.conftest import (
     tiny_overrides,
     write_wndb,
 )
+from train.compat import hf_attn_implementation
 from train.config import load_config
 from train.config.adapter import AdapterSettings, parse_adapter
 from train.errors import UserError
@@ -28,6 +29,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-5
+ATTN = {"attn_implementation": hf_attn_implementation()}  # torch 2.1.0: eager (transformers refuses SDPA)
 TEXTS = ["a small domesticated carnivorous mammal", "the act of running quickly", "an instrument for writing"]
 IDS = {"bos_id": 1, "eos_id": 2, "pad_id": 0}
 
@@ -75,7 +77,7 @@ def test_an_exported_decoder_loads_with_auto_classes_and_gives_the_runs_logits_a
     block = export_model(model, tmp_path / "model", tok, IDS)
     assert block["format"] == "transformers"
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= set(block["files"])
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"), **ATTN)
     ids, mask = _batch(100)
     with torch.no_grad():
         ours = model.eval()(ids, mask)
@@ -101,7 +103,7 @@ def _tiny_bert_classifier(tmp_path: Path, adapter: AdapterSettings | None = None
     config = transformers.AutoConfig.for_model("bert", vocab_size=tok.get_vocab_size(), hidden_size=32,
                                                num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                                                max_position_embeddings=64, num_labels=3, pad_token_id=0)
-    inner = transformers.AutoModelForSequenceClassification.from_config(config)
+    inner = transformers.AutoModelForSequenceClassification.from_config(config, **ATTN)
     wrapper = ExternalClassifier(inner, ExternalSpec("hf:bert", 3, tok.get_vocab_size(), 32), "hf")
     if adapter is not None:
         wrapper.adapter_info = attach_adapter(wrapper, adapter, "bert")
@@ -114,7 +116,7 @@ def test_an_exported_bert_classifier_gives_the_runs_logits_and_the_tokenizers_id
 
     model, tok = _tiny_bert_classifier(tmp_path)
     export_model(model, tmp_path / "model", tmp_path / "tokenizer.json", {"pad_id": tok.token_to_id("[PAD]")})
-    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "model"))
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "model"), **ATTN)
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "model"))
     enc = hf_tok(TEXTS, padding=True, return_tensors="pt")
     assert enc["input_ids"][0].tolist()[: len(tok.encode(TEXTS[0]).ids)] == tok.encode(TEXTS[0]).ids
@@ -140,12 +142,12 @@ def test_a_lora_adapter_loads_with_peft_and_merges_to_the_same_logits(kind, tmp_
         ours = model.eval()(ids, mask)
     block = export_model(model, tmp_path / "adapter", None, IDS)
     assert block["format"] == "peft-adapter" and "adapter_config.json" in block["files"]
-    base = transformers.AutoModelForCausalLM.from_pretrained(block["base"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(block["base"], **ATTN)
     loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     assert (ours - _theirs(loaded, ids, mask, True))[mask].abs().max() <= ATOL
     merged = export_model(model, tmp_path / "merged", None, IDS, merged=True)
     assert merged["format"] == "merged" and "adapter_config.json" not in merged["files"]
-    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), **ATTN)
     assert (ours - _theirs(plain, ids, mask, True))[mask].abs().max() <= ATOL
     with torch.no_grad():  # the live model is untouched by the export (unload / merge ran on copies)
         assert torch.equal(model(ids, mask), ours)
@@ -162,7 +164,7 @@ def test_a_bert_classifier_adapter_trains_its_head_whole_and_round_trips_through
         ours = model(ids, mask)
     block = export_model(model, tmp_path / "model", tmp_path / "tokenizer.json", {})
     loaded = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForSequenceClassification.from_pretrained(block["base"]), str(tmp_path / "model"))
+        transformers.AutoModelForSequenceClassification.from_pretrained(block["base"], **ATTN), str(tmp_path / "model"))
     assert (ours - _theirs(loaded, ids, mask, False)).abs().max() <= ATOL
 
 
@@ -240,7 +242,7 @@ def test_an_adapter_run_trains_and_checkpoints_the_adapter_alone_and_exports_it(
     assert state["spec"]["base_fingerprint"] and json.loads(state["spec"]["adapter"])["r"] == 4
     assert report["export"]["format"] == "peft-adapter" and (run_dir / "model" / "adapter_config.json").is_file()
     model = model_from_checkpoint(state, "test")
-    base = transformers.AutoModelForCausalLM.from_pretrained(report["export"]["base"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(report["export"]["base"], **ATTN)
     loaded = peft.PeftModel.from_pretrained(base, str(run_dir / "model"))
     ids, mask = _batch(300)
     with torch.no_grad():

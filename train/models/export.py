@@ -166,6 +166,7 @@ def model_from_checkpoint(state: dict[str, Any], where: str) -> nn.Module:
 
     import torch
 
+    from train.compat import hf_attn_implementation
     from train.config.adapter import parse_adapter
     from train.models.adapter import attach_adapter, base_fingerprint, load_model_state
     from train.models.causal import ExternalCausalLM
@@ -188,7 +189,9 @@ def model_from_checkpoint(state: dict[str, Any], where: str) -> nn.Module:
     if settings is not None:
         torch.manual_seed(int((state.get("config") or {}).get("train", {}).get("seed", 0)))
     base = _base_path(spec.source) if settings is not None else None
-    inner = auto.from_pretrained(base, config=config, local_files_only=True) if base else auto.from_config(config)
+    attn = {"attn_implementation": hf_attn_implementation()}
+    inner = auto.from_pretrained(base, config=config, local_files_only=True, **attn) if base else \
+        auto.from_config(config, **attn)
     if settings is not None:
         have = base_fingerprint(inner)
         if have != spec.base_fingerprint:
