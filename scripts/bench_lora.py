@@ -7,7 +7,8 @@ the whole process's peak; alternated, repeated).
 
 The model: the tiny Llama preset scaled by ``--layers`` / ``--hidden`` (8 heads, 4 key-value heads, FFN 2.75×
 hidden), random init, ``--r`` on every attention and MLP projection (``targets: auto``). The step is the run's:
-autocast in the precision ``auto`` picks here (bf16 where the CPU has it natively, else fp32), the chunked loss,
+autocast in the precision ``auto`` picks here (bf16 where the CPU has it natively, else fp32), packed rows on
+``--attention`` (eager-mask: what ``auto`` keeps for configs/causal-cpu.yaml on this CPU), the chunked loss,
 backward, AdamW over ``param_groups`` (the adapter's matrices alone for LoRA), fused where torch has it. Held-out loss
 at equal samples comes from two real runs (docs/models.md). Prints one JSON object.
 """
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_chunked_loss import packed_batch  # noqa: E402
 from train.compat import fused_adamw_supported  # noqa: E402
 from train.config.adapter import AdapterSettings  # noqa: E402
-from train.models.adapter import attach_adapter  # noqa: E402
+from train.models.adapter import attach_adapter, hold_frozen_base  # noqa: E402
 from train.models.causal import ExternalCausalLM  # noqa: E402
 from train.models.causal_build import causal_preset  # noqa: E402
 from train.models.causal_probe import probe_causal_packing  # noqa: E402
@@ -51,6 +52,7 @@ def build(args: argparse.Namespace, lora: bool) -> ExternalCausalLM:
     if lora:
         attach_adapter(model, AdapterSettings(r=args.r, alpha=2.0 * args.r), "llama")
     assert probe_causal_packing(model)[0]
+    model.set_packed_attention(args.attention)
     model.set_chunked_loss(True)
     return model.train()
 
@@ -59,6 +61,7 @@ def make_step(model: ExternalCausalLM, batch: dict, dtype: torch.dtype):
     task = task_for("causal-lm")
     fused = fused_adamw_supported(torch.device("cpu"))
     opt = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-4, fused=fused or None)
+    hold_frozen_base(model, dtype)  # what the Trainer does: the adapter's frozen base in the compute dtype
     kw = {k: batch[k] for k in ("position_ids", "seq_index", "num_seqs")}
 
     def autocast():
@@ -103,6 +106,9 @@ def main() -> None:
                           ("--capacity", 64), ("--rounds", 9), ("--memory-repeats", 3)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16" if cpu_native_bf16() else "fp32")
+    p.add_argument("--attention", choices=("sdpa-mask", "eager-mask", "varlen"), default="eager-mask",
+                   help="packed rows' attention path, both arms (default: what auto keeps for configs/causal-cpu.yaml "
+                        "on a CPU with native bf16)")
     p.add_argument("--memory-child", choices=("full", "lora"))
     args = p.parse_args()
     if args.memory_child:
@@ -121,7 +127,8 @@ def main() -> None:
              for v in (f"--{k}", getattr(args, k))]
     for _ in range(args.memory_repeats):
         for name in memory:
-            cmd = [sys.executable, __file__, "--memory-child", name, "--precision", args.precision, *flags]
+            cmd = [sys.executable, __file__, "--memory-child", name, "--precision", args.precision,
+                   "--attention", args.attention, *flags]
             memory[name].append(json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                                           text=True).stdout.strip().splitlines()[-1]))
 
@@ -135,7 +142,7 @@ def main() -> None:
     whole = {n: med(n, "peak_rss_bytes") for n in memory}
     out = {"shape": list(batch["input_ids"].shape), "real_tokens": tokens, "samples": batch["num_seqs"],
            "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "r": args.r,
-           "precision": args.precision, "threads": torch.get_num_threads(),
+           "precision": args.precision, "attention": args.attention, "threads": torch.get_num_threads(),
            "parameters": {n: sum(q.numel() for q in m.parameters()) for n, m in models.items()},
            "trainable": {n: sum(q.numel() for q in m.parameters() if q.requires_grad) for n, m in models.items()},
            "step_ms_median": step_ms, "tokens_per_s_median": {n: tokens / (ms / 1e3) for n, ms in step_ms.items()},

@@ -25,6 +25,7 @@ from train.data.batch import batch_samples, epochs, move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
 from train.evaluation import EvaluationAbandoned, evaluate
+from train.models.adapter import hold_frozen_base
 from train.models.encoder import EncoderClassifier, param_groups
 from train.models.varlen import plan_pairs
 from train.numerics import NumericsGuard
@@ -104,6 +105,7 @@ class Trainer:
                             "use null")
         self.optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
                                            fused=fused)
+        hold_frozen_base(model, DTYPES[policy.mode])  # an adapter's frozen base in the compute dtype
         self.guard = NumericsGuard(model, device, cfg.numerics.max_bad_steps, cfg.numerics.diagnose)
         warmup = int(o.warmup_fraction * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,

@@ -195,3 +195,24 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: st
         load_adapter_state(model, state, where)
     else:
         model.load_state_dict(state)
+
+
+def hold_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
+    """An adapter run in bf16 / fp16: the frozen weights the adapter wraps (each LoRA layer's ``base_layer``) held in
+    ``dtype``, the precision policy's compute dtype — half the memory, and no fp32 → ``dtype`` copy of them that
+    autocast would make at every forward and keep for the backward (its cast cache holds only weights that require
+    a gradient). The matmuls see the same ``dtype`` values either way (autocast rounds fp32 weights to ``dtype``), so
+    the numerics are unchanged; embeddings and norms stay fp32 (the policy's rule). Nothing for full fine-tuning or
+    fp32. Returns the number of tensors cast. Export upcasts a copy to fp32 (train/models/export.py)."""
+    if not has_adapter(model) or dtype == torch.float32:
+        return 0
+    cast = 0
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if not hasattr(module, "lora_A") or not isinstance(base, nn.Module):
+            continue
+        for p in base.parameters(recurse=False):
+            if not p.requires_grad and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+                cast += 1
+    return cast

@@ -124,13 +124,13 @@ def export_model(wrapper: nn.Module, out: Path, tokenizer_json: Optional[Path], 
             _save_plain(inner, tmp, ids, causal)
         elif merged:
             fmt = "merged"
-            _save_plain(copy.deepcopy(peft_model).merge_and_unload(), tmp, ids, causal)
+            _save_plain(_fp32_copy(peft_model).merge_and_unload(), tmp, ids, causal)
         else:
             fmt = "peft-adapter"
             base = _base_path(wrapper.spec.source)
             if base is None:  # a random-init base exists nowhere else: it travels with the adapter
                 base = str(out.absolute() / "base")
-                _save_plain(copy.deepcopy(peft_model).unload(), tmp / "base", ids, causal)
+                _save_plain(_fp32_copy(peft_model).unload(), tmp / "base", ids, causal)
             peft_model.peft_config["default"].base_model_name_or_path = base
             with warnings.catch_warnings():  # peft looks for the base's config at ``base``, written by the rename
                 warnings.simplefilter("ignore")
@@ -139,6 +139,12 @@ def export_model(wrapper: nn.Module, out: Path, tokenizer_json: Optional[Path], 
             save_tokenizer(Path(tokenizer_json), tmp, ids, int(wrapper.spec.max_len))
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     return {"path": str(out), "format": fmt, "files": files, "base": base}
+
+
+def _fp32_copy(peft_model: nn.Module) -> nn.Module:
+    """A copy of the PeftModel in fp32: a bf16 / fp16 run holds its frozen base in the compute dtype
+    (train.models.adapter.hold_frozen_base); the adapter merges into, and the base is saved as, fp32 weights."""
+    return copy.deepcopy(peft_model).float()
 
 
 def _base_path(source: str) -> Optional[str]:
