@@ -342,3 +342,26 @@ def test_the_chunked_loss_takes_no_weight_gradient_for_a_frozen_head() -> None:
     loss.backward()
     assert head.weight.grad is None and torch.allclose(hidden.grad, want, atol=1e-6)
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_a_bf16_adapter_run_holds_its_frozen_base_in_bf16_with_the_same_numerics_under_autocast() -> None:
+    from train.models.adapter import attach_adapter, hold_frozen_base
+
+    model = tiny_causal_lm("llama", CAUSAL_ATTENTION[0])
+    attach_adapter(model, AdapterSettings(r=4, alpha=8.0), "llama")
+    _perturb(model)
+    ids, mask = _batch(100)
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    with torch.no_grad():
+        before = model(ids, mask, autocast)
+        assert hold_frozen_base(model, torch.bfloat16) == 14  # 7 projections x 2 layers, no bias
+        after = model(ids, mask, autocast)
+        plain = model(ids, mask)  # outside autocast: the held layers take and give back fp32
+    assert torch.equal(before, after)
+    assert plain.dtype == torch.float32 and torch.isfinite(plain).all()
+    q = model.inner.model.layers[0].self_attn.q_proj
+    assert q.base_layer.weight.dtype == torch.bfloat16 and q.lora_A["default"].weight.dtype == torch.float32
+    assert hold_frozen_base(model, torch.bfloat16) == 0  # once

@@ -25,6 +25,14 @@ def hf_attn_implementation() -> str:
     return "eager" if (*torch_version(), patch) < (2, 1, 1) else "sdpa"
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` here: ``torch.is_autocast_enabled(device_type)`` (torch ≥ 2.4);
+    before, ``is_autocast_cpu_enabled()`` for the CPU and ``is_autocast_enabled()`` (CUDA only) otherwise."""
+    if torch_version() >= (2, 4):
+        return bool(torch.is_autocast_enabled(device_type))
+    return bool(torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled())
+
+
 def is_compiling() -> bool:
     """True while ``torch.compile`` traces the calling code: ``torch.compiler.is_compiling`` (torch >= 2.3) or
     ``torch._dynamo.is_compiling`` (2.1)."""

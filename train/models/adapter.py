@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from train.compat import autocast_enabled
 from train.config.adapter import AdapterSettings
 from train.errors import UserError
 
@@ -202,8 +203,10 @@ def hold_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
     ``dtype``, the precision policy's compute dtype — half the memory, and no fp32 → ``dtype`` copy of them that
     autocast would make at every forward and keep for the backward (its cast cache holds only weights that require
     a gradient). The matmuls see the same ``dtype`` values either way (autocast rounds fp32 weights to ``dtype``), so
-    the numerics are unchanged; embeddings and norms stay fp32 (the policy's rule). Nothing for full fine-tuning or
-    fp32. Returns the number of tensors cast. Export upcasts a copy to fp32 (train/models/export.py)."""
+    the numerics are unchanged; embeddings and norms stay fp32 (the policy's rule). A forward outside autocast (the
+    fp32 probes of the resolve phase, FLOP counting) still runs: each cast layer's input goes in as ``dtype`` and its
+    output comes back in the input's dtype (:func:`_input_to_weight`). Nothing for full fine-tuning or fp32.
+    Returns the number of tensors cast. Export upcasts a copy to fp32 (train/models/export.py)."""
     if not has_adapter(model) or dtype == torch.float32:
         return 0
     cast = 0
@@ -211,8 +214,27 @@ def hold_frozen_base(model: nn.Module, dtype: torch.dtype) -> int:
         base = getattr(module, "base_layer", None)
         if not hasattr(module, "lora_A") or not isinstance(base, nn.Module):
             continue
+        held = False
         for p in base.parameters(recurse=False):
             if not p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
-                cast += 1
+                cast, held = cast + 1, True
+        if held and not getattr(base, "held_in", None):
+            base.held_in = dtype
+            base.register_forward_pre_hook(_input_to_weight)
+            base.register_forward_hook(_output_to_input)
     return cast
+
+
+def _input_to_weight(module: nn.Module, args: tuple) -> Optional[tuple]:
+    """Outside autocast, a held layer's input cast to its weights' dtype (the output is cast back after)."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.dtype == module.held_in or autocast_enabled(x.device.type):
+        return None
+    module.__dict__["out_dtype"] = x.dtype
+    return (x.to(module.held_in), *args[1:])
+
+
+def _output_to_input(module: nn.Module, args: tuple, out: Any) -> Any:
+    dtype = module.__dict__.pop("out_dtype", None)
+    return out if dtype is None or not isinstance(out, torch.Tensor) else out.to(dtype)

@@ -106,8 +106,9 @@ def hf_trainer_run(cfg: RunConfig, bundle, device, policy, tmp: Path,
     t0 = time.perf_counter()
     seed_everything(cfg.train.seed)
     model = build_model(cfg, bundle)
-    trainer = transformers.Trainer(model=model.inner, args=args, train_dataset=data, data_collator=collate,
-                                   callbacks=[Ends()])
+    # an adapter run: the Trainer gets peft's PeftModel, as TRL / peft users hand it (the same LoraConfig as ours)
+    trainer = transformers.Trainer(model=getattr(model, "peft_model", None) or model.inner, args=args,
+                                   train_dataset=data, data_collator=collate, callbacks=[Ends()])
     trainer.train()
     model = model.to(device)
     return {**figures(t0, ends, counts[:len(ends)]), "steps": len(ends), "batch_size": b}, model
