@@ -63,11 +63,22 @@ def test_block_causal_mask_is_causal_within_samples_and_padding_sees_itself() ->
     assert not causal_block_mask(seq, window=2)[0, 4, 2] and causal_block_mask(seq, window=2)[0, 4, 3]
 
 
+@pytest.mark.parametrize("adapter", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("path", ["sdpa-mask", "varlen", "eager-mask"])
 @pytest.mark.parametrize("attn", ATTENTION)
 @pytest.mark.parametrize("kind", KINDS)
-def test_packed_per_token_loss_equals_unpacked(kind: str, attn: str, path: str) -> None:
+def test_packed_per_token_loss_equals_unpacked(kind: str, attn: str, path: str, adapter: bool) -> None:
     model = _tiny(kind, attn)
+    if adapter:  # a LoRA adapter (peft) on every projection, B moved off zero so that it changes the logits
+        pytest.importorskip("peft")
+        from train.config.adapter import AdapterSettings
+        from train.models.adapter import attach_adapter
+
+        attach_adapter(model, AdapterSettings(r=4, alpha=8.0), kind)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
     ok, reason = probe_causal_packing(model)
     assert ok, reason
     assert kind in reason and attn in reason and ("boolean" if attn == "sdpa" else "additive float") in reason

@@ -365,3 +365,22 @@ def test_a_bf16_adapter_run_holds_its_frozen_base_in_bf16_with_the_same_numerics
     q = model.inner.model.layers[0].self_attn.q_proj
     assert q.base_layer.weight.dtype == torch.bfloat16 and q.lora_A["default"].weight.dtype == torch.float32
     assert hold_frozen_base(model, torch.bfloat16) == 0  # once
+
+
+def test_bench_vs_hf_with_an_adapter_trains_the_same_adapter_on_every_side(tmp_path) -> None:
+    """configs/bench-vs-hf-lora.yaml: the HF Trainer gets peft's PeftModel (padded and padding-free), this project
+    its own adapter run and all levers; every side trains the adapter alone, the same number of parameters."""
+    pytest.importorskip("accelerate")
+    from train.commands.bench.vs_hf import run_bench_vs_hf
+
+    root = Path(__file__).resolve().parent.parent
+    wndb = write_wndb(tmp_path / "wn", synthetic_rows())
+    cfg = load_config(str(root / "configs" / "bench-vs-hf-lora.yaml"), tiny_overrides(
+        wndb, tmp_path, "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 4, "
+        "intermediate_size: 64}", "data.max_samples=null", "batching.max_tokens=128", "train.max_steps=null",
+        "bench.rounds=1", "bench.warmup_runs=0", "bench.cold_runs=0", "train.run_id=vsl", "train.precision=fp32"))
+    result = run_bench_vs_hf(cfg, notice=lambda *_: None)
+    trained = {name: side["runs"][0]["trainable_parameters"] for name, side in result["sides"].items()}
+    assert len(trained) == 4 and len(set(trained.values())) == 1, trained
+    total = result["sides"]["this-project"]["runs"][0]
+    assert 0 < trained["hf-trainer"] and total["samples_seen"] == result["train_samples"]

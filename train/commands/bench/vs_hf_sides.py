@@ -111,7 +111,8 @@ def hf_trainer_run(cfg: RunConfig, bundle, device, policy, tmp: Path,
                                    train_dataset=data, data_collator=collate, callbacks=[Ends()])
     trainer.train()
     model = model.to(device)
-    return {**figures(t0, ends, counts[:len(ends)]), "steps": len(ends), "batch_size": b}, model
+    return {**figures(t0, ends, counts[:len(ends)]), "steps": len(ends), "batch_size": b,
+            "trainable_parameters": trainable(model)}, model
 
 
 def hf_example(ids: np.ndarray, label: int, causal: bool) -> dict[str, Any]:
@@ -169,8 +170,13 @@ def our_run(cfg: RunConfig, bundle, device, policy) -> tuple[dict[str, Any], tor
            # what ran, where the config said auto (a packed row's attention path, the chunked loss)
            "packed_attention": (getattr(run.model, "packed_attention", None) if cfg.batching.method == "packed"
                                 else None),
-           "chunked_loss": getattr(run.model, "chunked_loss", None)}
+           "chunked_loss": getattr(run.model, "chunked_loss", None), "trainable_parameters": trainable(run.model)}
     return out, run.model
+
+
+def trainable(model: torch.nn.Module) -> int:
+    """Parameters the side trained (an adapter run's sides: the adapter alone, the same on every side)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 COLD_MARK = "bench-vs-hf cold side: "
