@@ -50,10 +50,11 @@ def export_at_end(model: torch.nn.Module, run_dir: Path, bundle: Any, say: Calla
 
     try:
         block = export_model(model, run_dir / "model", run_dir / "tokenizer.json", special_tokens(bundle))
-    except (UserError, OSError) as exc:
-        print(f"warning: the model was not exported ({exc}); python -m train export {run_dir} writes it from "
-              "checkpoint.pt", file=sys.stderr, flush=True)
-        return {"error": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - the run is trained and checkpointed: its report must still be written
+        why = str(exc) if isinstance(exc, (UserError, OSError)) else f"{type(exc).__name__}: {exc}"
+        print(f"warning: the model was not exported ({why.splitlines()[0] if why else type(exc).__name__}); python -m "
+              f"train export {run_dir} writes it from checkpoint.pt", file=sys.stderr, flush=True)
+        return {"error": why}
     say(f"model: {block['path']} ({block['format']}: {', '.join(block['files'][:4])}"
         f"{', …' if len(block['files']) > 4 else ''})", flush=True)
     return block
