@@ -5,6 +5,7 @@ the tokenizer's ids, and a whole adapter run (only the adapter trains and is che
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -212,15 +213,17 @@ ADAPTER = "model.adapter={type: lora, r: 4, alpha: 8, dropout: 0.0, targets: aut
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> tuple[Path, list[str], dict]:
-    """(root, overrides, report) of an uninterrupted 8-step LoRA run ``root/runs/ref`` (a tiny Llama, packed rows)."""
+    """(root, overrides, report) of an uninterrupted 8-step LoRA run ``root/runs/ref`` (a tiny Llama, packed rows).
+    The attention path and the chunked loss are pinned: ``auto`` measures, and two runs on a busy machine may choose
+    differently (the chunked loss with a frozen head: no weight gradient)."""
     from train.commands.train import run_training
 
     root = tmp_path_factory.mktemp("lora")
     wndb = write_wndb(root / "wn", synthetic_rows())
     overrides = tiny_overrides(wndb, root, "model.task=causal-lm", "model.source=hf:llama", LLAMA,
                                "data.vocab_size=300", "batching.method=packed", "batching.max_tokens=128",
-                               "model.dropout=0.0", "model.packed_attention=sdpa-mask", ADAPTER, "optim.lr=1e-2",
-                               "train.max_steps=8", "train.eval_every=4", "train.log_every=1")
+                               "model.dropout=0.0", "model.packed_attention=sdpa-mask", "model.chunked_loss=true",
+                               ADAPTER, "optim.lr=1e-2", "train.max_steps=8", "train.eval_every=4", "train.log_every=1")
     report = run_training(load_config(None, overrides + ["train.run_id=ref"]), time.perf_counter())
     return root, overrides, report
 
@@ -384,3 +387,86 @@ def test_bench_vs_hf_with_an_adapter_trains_the_same_adapter_on_every_side(tmp_p
     assert len(trained) == 4 and len(set(trained.values())) == 1, trained
     total = result["sides"]["this-project"]["runs"][0]
     assert 0 < trained["hf-trainer"] and total["samples_seen"] == result["train_samples"]
+
+
+# --- bad input to export and to the adapter (each one line, exit 2, nothing written or replaced) -------------------
+
+def test_export_never_replaces_what_is_not_an_earlier_export(lora_run, tmp_path) -> None:
+    from tests.conftest import assert_clean_error
+
+    root, _, _ = lora_run
+    run_dir = root / "runs" / "ref"
+    keep = tmp_path / "precious"
+    keep.mkdir()
+    (keep / "important.txt").write_text("keep")
+    assert_clean_error(run_cli("export", str(run_dir), "--out", str(keep)), "is not an earlier export")
+    assert (keep / "important.txt").read_text() == "keep" and len(list(keep.iterdir())) == 1
+    assert_clean_error(run_cli("export", str(run_dir), "--out", str(run_dir / "config.yaml")), "is a file")
+    assert (run_dir / "config.yaml").is_file() and not list(run_dir.glob(".config.yaml*"))
+    assert_clean_error(run_cli("export", str(run_dir), "--out", str(run_dir / "report.json" / "sub")),
+                       "cannot write")
+    again = run_cli("export", str(run_dir))  # over the run's own earlier export: replaced
+    assert again.returncode == 0, again.stderr
+    weights = run_dir / "model" / "adapter_model.safetensors"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert weights.stat().st_mode & 0o777 == 0o666 & ~umask  # readable as the umask says (safetensors writes 0600)
+
+
+def test_export_names_a_missing_or_foreign_checkpoint_and_a_missing_tokenizer(lora_run, tmp_path) -> None:
+    import shutil
+
+    from tests.conftest import assert_clean_error
+
+    root, _, _ = lora_run
+    run_dir = root / "runs" / "ref"
+    assert_clean_error(run_cli("export", str(run_dir), "--checkpoint", str(run_dir)), "is a directory",
+                       "checkpoint.pt")
+    assert_clean_error(run_cli("export", str(run_dir), "--checkpoint", str(run_dir / "config.yaml")),
+                       "is not a checkpoint (not a file written by torch.save)")
+    weird = tmp_path / "weird.pt"
+    for state in ({"spec": 5, "model": {}}, {"spec": {"hf_config": "{}", "source": "hf:llama"}, "model": {}}):
+        torch.save(state, weird)
+        assert_clean_error(run_cli("export", str(run_dir), "--checkpoint", str(weird), "--out", str(tmp_path / "o")),
+                           "export:")
+        assert not (tmp_path / "o").exists()
+    bare = tmp_path / "bare"
+    shutil.copytree(run_dir, bare, ignore=shutil.ignore_patterns("model", "tokenizer.json"))
+    assert_clean_error(run_cli("export", str(bare)), "tokenizer.json is missing")
+    assert not (bare / "model").exists()
+
+
+def test_equal_adapter_settings_written_differently_are_the_same_setting() -> None:
+    a = load_config(None, ["model.source=hf:llama", "model.task=causal-lm", "model.adapter={r: 16, alpha: 32.0}"])
+    b = load_config(None, ["model.source=hf:llama", "model.task=causal-lm",
+                           "model.adapter={type: lora, r: 16, alpha: 32, dropout: 0, targets: auto}"])
+    assert a.model.adapter == b.model.adapter == AdapterSettings().as_dict()
+
+
+def test_an_adapter_on_the_lm_head_is_refused_naming_it() -> None:
+    from train.models.adapter import resolve_targets
+
+    model = tiny_causal_lm("llama", CAUSAL_ATTENTION[0])
+    with pytest.raises(UserError, match="lm_head is the model's output layer"):
+        resolve_targets(AdapterSettings(targets=("q_proj", "lm_head")), model.inner, "llama", "hf:llama")
+
+
+def test_a_bf16_adapter_run_exports_the_fp32_base_its_fingerprint_names(lora_run, tmp_path) -> None:
+    """The end-of-run export of a bf16 run (its frozen base held rounded to bf16) writes the base the export command
+    rebuilds from the checkpoint: the fp32 tensors the fingerprint hashed, not the live bf16 ones upcast."""
+    from safetensors.torch import load_file
+
+    from train.commands.train import run_training
+
+    root, overrides, _ = lora_run
+    over = [o for o in overrides if not o.startswith(("train.max_steps", "train.eval_every"))]
+    report = run_training(load_config(None, over + ["train.run_id=bf16", "train.precision=bf16", "train.max_steps=2",
+                                                    "train.eval_every=2"]), time.perf_counter())
+    assert report["env"]["precision"] == "bf16" and report["export"]["format"] == "peft-adapter"
+    assert report["model"]["memory"]["frozen_weights_bytes"] < report["model"]["memory"]["trainable_weights_bytes"] * 100
+    run_dir = root / "runs" / "bf16"
+    out = run_cli("export", str(run_dir), "--out", str(tmp_path / "again"))
+    assert out.returncode == 0, out.stderr
+    ends, again = (load_file(str(d / "base" / "model.safetensors")) for d in (run_dir / "model", tmp_path / "again"))
+    assert ends.keys() == again.keys() and all(torch.equal(ends[k], again[k]) for k in ends)
+    assert all(t.dtype == torch.float32 for t in ends.values())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,11 +26,23 @@ def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = Fa
     if not d.is_dir():
         raise UserError(f"export: {d} is not a run directory (runs/<id>/ written by python -m train train)")
     path = Path(checkpoint) if checkpoint else d / FINAL
+    have = [str(p) for p in ([d / FINAL] if (d / FINAL).is_file() else []) + list_checkpoints(d)[::-1]]
+    if checkpoint and not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        hint = f"this run's checkpoints: {', '.join(have[:3])}" if have else f"{d} has no checkpoint yet"
+        raise UserError(f"export: --checkpoint {path} {what}; {hint}")
     if not path.is_file():
-        middle = [str(p) for p in list_checkpoints(d)]
-        hint = f"pass --checkpoint with one of {', '.join(middle[-3:])}" if middle else \
+        hint = f"pass --checkpoint with one of {', '.join(have[:3])}" if have else \
             "the run has no checkpoint yet: let it finish, or resume it (python -m train train --resume " + str(d) + ")"
         raise UserError(f"export: {path} does not exist (no complete checkpoint); {hint}")
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"export: {path} is not a checkpoint (not a file written by torch.save); use the run's "
+                        "checkpoint.pt or checkpoints/step-*.pt")
+    tokenizer = d / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise UserError(f"export: {tokenizer} is missing (every run writes its tokenizer there): the exported model "
+                        "would have no tokenizer; copy the run's tokenizer back (data.tokenizer.run_copy in "
+                        "report.json names it) and export again")
     state = load_checkpoint(path)
     if not isinstance(state, dict) or "spec" not in state or "model" not in state:
         raise UserError(f"export: {path} is not a complete checkpoint of this project (no model or spec); use the "
@@ -40,7 +53,7 @@ def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = Fa
                         "merge; run without --merged")
     ids = state.get("special_tokens") or _ids_from_config(model)
     target = Path(out) if out else d / ("model-merged" if merged else "model")
-    return export_model(model, target, d / "tokenizer.json", ids, merged=merged)
+    return export_model(model, target, tokenizer, ids, merged=merged)
 
 
 def _ids_from_config(model: Any) -> dict[str, Optional[int]]:

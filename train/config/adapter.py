@@ -25,9 +25,13 @@ class AdapterSettings:
     dropout: float = 0.0
     targets: Any = "auto"
 
+    def as_dict(self) -> dict[str, Any]:
+        """The settings with every key, as config.yaml keeps them (equal settings written differently compare
+        equal on resume: ``alpha: 32`` and ``32.0``, a key left to its default)."""
+        return {**asdict(self), "targets": self.targets if self.targets == "auto" else list(self.targets)}
+
     def as_json(self) -> str:
-        return json.dumps({**asdict(self), "targets": self.targets if self.targets == "auto" else list(self.targets)},
-                          sort_keys=True)
+        return json.dumps(self.as_dict(), sort_keys=True)
 
 
 def parse_adapter(raw: Any) -> Optional[AdapterSettings]:

@@ -177,7 +177,9 @@ class ModelConfig(Frozen):
         kind = source_kind(self.source)  # UserError for a malformed source
         from train.config.adapter import parse_adapter
 
-        if parse_adapter(self.adapter) is not None and kind not in ("hf-dir", "hf-type"):
+        adapter = parse_adapter(self.adapter)
+        self.adapter = None if adapter is None else adapter.as_dict()  # every key, so equal settings compare equal
+        if adapter is not None and kind not in ("hf-dir", "hf-type"):
             what = "the built-in encoder" if kind == "builtin" else "a python: model"
             raise UserError(f"model.adapter: {what} cannot take a peft adapter (model.source={self.source}); adapters "
                             "wrap Hugging Face models: use model.source=hf:<dir> or hf:llama / hf:qwen2 / hf:gpt2 / "

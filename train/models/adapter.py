@@ -63,6 +63,12 @@ def resolve_targets(settings: AdapterSettings, model: nn.Module, model_type: str
         have = set(_module_names(model))
         return tuple(n for n in wanted if n in have)
     have = _module_names(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if head is not None and m is head}
+    if heads & set(settings.targets):
+        raise UserError(f"model.adapter.targets: {', '.join(sorted(heads & set(settings.targets)))} is the model's "
+                        f"output layer (the LM head of {source}), which this project does not adapt (the chunked "
+                        "loss runs through it; often tied to the embeddings): drop it from targets")
     missing = [n for n in settings.targets if n not in have]
     if missing:
         raise UserError(f"model.adapter.targets: {', '.join(missing)} not in the model ({source}, {model_type}); "

@@ -36,17 +36,44 @@ WORDPIECE_ROLES = {"unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SE
 """The trained WordPiece tokenizer's special tokens (train/data/tokenizer.py) by transformers' role names."""
 
 
+MARKER = ".deep-model-perf-export"
+"""An empty file in every export directory: the only kind of existing directory an export replaces."""
+
+
+def check_target(path: Path) -> None:
+    """Refuse to write an export over anything but an earlier export (or an empty directory).
+
+    Raises:
+        UserError: ``path`` is a file, or a non-empty directory without :data:`MARKER` (it would be replaced)."""
+    if path.is_file() or (path.exists() and not path.is_dir()):
+        raise UserError(f"export: {path} is a file, not a directory; choose another --out")
+    if path.is_dir() and any(path.iterdir()) and not (path / MARKER).is_file():
+        raise UserError(f"export: {path} exists and is not an earlier export (no {MARKER} in it): nothing was "
+                        "written; choose a new or empty --out directory")
+
+
 @contextlib.contextmanager
 def atomic_dir(path: Path) -> Iterator[Path]:
     """A temporary directory beside ``path``, renamed to ``path`` when the block ends without an error (an existing
-    ``path`` is replaced only then); removed on an error."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    ``path``, an earlier export, is replaced only then); removed on an error. Files and directories get the modes
+    the umask gives (mkdtemp's 0700, safetensors' 0600 otherwise: a server running as another user could not read
+    the weights).
+
+    Raises:
+        UserError: ``path`` is not a place for an export (:func:`check_target`), or cannot be written there."""
+    check_target(path)
     umask = os.umask(0)
     os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 → what mkdir would give
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as exc:
+        raise UserError(f"export: cannot write {path} ({exc.strerror or exc}); choose another --out") from None
     try:
         yield tmp
+        (tmp / MARKER).touch()
+        for p in [tmp, *tmp.rglob("*")]:
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}"
@@ -54,6 +81,8 @@ def atomic_dir(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+    except OSError as exc:
+        raise UserError(f"export: cannot write {path} ({exc.strerror or exc}); nothing was replaced") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -137,7 +166,7 @@ def export_model(wrapper: nn.Module, out: Path, tokenizer_json: Optional[Path], 
                 peft_model.save_pretrained(str(tmp))
         if tokenizer_json is not None and Path(tokenizer_json).is_file():
             save_tokenizer(Path(tokenizer_json), tmp, ids, int(wrapper.spec.max_len))
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and p.name != MARKER)
     return {"path": str(out), "format": fmt, "files": files, "base": base}
 
 
@@ -179,16 +208,25 @@ def model_from_checkpoint(state: dict[str, Any], where: str) -> nn.Module:
     from train.models.hf import import_transformers
     from train.models.wrap import ExternalClassifier, ExternalSpec
 
-    raw_spec = state.get("spec") or {}
-    if not raw_spec.get("hf_config") or not isinstance(state.get("model"), dict):
-        raise UserError(f"{where}: not a checkpoint of a Hugging Face model (model.source={raw_spec.get('source')}); "
-                        "only hf:<dir> / hf:<model_type> runs export a model directory")
-    known = {f for f in ExternalSpec.__dataclass_fields__}
-    spec = ExternalSpec(**{k: v for k, v in raw_spec.items() if k in known})
-    spec.num_classes = int(raw_spec.get("num_classes", 0))
+    raw_spec = state.get("spec")
+    source = raw_spec.get("source") if isinstance(raw_spec, dict) else None
+    source = source or ((state.get("config") or {}).get("model") or {}).get("source") or "builtin"
+    if not isinstance(raw_spec, dict) or not raw_spec.get("hf_config") or not isinstance(state.get("model"), dict):
+        raise UserError(f"{where}: not a checkpoint of a Hugging Face model (model.source={source}); only "
+                        "hf:<dir> / hf:<model_type> runs export a model directory")
+    known = set(ExternalSpec.__dataclass_fields__)
+    try:
+        spec = ExternalSpec(**{"num_classes": 0, **{k: v for k, v in raw_spec.items() if k in known}})
+    except TypeError:
+        raise UserError(f"{where}: its spec lacks fields a model checkpoint of this project has (source, "
+                        "vocab_size, max_len): not a complete checkpoint of this project") from None
     tf = import_transformers()
-    raw = json.loads(spec.hf_config)
-    config = tf.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    try:
+        raw = json.loads(spec.hf_config)
+        config = tf.AutoConfig.for_model(raw.pop("model_type"), **raw)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UserError(f"{where}: its spec.hf_config is not a transformers config this version reads "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})") from None
     causal = spec.task == "causal-lm"
     auto = tf.AutoModelForCausalLM if causal else tf.AutoModelForSequenceClassification
     settings = parse_adapter(json.loads(spec.adapter)) if spec.adapter else None
