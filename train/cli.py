@@ -24,6 +24,7 @@ from train.commands.entry import (  # noqa: F401  (load_cfg, flag_overrides: par
     cmd_bench_batching,
     cmd_bench_compile,
     cmd_bench_gate,
+    cmd_bench_generate,
     cmd_bench_precision,
     cmd_bench_tracking,
     cmd_bench_vs_hf,
@@ -133,6 +134,15 @@ def _args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/model)")
 
 
+def _args_bench_generate(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("RUN_DIR (the first word, before any section.key=value): a causal-LM run directory, served from its "
+                "model/ or checkpoint.pt with its config.yaml unless --config; without it, model.task=causal-lm "
+                "model.source=hf:<dir> and a config for the prompts' data")
+    _key_flag(p, "--path", "generate.path", "serving path: auto, dynamic, static-compile, continuous", str)
+    _key_flag(p, "--max-new-tokens", "generate.max_new_tokens", "new tokens per request")
+    _key_flag(p, "--requests", "generate.requests", "prompts per run")
+
+
 def _args_wandb_sync(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--all", action="store_true", help="also runs already marked as synced")
@@ -229,6 +239,10 @@ COMMANDS: dict[str, Command] = {
                       cmd_warmup, _args_warmup, run_id="<UTC time>-<random>"),
     "compare": Command("compare runs side by side: markdown table + PNG (no network)", cmd_compare, _args_compare,
                        config=False),
+    "bench-generate": Command("a decoder answering requests: TTFT, TPOT, inter-token gaps and E2E per serving path, "
+                              "single, batched and open-loop → runs/<id>/generate.json (usage: bench-generate "
+                              "[RUN_DIR] [section.key=value …])", cmd_bench_generate,
+                              _args_bench_generate, run_id="generate-<UTC time>-<random>"),
     "export": Command("write a run's model (or a middle checkpoint's) as a Hugging Face directory: transformers, "
                       "or a peft adapter (--merged: merged) → RUN_DIR/model", cmd_export, _args_export, config=False),
     "wandb-sync": Command("upload offline W&B runs under --runs-dir with `wandb sync`", cmd_wandb_sync,

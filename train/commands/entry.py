@@ -155,6 +155,27 @@ def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
     return 0
 
 
+def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
+    from pathlib import Path
+
+    from train.commands.generate import run_bench_generate, write_outputs
+    from train.tools.run_dir import make_run_dir
+
+    # RUN_DIR is the first word when it is no override (argparse puts it among the overrides)
+    run_dir = args.overrides.pop(0) if args.overrides and "=" not in args.overrides[0] else None
+    run_config = str(Path(run_dir) / "config.yaml") if run_dir and not args.config else None
+    cfg = load_cfg(args, default_config=run_config)
+    # a new directory of its own (the run's config.yaml names the trained run's id): --run-id, or a drawn one
+    out = make_run_dir(cfg.with_values({"train.run_id": getattr(args, "run_id", None)}), prefix="generate-")
+    result = run_bench_generate(cfg, run_dir, out, notice=lambda m: print(m, flush=True))
+    path = write_outputs(result, out)
+    b = result["batched"][result["chosen_path"]]
+    print(f"bench-generate: chosen path {result['chosen_path']} ({result['choice']['reason']}); batched "
+          f"{b['output_tokens_per_s']:.1f} output tokens/s, TPOT p50 {b['tpot_ms']['p50']:.1f} ms; greedy outputs "
+          f"identical across paths: {result['correctness']['identical_to_dynamic_single']}; wrote {path}", flush=True)
+    return 0
+
+
 def cmd_export(args: argparse.Namespace, t_start: float) -> int:
     from train.commands.export import export_run
 

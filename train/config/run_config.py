@@ -19,6 +19,7 @@ from train.config.bench import (
     BenchPrecisionConfig,
     BenchTrackingConfig,
 )
+from train.config.generate import GenerateConfig
 from train.config.optimize import OptimizeConfig
 from train.config.sections import (
     BatchingConfig,
@@ -56,6 +57,7 @@ class RunConfig(Frozen):
     bench_tracking: BenchTrackingConfig = field(default_factory=BenchTrackingConfig)
     bench_gate: BenchGateConfig = field(default_factory=BenchGateConfig)
     optimize: OptimizeConfig = field(default_factory=OptimizeConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
 
     def __post_init__(self) -> None:
         # optim.clip_norm is the old name of clip.max_norm: accept it, and keep it mirroring clip.max_norm.

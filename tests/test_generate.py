@@ -1,0 +1,147 @@
+"""``bench-generate`` (train/generate/, train/commands/generate.py): the figures' definitions on hand-made timestamps,
+the precomputed Poisson schedule, greedy outputs token-identical across serving paths and padding, EOS ending a
+request, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import assert_clean_error, run_cli
+from train.config import load_config
+from train.errors import UserError
+from train.generate.figures import RequestTiming, poisson_arrivals, summarize
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_ttft_tpot_gaps_and_e2e_follow_their_definitions() -> None:
+    a = RequestTiming(sent=10.0, token_times=[10.1, 10.15, 10.25, 10.30])  # TTFT 100, E2E 300, TPOT 200/3
+    b = RequestTiming(sent=10.05, token_times=[10.45])  # one token: no TPOT, no gap
+    fig = summarize([a, b], slo_ttft_ms=150, slo_tpot_ms=50)
+    assert a.ttft_ms() == pytest.approx(100) and a.e2e_ms() == pytest.approx(300)
+    assert a.tpot_ms() == pytest.approx(200 / 3) and b.tpot_ms() is None
+    assert fig["tpot_ms"]["p50"] == pytest.approx(200 / 3)  # one value per request that has one
+    assert sorted(a.gaps_ms()) == pytest.approx([50, 50, 100]) and fig["itl_ms"]["p50"] == pytest.approx(50)
+    assert fig["e2e_ms"]["p99"] == pytest.approx(np.percentile([300, 400], 99))
+    assert fig["span_s"] == pytest.approx(0.45) and fig["output_tokens"] == 5
+    assert fig["output_tokens_per_s"] == pytest.approx(5 / 0.45) and fig["requests_per_s"] == pytest.approx(2 / 0.45)
+    # a: TTFT 100 ≤ 150 but TPOT 66.7 > 50; b: TTFT 400 > 150 — none meets every SLO at once
+    assert fig["requests_meeting_slo"] == 0 and fig["goodput_requests_per_s"] == 0
+    assert summarize([a, b], slo_ttft_ms=500)["requests_meeting_slo"] == 2
+    free = summarize([a, b])
+    assert free["goodput_requests_per_s"] is None and "no SLO" in free["goodput_unavailable_reason"]
+    with pytest.raises(ValueError, match="no output token"):
+        summarize([RequestTiming(sent=0.0)])
+
+
+def test_the_poisson_schedule_is_computed_before_the_run_at_the_asked_rate() -> None:
+    t = poisson_arrivals(4000, rate=50.0, seed=3)
+    assert np.all(np.diff(t) > 0) and np.array_equal(t, poisson_arrivals(4000, 50.0, seed=3))
+    assert 4000 / t[-1] == pytest.approx(50.0, rel=0.05)
+    gaps = np.diff(t)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)  # exponential gaps: coefficient of variation 1
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, 0.0)
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(
+        "llama", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=128, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    from train.compat import hf_attn_implementation
+
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=hf_attn_implementation()).eval()
+
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 11, 12, 13, 14, 15, 16], [1, 30, 31]]
+
+
+def test_greedy_outputs_are_token_identical_across_paths_padding_and_batching() -> None:
+    from train.commands.generate import available_paths
+    from train.generate.engines import PATHS, continuous, generate_batch, greedy_config
+
+    model = _tiny_llama()
+    gen = greedy_config(transformers, 6, 2, 0, ignore_eos=True)
+    ref = [model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+           for p in PROMPTS]  # transformers' generate on the same weights, one prompt at a time, no padding
+    avail = available_paths(model)
+    for path in PATHS:
+        if avail[path] is not None:
+            continue
+        single = [t.output_ids for p in PROMPTS
+                  for t in (continuous(model, [p], gen) if path == "continuous" else generate_batch(model, [p], path,
+                                                                                                      gen))]
+        batched = continuous(model, PROMPTS, gen) if path == "continuous" else generate_batch(model, PROMPTS, path, gen)
+        assert single == ref, path
+        assert [t.output_ids for t in batched] == ref, f"{path}: left padding or batching changed a request's tokens"
+        assert all(len(t.token_times) == 6 and t.ttft_ms() > 0 for t in batched), path
+
+
+def test_eos_ends_a_request_unless_ignore_eos() -> None:
+    from train.generate.engines import generate_batch, greedy_config
+
+    model = _tiny_llama()
+    free = generate_batch(model, PROMPTS[:1], "dynamic", greedy_config(transformers, 8, None, 0, True))[0]
+    eos = free.output_ids[2]  # make the third generated token the end of sequence
+    stopped = generate_batch(model, PROMPTS[:1], "dynamic", greedy_config(transformers, 8, eos, 0, False))[0]
+    assert stopped.output_ids == free.output_ids[:free.output_ids.index(eos) + 1]
+    assert len(stopped.token_times) == len(stopped.output_ids) < 8
+    ignored = generate_batch(model, PROMPTS[:1], "dynamic", greedy_config(transformers, 8, eos, 0, True))[0]
+    assert len(ignored.output_ids) == 8
+
+
+def test_a_static_batching_server_counts_queueing_in_latency() -> None:
+    from train.generate.engines import greedy_config, static_batching_server
+
+    model = _tiny_llama()
+    gen = greedy_config(transformers, 4, None, 0, True)
+    served = static_batching_server(model, PROMPTS, "dynamic", gen, max_batch=1)  # all arrive at 0, one at a time
+    ttft = [t.ttft_ms() for t in served]
+    assert ttft == sorted(ttft) and ttft[-1] > 2 * ttft[0]  # the last waited for three batches before it
+
+
+@pytest.mark.parametrize("override,match", [
+    ("generate.load_levels=0,1.5", "generate.load_levels"), ("generate.path=vllm", "generate.path"),
+    ("generate.max_new_tokens=0", "generate.max_new_tokens"), ("generate.slo_ttft_ms=-5", "generate.slo_ttft_ms")])
+def test_malformed_generate_settings_are_one_line(override, match) -> None:
+    with pytest.raises(UserError, match=match):
+        load_config(None, [override])
+
+
+def test_bench_generate_on_a_classifier_run_or_a_missing_directory_is_one_line(tmp_path) -> None:
+    (tmp_path / "clf").mkdir()
+    (tmp_path / "clf" / "config.yaml").write_text("model:\n  task: classification\n")
+    proc = run_cli("bench-generate", str(tmp_path / "clf"), f"train.output_dir={tmp_path / 'runs'}")
+    assert_clean_error(proc, "is a classification run", "model.task=causal-lm")
+    proc = run_cli("bench-generate", f"train.output_dir={tmp_path / 'runs'}")
+    assert_clean_error(proc, "give a run directory")
+    assert not any((tmp_path / "runs").glob("*/generate.json")) if (tmp_path / "runs").exists() else True
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_or_cut_as_asked(monkeypatch) -> None:
+    from train.generate import source
+
+    class Split:
+        ids = [np.array([1] + list(range(3, 40)) + [2])]
+        labels = np.array([0])
+
+        def __len__(self) -> int:
+            return 1
+
+    class Bundle:
+        splits = {"test": Split(), "validation": Split()}
+        eos_id = 2
+
+    monkeypatch.setattr("train.data.prepare_data", lambda *a, **k: Bundle())
+    Split.ids, Split.labels = Split.ids * 2, np.array([0, 0])
+    Split.__len__ = lambda self: 2
+    with pytest.raises(UserError, match="exceeds the model's 24-token context.*truncate_prompts"):
+        source.held_out_prompts(None, 2, 0.9, 24, 8, None)
+    prompts, facts = source.held_out_prompts(None, 2, 0.9, 24, 8, "left")
+    assert all(len(p) == 16 for p in prompts) and facts["truncated_prompts"] == 2
+    assert prompts[0][-1] == Split.ids[0][math.floor(38 * 0.9) - 1]  # the end of the prompt kept

@@ -1,0 +1,164 @@
+"""``python -m train bench-generate [RUN_DIR]``: a decoder answering requests, measured as a server sees it.
+
+Per serving path that runs here (train/generate/engines.py): **single** requests one after another (closed loop),
+**batched** (every request at once: the maximum rate, closed loop) — a static-batching server on ``generate`` (batches
+of ``generate.batch_size``, left-padded, one at a time) or continuous batching — then, on the chosen path and on the
+static-batching server as the baseline, **open loop** at ``generate.load_levels`` of the chosen path's batched rate
+(Poisson arrivals computed before the run; latency includes queueing). ``generate.path=auto`` keeps the path with the
+highest batched output tokens/s, timed interleaved with the A/B primitive (paired ratios against ``dynamic``).
+Greedy outputs are compared across paths token by token (fp32). Writes ``runs/<id>/generate.json`` and
+``generate.png`` (latency CDF, throughput vs p99 TTFT).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from train.errors import UserError, atomic_write_text
+from train.generate.engines import PATHS, continuous, greedy_config, static_batching_server
+from train.generate.figures import RequestTiming, poisson_arrivals, summarize
+
+
+def available_paths(model) -> dict[str, Optional[str]]:
+    """Every path → None where it runs here, else why not (one line)."""
+    import transformers as tf
+
+    from train.compat import dynamo_supported
+
+    out: dict[str, Optional[str]] = {"dynamic": None}
+    ok, why = dynamo_supported()
+    out["static-compile"] = None if ok else f"torch.compile is not available here ({why}); run generate.path=dynamic"
+    has_cb = hasattr(model, "init_continuous_batching") and hasattr(tf, "ContinuousBatchingConfig")
+    out["continuous"] = None if has_cb else (f"transformers {tf.__version__} has no continuous batching for this "
+                                             "model (init_continuous_batching); run generate.path=dynamic")
+    return out
+
+
+def serve(model, path: str, prompts: list[list[int]], gen, batch_size: int,
+          arrivals=None) -> list[RequestTiming]:
+    """``prompts`` served on ``path``: continuous batching, or a static-batching server on ``generate``."""
+    if path == "continuous":
+        return continuous(model, prompts, gen, arrivals)
+    return static_batching_server(model, prompts, path, gen, batch_size, arrivals)
+
+
+def _single(model, path: str, prompts: list[list[int]], gen) -> list[RequestTiming]:
+    """One request at a time, each sent when the previous one is answered (closed loop, batch 1)."""
+    return [serve(model, path, [p], gen, 1)[0] for p in prompts]
+
+
+def _choose(model, paths: list[str], prompts, gen, batch_size: int, rounds: int) -> tuple[str, dict[str, Any]]:
+    """``generate.path=auto``: each path's batched run, interleaved over ``rounds`` (the A/B primitive, each run
+    self-timed over its span), paired ratios of output tokens/s against ``dynamic``; the fastest median kept."""
+    from train.perf.ab import Arm, interleave
+
+    def arm(path: str) -> Arm:
+        def one() -> dict[str, float]:
+            fig = summarize(serve(model, path, prompts, gen, batch_size))
+            return {"output_tokens": fig["output_tokens"], "seconds": fig["span_s"]}
+        return Arm(path, one)
+
+    ab = interleave([arm(p) for p in paths], rounds=rounds, window=1, warmup=1, device=torch.device("cpu"))
+    rate = {p: ab.arms[p].median("output_tokens") for p in paths}
+    best = max(paths, key=lambda p: rate[p] or 0.0)
+    ratios = {p: ab.ratio(p, "dynamic", "output_tokens").as_dict() for p in paths if p != "dynamic"}
+    why = (f"auto: {best} served the most output tokens/s batched ({', '.join(f'{p} {rate[p]:.1f}' for p in paths)}"
+           f"; median of {rounds} interleaved rounds)")
+    return best, {"output_tokens_per_s": rate, "vs_dynamic": ratios, "reason": why}
+
+
+def _mismatches(runs: dict[str, list[RequestTiming]], reference: list[RequestTiming]) -> list[str]:
+    out = []
+    for name, timings in runs.items():
+        for i, (a, b) in enumerate(zip(timings, reference)):
+            if a.output_ids != b.output_ids:
+                out.append(f"{name} request {i}: {a.output_ids[:8]}… vs dynamic single {b.output_ids[:8]}…")
+    return out
+
+
+def _open_loop(model, path: str, prompts, gen, batch_size: int, peak: float, levels: list[float], seed: int,
+               slo: tuple) -> list[dict[str, Any]]:
+    out = []
+    for share in levels:
+        arrivals = poisson_arrivals(len(prompts), share * peak, seed)
+        fig = summarize(serve(model, path, prompts, gen, batch_size, arrivals), *slo)
+        out.append({"load": share, "offered_requests_per_s": share * peak, **fig})
+    return out
+
+
+def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path,
+                       notice: Callable[[str], None] = print) -> dict[str, Any]:
+    """The whole benchmark (module docstring); returns what ``generate.json`` holds.
+
+    Raises:
+        UserError: see :func:`train.generate.source.load_served` and ``held_out_prompts``; a forced
+            ``generate.path`` that cannot run here."""
+    from train.generate.source import held_out_prompts, load_served
+    from train.models.hf import import_transformers
+
+    g = cfg.generate
+    t0 = time.perf_counter()
+    served = load_served(run_dir, cfg)
+    prompts, prompt_facts = held_out_prompts(cfg, g.requests, g.prompt_fraction, served.context, g.max_new_tokens,
+                                             g.truncate_prompts)
+    gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
+    avail = available_paths(served.model)
+    if g.path != "auto" and avail[g.path] is not None:
+        raise UserError(f"generate.path={g.path}: {avail[g.path]}")
+    paths = [p for p in PATHS if avail[p] is None]
+    first = serve(served.model, paths[0], prompts[:1], gen, 1)[0]
+    cold = {"first_response_s": first.token_times[-1] - t0, "includes": "model load, prompts, the first request"}
+    warm: dict[str, Any] = {}
+    for path in paths:  # warm-up: static-compile compiles each prompt bucket and batch size it will serve
+        t = time.perf_counter()
+        serve(served.model, path, prompts, gen, g.batch_size)
+        _single(served.model, path, prompts, gen)
+        warm[path] = {"warmup_s": time.perf_counter() - t}
+        notice(f"bench-generate: {path} warmed up in {warm[path]['warmup_s']:.1f} s")
+    slo = (g.slo_ttft_ms, g.slo_tpot_ms)
+    single = {p: _single(served.model, p, prompts, gen) for p in paths}
+    batched = {p: serve(served.model, p, prompts, gen, g.batch_size) for p in paths}
+    chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
+        _choose(served.model, paths, prompts, gen, g.batch_size, cfg.bench.rounds)
+    peak = summarize(batched[chosen])["requests_per_s"]
+    load = _open_loop(served.model, chosen, prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo)
+    baseline = _open_loop(served.model, "dynamic", prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo) \
+        if chosen != "dynamic" else load
+    ref = single["dynamic"]
+    mismatch = _mismatches({**{f"{p} single": t for p, t in single.items()},
+                            **{f"{p} batched": t for p, t in batched.items()}}, ref)
+    from train.perf.memory import peak_memory
+
+    return {"source": served.source, "run_dir": run_dir, "precision": "fp32", "device": "cpu",
+            "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
+            "paths": {p: why for p, why in avail.items()}, "chosen_path": chosen, "choice": choice,
+            "single": {p: summarize(t, *slo) for p, t in single.items()},
+            "batched": {p: {**summarize(t, *slo), "batch_size": g.batch_size if p != "continuous" else None}
+                        for p, t in batched.items()},
+            "open_loop": {"path": chosen, "levels": load, "baseline_path": "dynamic (static batching)",
+                          "baseline": baseline, "arrivals": "Poisson, precomputed, seed train.seed"},
+            "correctness": {"identical_to_dynamic_single": not mismatch, "mismatches": mismatch[:10],
+                            "compared": "greedy output ids, fp32, every path single and batched"},
+            "first_response": {"cold": cold, "warm": warm},
+            **peak_memory(torch.device("cpu")), "kv_cache_bytes": None,
+            "kv_cache_unavailable_reason": "CPU: the peak is the process's resident memory; the cache is not "
+                                           "separable from it",
+            "energy_j_per_output_token": None,
+            "energy_unavailable_reason": "no NVML energy counter on a CPU"}
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path) -> Path:
+    """``generate.json`` and ``generate.png`` in ``out_dir`` (each written atomically)."""
+    from train.generate.plots import plot_generate
+    from train.generate.source import dumps
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "generate.json"
+    atomic_write_text(path, dumps(result))
+    plot_generate(result, out_dir / "generate.png")
+    return path

@@ -1,0 +1,57 @@
+"""The ``generate`` section of ``RunConfig``: what ``python -m train bench-generate`` serves and how it measures
+(train/commands/generate.py). Read by that command only; its accepted values are declared on the fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from train.errors import Frozen, UserError, allowed, check_fields, comma_list
+
+GENERATE_PATHS = ("auto", "dynamic", "static-compile", "continuous")
+
+
+@dataclass
+class GenerateConfig(Frozen):
+    """Decoder inference: greedy decoding of prompts from the run's held-out split (train/generate/)."""
+
+    path: str = allowed("auto", choices=GENERATE_PATHS)
+    """The serving path of the open-loop runs and the headline: ``dynamic`` (``generate``, dynamic KV cache),
+    ``static-compile`` (``generate`` with the static cache and ``torch.compile``), ``continuous`` (transformers'
+    continuous batching), or ``auto``: every path is timed on single requests and batched, the fastest at
+    saturation kept (the output says which and why)."""
+    max_new_tokens: int = allowed(32, ge=1)
+    """New tokens per request (fewer where EOS comes first, unless ``ignore_eos``)."""
+    ignore_eos: bool = False
+    """Generate ``max_new_tokens`` whatever the model emits: fixed-length load (said in the output)."""
+    requests: int = allowed(32, ge=2)
+    """Prompts served per run (single, batched and each open-loop level), the first ones of the held-out split."""
+    batch_size: int = allowed(8, ge=1)
+    """Requests per ``generate`` call of the static-batching server (the batched closed loop and the baseline)."""
+    load_levels: Union[str, float] = "0.25,0.5,0.9"
+    """Open-loop offered rates as shares of the batched (closed-loop, maximum) rate; Poisson arrivals, seeded."""
+    slo_ttft_ms: Optional[float] = allowed(None, gt=0)
+    """Goodput's time-to-first-token SLO (ms); null: no goodput."""
+    slo_tpot_ms: Optional[float] = allowed(None, gt=0)
+    """Goodput's time-per-output-token SLO (ms)."""
+    prompt_fraction: float = allowed(0.5, gt=0, lt=1)
+    """A held-out sample's prompt: its first ``prompt_fraction`` of tokens (at least one; EOS never in it)."""
+    truncate_prompts: Optional[str] = allowed(None, choices=(None, "left", "right"))
+    """A prompt that leaves no room for ``max_new_tokens`` in the model's context: refused (null), or cut keeping
+    its end (``left``) or its start (``right``)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "generate")
+        self.load_levels = str(self.load_levels)  # one level: YAML reads 0.5 as a number
+        levels = comma_list(self.load_levels) or []
+        try:
+            shares = [float(x) for x in levels]
+        except ValueError:
+            shares = []
+        if not shares or any(not 0 < s <= 1 for s in shares):
+            raise UserError(f"generate.load_levels={self.load_levels!r}: expected comma-separated shares of the "
+                            "maximum rate in (0, 1], e.g. 0.25,0.5,0.9")
+
+    @property
+    def levels(self) -> list[float]:
+        return [float(x) for x in comma_list(self.load_levels) or []]
