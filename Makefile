@@ -173,6 +173,10 @@ bench-baseline: setup data ## measure the gate's figures 5 times and rewrite ben
 bench-vs-hf: setup data ## the same Hugging Face model: HF Trainer vs this project, interleaved (configs/bench-vs-hf.yaml) → runs/bench-vs-hf/
 	$(PY) -m train bench-vs-hf $(ARGS)
 
+.PHONY: bench-generate
+bench-generate: setup data ## a decoder answering requests (RUN=runs/<id> of a causal-LM run): TTFT/TPOT/E2E per serving path, single, batched, open loop → runs/generate-<id>/generate.json
+	$(PY) -m train bench-generate $(RUN) $(ARGS)
+
 test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
 	@echo "$(RT_LINE)"
 	$(call rt_py,-m pytest -q -m "not slow" $(PYTEST_ARGS))
