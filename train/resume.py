@@ -1,18 +1,17 @@
 """Fault tolerance: periodic full-state checkpoints, exact resume, and the loop's per-step hook.
 
-A checkpoint (``runs/<id>/checkpoints/step-00000120.pt``, the last ``train.keep_checkpoints``
-kept; the final one is ``runs/<id>/checkpoint.pt``) holds state_dicts, tensors and plain values only,
-so ``torch.load(weights_only=True)`` reads it:
+A checkpoint (``runs/<id>/checkpoints/step-00000120.pt``, the last ``train.keep_checkpoints`` kept; the final one
+is ``runs/<id>/checkpoint.pt``) holds state_dicts, tensors and plain values only (``weights_only=True`` reads it):
 
-* ``model`` (an adapter run: the adapter's tensors alone, the base named by ``spec.base_fingerprint``;
-  train/models/adapter.py), ``optimizer``, ``scheduler``, ``grad_scaler`` (None without fp16), ``step``, ``epoch``,
-  ``batches_in_epoch`` (the sampler position), ``evals``, ``final_train_loss``, ``total_steps``;
+* ``model`` (an adapter run: the adapter alone, its base named by ``spec.base_fingerprint``), ``optimizer``,
+  ``scheduler``, ``grad_scaler`` (None without fp16), ``step``, ``epoch``, ``batches_in_epoch`` (the sampler
+  position), ``evals``, ``final_train_loss``, ``total_steps``;
 * ``ranks[r]``: rank r's RNG states (Python, NumPy, torch CPU, CUDA) and its open logging window
   and counters, so each rank's dropout stream and metrics continue exactly;
-* ``world_size``, ``spec``, ``label_names``, ``data_fingerprint``, ``tokenizer_fingerprint``,
-  ``precision`` (the resolved mode, its reason and source), ``config``, ``format``, ``special_tokens`` (the BOS /
-  EOS / pad ids the samples were built with, for ``python -m train export``): what the resume checks against (a
-  resumed run continues in the checkpoint's precision, with the checkpoint's tokenizer).
+* ``world_size``, ``spec``, ``label_names``, ``data_fingerprint``, ``tokenizer_fingerprint``, ``precision`` (the
+  resolved mode, its reason and source), ``config``, ``format``, ``special_tokens`` (the BOS / EOS / pad ids, for
+  ``python -m train export``): what the resume checks against (a resumed run continues in the checkpoint's
+  precision, with the checkpoint's tokenizer).
 
 Resuming restores all of it and the RNG states last, right before the next step, so on CPU a
 resumed run's parameters and losses equal an uninterrupted run's bit for bit (tested).
@@ -245,8 +244,8 @@ def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bund
     for key, have in state["spec"].items():
         if want.get(key) != have:
             if key == "base_fingerprint":
-                raise UserError(f"{where}: its adapter was trained on another base model (content {have}, this "
-                                f"model.source={spec.source} gives {want[key]}); resume on the same base weights")
+                raise UserError(f"{where}: its adapter was trained on another base (content {have}, model.source="
+                                f"{spec.source} gives {want[key]}); resume on the same base weights")
             if key == "max_len":
                 raise UserError(f"{where}: its position table holds {have} positions but data.max_len={want[key]}; "
                                 f"set data.max_len={have}")
