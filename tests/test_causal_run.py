@@ -22,10 +22,11 @@ LLAMA = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attenti
 
 def causal_overrides(wndb: Path, root: Path, *extra: str) -> list[str]:
     """The classification tests' tiny settings turned into a tiny Llama learning the glosses in packed rows. The
-    attention path is pinned: ``auto`` measures, and two runs on a busy machine may pick differently."""
+    attention path and the chunked loss are pinned: ``auto`` measures, and two runs on a busy machine may pick
+    differently (a resume must then equal a run that chose as it did)."""
     return tiny_overrides(wndb, root, "model.task=causal-lm", "model.source=hf:llama", LLAMA, "data.vocab_size=300",
                           "batching.method=packed", "batching.max_tokens=128", "model.dropout=0.0",
-                          "model.packed_attention=sdpa-mask", *extra)
+                          "model.packed_attention=sdpa-mask", "model.chunked_loss=false", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +97,7 @@ def test_two_ranks_train_a_causal_lm_on_packed_rows(reference, tmp_path: Path) -
 
 def test_a_varlen_run_counts_attention_per_sample_and_resumes_bit_identically(reference) -> None:
     wndb, root, overrides, ref = reference
-    # the chunked loss pinned too: auto measures, and the resumed run must replay the same choice on a busy machine
-    varlen = overrides + ["model.packed_attention=varlen", "model.chunked_loss=false", "train.max_steps=6",
-                          "train.eval_every=6"]
+    varlen = overrides + ["model.packed_attention=varlen", "train.max_steps=6", "train.eval_every=6"]
     report = run_training(load_config(None, varlen + ["train.run_id=varlen"]), time.perf_counter())
     b, p = report["batching"], report["perf"]
     assert b["attention_path"] == "varlen" and "per sample" in b["attention"]["detail"]

@@ -56,8 +56,13 @@ def make_grad_scaler(device_type: str, enabled: bool = True) -> Any:
 
 
 def load_state(path: str, map_location: Any = "cpu") -> Any:
-    """``torch.load`` restricted to tensors and plain containers (``weights_only=True``, available since 1.13)."""
-    return torch.load(path, map_location=map_location, weights_only=True)
+    """``torch.load`` restricted to tensors and plain containers (``weights_only=True``, available since 1.13); torch
+    2.1's own "TypedStorage is deprecated" warning, raised inside its loader, silenced (one-line error messages)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def event_self_device_us(event: Any) -> float:

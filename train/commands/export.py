@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from train.checkpoint import load_checkpoint
 from train.errors import UserError
-from train.models.export import export_model, model_from_checkpoint
+from train.models.export import check_target, export_model, model_from_checkpoint
 from train.resume import FINAL, list_checkpoints
 
 
@@ -43,6 +43,8 @@ def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = Fa
         raise UserError(f"export: {tokenizer} is missing (every run writes its tokenizer there): the exported model "
                         "would have no tokenizer; copy the run's tokenizer back (data.tokenizer.run_copy in "
                         "report.json names it) and export again")
+    target = Path(out) if out else d / ("model-merged" if merged else "model")
+    check_target(target)  # before anything is loaded: a refusal costs nothing
     state = load_checkpoint(path)
     if not isinstance(state, dict) or "spec" not in state or "model" not in state:
         raise UserError(f"export: {path} is not a complete checkpoint of this project (no model or spec); use the "
@@ -52,7 +54,6 @@ def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = Fa
         raise UserError(f"export --merged: {path} is a full fine-tuning run (no model.adapter): there is nothing to "
                         "merge; run without --merged")
     ids = state.get("special_tokens") or _ids_from_config(model)
-    target = Path(out) if out else d / ("model-merged" if merged else "model")
     return export_model(model, target, tokenizer, ids, merged=merged)
 
 
