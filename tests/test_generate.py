@@ -73,9 +73,8 @@ def test_greedy_outputs_are_token_identical_across_paths_padding_and_batching() 
     for path in PATHS:
         if avail[path] is not None:
             continue
-        single = [t.output_ids for p in PROMPTS
-                  for t in (continuous(model, [p], gen) if path == "continuous" else generate_batch(model, [p], path,
-                                                                                                      gen))]
+        single = [t.output_ids for t in continuous(model, PROMPTS, gen, closed_loop=True)] if path == "continuous" \
+            else [generate_batch(model, [p], path, gen)[0].output_ids for p in PROMPTS]
         batched = continuous(model, PROMPTS, gen) if path == "continuous" else generate_batch(model, PROMPTS, path, gen)
         assert single == ref, path
         assert [t.output_ids for t in batched] == ref, f"{path}: left padding or batching changed a request's tokens"

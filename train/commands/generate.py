@@ -48,7 +48,10 @@ def serve(model, path: str, prompts: list[list[int]], gen, batch_size: int,
 
 
 def _single(model, path: str, prompts: list[list[int]], gen) -> list[RequestTiming]:
-    """One request at a time, each sent when the previous one is answered (closed loop, batch 1)."""
+    """One request at a time, each sent when the previous one is answered (closed loop, batch 1); continuous
+    batching keeps one manager running across them."""
+    if path == "continuous":
+        return continuous(model, prompts, gen, closed_loop=True)
     return [serve(model, path, [p], gen, 1)[0] for p in prompts]
 
 

@@ -15,6 +15,7 @@ decoding everywhere (``do_sample=False``), EOS ends a request unless ``ignore_eo
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Optional
 
@@ -99,19 +100,19 @@ def continuous_config(tf, prompts: list[list[int]], max_new_tokens: int, max_bat
 
 
 def continuous(model, prompts: list[list[int]], gen, arrivals: Optional[np.ndarray] = None,
-               timeout_s: float = 600.0) -> list[RequestTiming]:
-    """Serve ``prompts`` through transformers' continuous batching: all at once, or request ``i`` sent at
-    ``arrivals[i]`` seconds after the start (open loop; the schedule is computed before). Each output token's time
-    is the manager's own stamp (``record_timestamps``).
-
-    Raises:
-        RuntimeError: a request got no answer within ``timeout_s``."""
+               timeout_s: float = 600.0, closed_loop: bool = False) -> list[RequestTiming]:
+    """Serve ``prompts`` through transformers' continuous batching: all at once, request ``i`` sent at
+    ``arrivals[i]`` seconds after the start (open loop; the schedule is computed before), or ``closed_loop``: each
+    sent when the previous one is answered (single requests on one running manager). Each output token's time is
+    the manager's own stamp (``record_timestamps``). Raises RuntimeError: a request unanswered within ``timeout_s``."""
     import transformers as tf
 
-    manager = model.init_continuous_batching(
-        generation_config=gen, continuous_batching_config=continuous_config(tf, prompts, gen.max_new_tokens))
+    manager = model.init_continuous_batching(  # a copy: the manager rewrites its config (an unset EOS becomes -1)
+        generation_config=copy.deepcopy(gen),
+        continuous_batching_config=continuous_config(tf, prompts, gen.max_new_tokens))
     manager.start()
     sent: dict[str, tuple[int, float]] = {}
+    results: dict[int, RequestTiming] = {}
     try:
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
@@ -120,21 +121,30 @@ def continuous(model, prompts: list[list[int]], gen, arrivals: Optional[np.ndarr
             rid = f"r{i}"
             sent[rid] = (i, time.perf_counter())
             manager.add_request(list(p), request_id=rid, max_new_tokens=gen.max_new_tokens, record_timestamps=True)
-        results: dict[int, RequestTiming] = {}
-        deadline = time.perf_counter() + timeout_s
-        while len(results) < len(prompts):
-            got = manager.get_result(timeout=max(0.1, deadline - time.perf_counter()))
-            if got is None:
-                if time.perf_counter() > deadline:
-                    raise RuntimeError(f"continuous batching: {len(prompts) - len(results)} requests unanswered "
-                                       f"after {timeout_s:.0f} s")
-                continue
-            i, when = sent[got.request_id]
-            toks = _until_eos(list(got.generated_tokens), gen.eos_token_id)
-            results[i] = RequestTiming(when, list(got.timestamps or [])[:len(toks)], len(prompts[i]), toks)
+            if closed_loop:
+                _collect(manager, prompts, gen, sent, results, i + 1, timeout_s)
+        _collect(manager, prompts, gen, sent, results, len(prompts), timeout_s)
     finally:
         manager.stop(block=True)
     return [results[i] for i in range(len(prompts))]
+
+
+def _collect(manager, prompts: list[list[int]], gen, sent: dict, results: dict, until: int, timeout_s: float) -> None:
+    """Results from ``manager`` into ``results`` until it holds ``until`` of them.
+
+    Raises:
+        RuntimeError: a request got no answer within ``timeout_s``."""
+    deadline = time.perf_counter() + timeout_s
+    while len(results) < until:
+        got = manager.get_result(timeout=max(0.1, deadline - time.perf_counter()))
+        if got is None:
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"continuous batching: {until - len(results)} requests unanswered after "
+                                   f"{timeout_s:.0f} s")
+            continue
+        i, when = sent[got.request_id]
+        toks = _until_eos(list(got.generated_tokens), gen.eos_token_id)
+        results[i] = RequestTiming(when, list(got.timestamps or [])[:len(toks)], len(prompts[i]), toks)
 
 
 def static_batching_server(model, prompts: list[list[int]], path: str, gen, max_batch: int,
