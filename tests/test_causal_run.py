@@ -123,7 +123,8 @@ def test_auto_attention_is_written_into_the_runs_config_so_a_resume_replays_it(r
                                                          "train.run_id=auto-att"]), time.perf_counter())
     saved = yaml.safe_load((root / "runs" / "auto-att" / "config.yaml").read_text())
     assert report["batching"]["attention"]["requested"] == "auto"
-    assert saved["model"]["packed_attention"] == report["batching"]["attention_path"] in ("sdpa-mask", "varlen")
+    assert saved["model"]["packed_attention"] == report["batching"]["attention_path"] in ("sdpa-mask", "varlen",
+                                                                                           "eager-mask")
 
 
 def test_a_bench_row_or_optimize_arm_runs_the_attention_and_loss_its_config_names(reference, monkeypatch) -> None:

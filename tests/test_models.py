@@ -289,8 +289,8 @@ def test_bench_vs_hf_on_a_causal_lm_runs_both_hf_configurations_warm_and_cold(wn
     assert headline["all-levers"]["tokens_per_s_ratio"]["median"] > 0
     ran = sides["all-levers"]["runs"][0]  # all levers: the chunked loss where the step measures no slower (auto)
     assert result["all_levers"]["levers"]["model.chunked_loss"] == "auto" and ran["chunked_loss"] in (True, False)
-    assert ran["packed_attention"] in ("sdpa-mask", "varlen") and sides["this-project"]["runs"][0]["packed_attention"] \
-        is None
+    assert ran["packed_attention"] in ("sdpa-mask", "varlen", "eager-mask")  # auto: whichever measured fastest
+    assert sides["this-project"]["runs"][0]["packed_attention"] is None
     cold = result["cold"]
     assert cold["repeats"] == 1 and set(cold["median_tokens_per_s"]) == set(sides)
     seen = {name: runs[0]["tokens_seen"] for name, runs in cold["runs"].items()}
