@@ -163,6 +163,11 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
 
     # RUN_DIR is the first word when it is no override (argparse puts it among the overrides)
     run_dir = args.overrides.pop(0) if args.overrides and "=" not in args.overrides[0] else None
+    from train.errors import UserError
+
+    if run_dir is not None and not Path(run_dir).is_dir():
+        raise UserError(f"bench-generate: no such run directory {run_dir} (give runs/<id> of a model.task=causal-lm "
+                        "run: make bench-generate RUN=runs/<id>)")
     run_config = str(Path(run_dir) / "config.yaml") if run_dir and not args.config else None
     cfg = load_cfg(args, default_config=run_config)
     # a new directory of its own (the run's config.yaml names the trained run's id): --run-id, or a drawn one
@@ -170,9 +175,11 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
     result = run_bench_generate(cfg, run_dir, out, notice=lambda m: print(m, flush=True))
     path = write_outputs(result, out)
     b = result["batched"][result["chosen_path"]]
-    print(f"bench-generate: chosen path {result['chosen_path']} ({result['choice']['reason']}); batched "
-          f"{b['output_tokens_per_s']:.1f} output tokens/s, TPOT p50 {b['tpot_ms']['p50']:.1f} ms; greedy outputs "
-          f"identical across paths: {result['correctness']['identical_to_dynamic_single']}; wrote {path}", flush=True)
+    same = "identical" if result["correctness"]["identical_to_dynamic_single"] else \
+        "DIFFERENT (generate.json names them)"
+    print(f"bench-generate: chosen path {result['chosen_path']} ({result['choice']['reason']}); its batched run "
+          f"served {b['output_tokens_per_s']:.1f} output tokens/s, TPOT p50 {b['tpot_ms']['p50']:.1f} ms; greedy "
+          f"outputs {same} across paths{result['busy_note']}; wrote {path} and generate.png", flush=True)
     return 0
 
 

@@ -103,9 +103,12 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path,
             ``generate.path`` that cannot run here."""
     from train.generate.source import held_out_prompts, load_served
     from train.models.hf import import_transformers
+    from train.tools.decisions import busy_note
+    from train.tools.env import machine_load
 
     g = cfg.generate
     t0 = time.perf_counter()
+    load_start = machine_load()
     served = load_served(run_dir, cfg)
     prompts, prompt_facts = held_out_prompts(cfg, g.requests, g.prompt_fraction, served.context, g.max_new_tokens,
                                              g.truncate_prompts)
@@ -137,7 +140,12 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path,
                             **{f"{p} batched": t for p, t in batched.items()}}, ref)
     from train.perf.memory import peak_memory
 
-    return {"source": served.source, "run_dir": run_dir, "precision": "fp32", "device": "cpu",
+    load_end = machine_load()
+    # the figures of a busy machine are said to be (the train command's note, without its caching clause)
+    note = busy_note(max(load_start or 0.0, load_end or 0.0))
+    busy = note.replace("; not cached: the machine was busy", "; the machine was busy").split(", so")[0]
+    return {"source": served.source, "run_dir": run_dir, "load_1min": [load_start, load_end], "busy_note": busy,
+            "precision": "fp32", "device": "cpu",
             "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
             "paths": {p: why for p, why in avail.items()}, "chosen_path": chosen, "choice": choice,
             "single": {p: summarize(t, *slo) for p, t in single.items()},

@@ -21,8 +21,9 @@ def plot_generate(result: dict[str, Any], path: Path) -> None:
         for key, style in (("ttft", "--"), ("e2e", "-")):
             values = sorted(v for v in fig_["values_ms"][key] if v is not None)
             if values:
-                cdf.plot(values, [(i + 1) / len(values) for i in range(len(values))], style, label=f"{name} {key}")
-    cdf.set(xlabel="latency (ms)", ylabel="share of requests", title="batched: latency CDF")
+                cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], style, where="post",
+                         label=f"{name} {key}")
+    cdf.set(xlabel="latency (ms, log scale)", ylabel="share of requests", title="batched: latency CDF", xscale="log")
     cdf.legend(fontsize=7)
     ol = result["open_loop"]
     for name, levels in ((f"{ol['path']}", ol["levels"]), ("static batching (dynamic)", ol["baseline"])):

@@ -94,10 +94,12 @@ def special_tokens(bundle: Any) -> dict[str, Optional[int]]:
             "pad_id": getattr(bundle, "pad_id", None)}
 
 
-def save_tokenizer(tokenizer_json: Path, out: Path, ids: dict[str, Optional[int]], max_len: int) -> None:
+def save_tokenizer(tokenizer_json: Path, out: Path, ids: dict[str, Optional[int]], max_len: int,
+                   causal: bool = False) -> None:
     """``tokenizer_json`` (the run's tokenizers file) as a transformers fast tokenizer in ``out``, with its roles:
     bos / eos / pad from ``ids`` (a causal LM's; pad = EOS where the tokenizer has no pad token), and the
-    WordPiece specials where the vocabulary has them; ``model_max_length`` = ``max_len``."""
+    WordPiece specials where the vocabulary has them; ``model_max_length`` = ``max_len``; a decoder's pads on the
+    left (``generate`` continues each row from its last token)."""
     from tokenizers import Tokenizer
 
     from train.models.hf import import_transformers
@@ -110,7 +112,8 @@ def save_tokenizer(tokenizer_json: Path, out: Path, ids: dict[str, Optional[int]
         i = ids.get(f"{role}_id")
         if i is not None and backend.id_to_token(int(i)) is not None:
             roles[f"{role}_token"] = backend.id_to_token(int(i))
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_len, **roles)
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_len,
+                                      padding_side="left" if causal else "right", **roles)
     fast.save_pretrained(str(out))
 
 
@@ -165,7 +168,7 @@ def export_model(wrapper: nn.Module, out: Path, tokenizer_json: Optional[Path], 
                 warnings.simplefilter("ignore")
                 peft_model.save_pretrained(str(tmp))
         if tokenizer_json is not None and Path(tokenizer_json).is_file():
-            save_tokenizer(Path(tokenizer_json), tmp, ids, int(wrapper.spec.max_len))
+            save_tokenizer(Path(tokenizer_json), tmp, ids, int(wrapper.spec.max_len), causal)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and p.name != MARKER)
     return {"path": str(out), "format": fmt, "files": files, "base": base}
 
