@@ -197,6 +197,19 @@ def metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMING} for r in records if r.get("event") != "system"]
 
 
+def resume_from_first_checkpoint(cfg, run_dir: Path) -> tuple[dict, Path]:
+    """Train ``cfg`` (which writes periodic checkpoints into ``run_dir``), remove its final checkpoint and report,
+    and resume it from its first periodic checkpoint: (the resumed run's report, that checkpoint)."""
+    from train.commands.train import run_training
+    from train.resume import list_checkpoints
+
+    run_training(cfg, time.perf_counter())
+    first = list_checkpoints(run_dir)[0]
+    (run_dir / "checkpoint.pt").unlink()
+    (run_dir / "report.json").unlink()
+    return run_training(cfg, time.perf_counter(), resume=str(first)), first
+
+
 def assert_same_final_state(a: Path, b: Path) -> None:
     """Bit-identical parameters and optimizer state, equal losses and metrics."""
     from train.compat import load_state

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_same_final_state, tiny_overrides
+from tests.conftest import assert_same_final_state, resume_from_first_checkpoint, tiny_overrides
 from train.commands.train import run_training
 from train.config import load_config
 from train.errors import UserError
-from train.resume import list_checkpoints
 
 LLAMA = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 4, "
          "intermediate_size: 64}")
@@ -60,14 +59,9 @@ def test_a_causal_run_reports_loss_per_target_token_and_packs_one_shape(referenc
 def test_a_causal_run_resumes_from_a_middle_checkpoint_bit_identically(reference) -> None:
     _, root, overrides, _ = reference
     cfg = load_config(None, overrides + ["train.run_id=mid", "train.checkpoint_every=6"])
-    run_training(cfg, time.perf_counter())
-    run_dir = root / "runs" / "mid"
-    first = list_checkpoints(run_dir)[0]
-    (run_dir / "checkpoint.pt").unlink()
-    (run_dir / "report.json").unlink()
-    report = run_training(cfg, time.perf_counter(), resume=str(first))
+    report, _ = resume_from_first_checkpoint(cfg, root / "runs" / "mid")
     assert report["resumed_from"]["step"] == 6 and report["task"] == "causal-lm"
-    assert_same_final_state(root / "runs" / "ref", run_dir)
+    assert_same_final_state(root / "runs" / "ref", root / "runs" / "mid")
 
 
 def test_resuming_a_causal_run_as_a_classifier_is_refused_in_one_line(reference) -> None:
@@ -105,14 +99,9 @@ def test_a_varlen_run_counts_attention_per_sample_and_resumes_bit_identically(re
     assert p["mfu"] is not None and "varlen attention counted per sample group" in p["flops_method"]
     assert p["flops_per_step_mean"] < ref["perf"]["flops_per_step_mean"]  # the same shape, C² per row there
     cfg = load_config(None, varlen + ["train.run_id=varlen-mid", "train.checkpoint_every=3"])
-    run_training(cfg, time.perf_counter())
-    run_dir = root / "runs" / "varlen-mid"
-    first = list_checkpoints(run_dir)[0]
-    (run_dir / "checkpoint.pt").unlink()
-    (run_dir / "report.json").unlink()
-    resumed = run_training(cfg, time.perf_counter(), resume=str(first))
+    resumed, _ = resume_from_first_checkpoint(cfg, root / "runs" / "varlen-mid")
     assert resumed["resumed_from"]["step"] == 3 and resumed["batching"]["attention_path"] == "varlen"
-    assert_same_final_state(root / "runs" / "varlen", run_dir)
+    assert_same_final_state(root / "runs" / "varlen", root / "runs" / "varlen-mid")
 
 
 def test_auto_attention_is_written_into_the_runs_config_so_a_resume_replays_it(reference) -> None:

@@ -256,17 +256,12 @@ def test_an_adapter_run_trains_and_checkpoints_the_adapter_alone_and_exports_it(
 
 
 def test_an_adapter_run_resumes_from_a_middle_checkpoint_bit_identically(lora_run) -> None:
-    from train.commands.train import run_training
-    from train.resume import list_checkpoints
+    from tests.conftest import resume_from_first_checkpoint
 
     root, overrides, _ = lora_run
     cfg = load_config(None, overrides + ["train.run_id=mid", "train.checkpoint_every=4"])
-    run_training(cfg, time.perf_counter())
     run_dir = root / "runs" / "mid"
-    first = list_checkpoints(run_dir)[0]
-    (run_dir / "checkpoint.pt").unlink()
-    (run_dir / "report.json").unlink()
-    report = run_training(cfg, time.perf_counter(), resume=str(first))
+    report, first = resume_from_first_checkpoint(cfg, run_dir)
     assert report["resumed_from"]["step"] == 4
     assert_same_final_state(root / "runs" / "ref", run_dir)
     out = run_cli("export", str(run_dir), "--checkpoint", str(first), "--out", str(root / "mid-export"))
