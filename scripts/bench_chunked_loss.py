@@ -97,16 +97,20 @@ def hwm_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def memory_child(args: argparse.Namespace, chunked: bool) -> dict:
-    dtype = DTYPES[args.precision]
-    model = build(args.vocab, args.capacity)
-    batch = packed_batch(args.vocab, args.rows, args.capacity)
-    step = make_step(model, batch, dtype, chunked)
+def step_peak(step) -> dict:
+    """Two training steps in this fresh process: the RSS before them, the process's peak, and the step's peak above
+    the RSS before it (bytes)."""
     before = rss_bytes()
     for _ in range(2):
         step()
     peak = hwm_bytes()
     return {"rss_before_step_bytes": before, "peak_rss_bytes": peak, "step_peak_above_before_bytes": peak - before}
+
+
+def memory_child(args: argparse.Namespace, chunked: bool) -> dict:
+    dtype = DTYPES[args.precision]
+    model = build(args.vocab, args.capacity)
+    return step_peak(make_step(model, packed_batch(args.vocab, args.rows, args.capacity), dtype, chunked))
 
 
 def main() -> None:

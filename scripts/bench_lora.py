@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.bench_chunked_loss import packed_batch  # noqa: E402
+from scripts.bench_chunked_loss import packed_batch, step_peak  # noqa: E402
 from train.compat import fused_adamw_supported  # noqa: E402
 from train.config.adapter import AdapterSettings  # noqa: E402
 from train.models.adapter import attach_adapter, hold_frozen_base  # noqa: E402
@@ -78,26 +77,9 @@ def make_step(model: ExternalCausalLM, batch: dict, dtype: torch.dtype):
     return step
 
 
-def rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
-
-
-def hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def memory_child(args: argparse.Namespace, lora: bool) -> dict:
     model = build(args, lora)
-    batch = packed_batch(args.vocab, args.rows, args.capacity)
-    step = make_step(model, batch, DTYPES[args.precision])
-    before = rss_bytes()
-    for _ in range(2):
-        step()
-    peak = hwm_bytes()
-    return {"rss_before_step_bytes": before, "peak_rss_bytes": peak, "step_peak_above_before_bytes": peak - before}
+    return step_peak(make_step(model, packed_batch(args.vocab, args.rows, args.capacity), DTYPES[args.precision]))
 
 
 def main() -> None:
