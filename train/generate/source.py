@@ -70,7 +70,8 @@ def load_served(run_dir: Optional[str], cfg) -> Served:
     ckpt = d / "checkpoint.pt"
     if plain.is_file() and not (d / "model" / "adapter_config.json").is_file():
         model = tf.AutoModelForCausalLM.from_pretrained(str(d / "model"), local_files_only=True, **attn)
-        return Served(model.float().eval(), str(d / "model"), *_ids(model.config, _state(ckpt)),
+        # the export wrote the run's EOS / pad ids into generation_config.json: no need to load the checkpoint
+        return Served(model.float().eval(), str(d / "model"), *_ids(model.generation_config),
                       _context(model.config))
     if not ckpt.is_file():
         raise UserError(f"bench-generate: {d} has no model/ and no checkpoint.pt: the run did not finish; let it "
@@ -84,14 +85,6 @@ def load_served(run_dir: Optional[str], cfg) -> Served:
     inner = copy.deepcopy(peft_model).merge_and_unload() if peft_model is not None else wrapper.inner
     return Served(inner.float().eval(), f"{ckpt}{' (adapter merged)' if peft_model is not None else ''}",
                   *_ids(inner.config, state), _context(inner.config))
-
-
-def _state(path: Path) -> Optional[dict]:
-    if not path.is_file():
-        return None
-    from train.checkpoint import load_checkpoint
-
-    return load_checkpoint(path)
 
 
 def held_out_prompts(cfg, n: int, fraction: float, context: Optional[int], max_new_tokens: int,
