@@ -144,3 +144,52 @@ def test_a_prompt_too_long_for_the_context_is_refused_or_cut_as_asked(monkeypatc
     prompts, facts = source.held_out_prompts(None, 2, 0.9, 24, 8, "left")
     assert all(len(p) == 16 for p in prompts) and facts["truncated_prompts"] == 2
     assert prompts[0][-1] == Split.ids[0][math.floor(38 * 0.9) - 1]  # the end of the prompt kept
+
+
+def test_fresh_process_first_response_runs_cold_then_warm_on_one_emptied_cache(tmp_path) -> None:
+    from train.generate.first_response import fresh_process_first_response
+
+    cache = tmp_path / "inductor-cache"
+    cache.mkdir()
+    (cache / "stale").write_text("left by an earlier run")
+    calls: list[list[str]] = []
+
+    def runner(cmd: list[str], out) -> dict:
+        calls.append(cmd)
+        state = "warm" if (cache / "entry").exists() else "cold"  # the first child fills the cache
+        cache.mkdir(exist_ok=True)
+        (cache / "entry").write_text("compiled")
+        return {"cache_state": state, "first_response_s": 8.0 if state == "cold" else 1.0,
+                "time_to_first_response_s": 12.0 if state == "cold" else 5.0}
+
+    got = fresh_process_first_response("runs/x", "c.yaml", ["generate.path=dynamic", "generate.requests=4"], tmp_path,
+                                       runner=runner)
+    assert not (cache / "stale").exists()  # emptied first: the cold child found nothing
+    assert got["cold"]["cache_state"] == "cold" and got["warm"]["cache_state"] == "warm"
+    assert got["warm_over_cold_first_response"] == pytest.approx(1 / 8)
+    assert got["target"]["warm_first_response_le_25pct_of_cold"]["reached"] is True
+    for cmd in calls:  # both children: the same run, config and cache, the path forced, the user's path dropped
+        assert cmd[cmd.index("bench-generate") + 1] == "runs/x" and "--child" in cmd
+        assert f"compile.cache_dir={cache.resolve()}" in cmd and "generate.path=static-compile" in cmd
+        assert "generate.path=dynamic" not in cmd and "generate.requests=4" in cmd
+
+
+def test_fresh_process_first_response_is_null_with_a_reason_where_compile_cannot_run(tmp_path) -> None:
+    from train.generate.first_response import fresh_process_first_response
+
+    def runner(cmd, out):
+        raise AssertionError("no child may start")
+
+    got = fresh_process_first_response(None, None, [], tmp_path, unavailable="no dynamo", runner=runner)
+    assert got["cold"] is None and got["warm_over_cold_first_response"] is None
+    assert "no dynamo" in got["unavailable_reason"]
+
+
+def test_fresh_process_children_that_did_not_see_cold_then_warm_are_an_error(tmp_path) -> None:
+    from train.generate.first_response import fresh_process_first_response
+
+    def runner(cmd, out):
+        return {"cache_state": "cold", "first_response_s": 1.0, "time_to_first_response_s": 2.0}
+
+    with pytest.raises(RuntimeError, match="cold/cold, expected cold/warm"):
+        fresh_process_first_response(None, None, [], tmp_path, runner=runner)

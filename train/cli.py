@@ -141,6 +141,7 @@ def _args_bench_generate(p: argparse.ArgumentParser) -> None:
     _key_flag(p, "--path", "generate.path", "serving path: auto, dynamic, static-compile, continuous", str)
     _key_flag(p, "--max-new-tokens", "generate.max_new_tokens", "new tokens per request")
     _key_flag(p, "--requests", "generate.requests", "prompts per run")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one first-response process → JSON
 
 
 def _args_wandb_sync(p: argparse.ArgumentParser) -> None:

@@ -170,9 +170,15 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
                         "run: make bench-generate RUN=runs/<id>)")
     run_config = str(Path(run_dir) / "config.yaml") if run_dir and not args.config else None
     cfg = load_cfg(args, default_config=run_config)
+    if args.child:
+        from train.generate.first_response import first_response_child
+
+        first_response_child(cfg, run_dir, t_start, args.child)
+        return 0
     # a new directory of its own (the run's config.yaml names the trained run's id): --run-id, or a drawn one
     out = make_run_dir(cfg.with_values({"train.run_id": getattr(args, "run_id", None)}), prefix="generate-")
-    result = run_bench_generate(cfg, run_dir, out, notice=lambda m: print(m, flush=True))
+    result = run_bench_generate(cfg, run_dir, out, notice=lambda m: print(m, flush=True),
+                                command=(args.config, list(args.overrides)))
     path = write_outputs(result, out)
     b = result["batched"][result["chosen_path"]]
     same = "identical" if result["correctness"]["identical_to_dynamic_single"] else \

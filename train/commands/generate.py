@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from train.errors import UserError, atomic_write_text
-from train.generate.engines import PATHS, continuous, greedy_config, static_batching_server
+from train.generate.engines import PATHS, continuous, greedy_config, serve
 from train.generate.figures import RequestTiming, poisson_arrivals, summarize
 
 
@@ -37,14 +37,6 @@ def available_paths(model) -> dict[str, Optional[str]]:
     out["continuous"] = None if has_cb else (f"transformers {tf.__version__} has no continuous batching for this "
                                              "model (init_continuous_batching); run generate.path=dynamic")
     return out
-
-
-def serve(model, path: str, prompts: list[list[int]], gen, batch_size: int,
-          arrivals=None) -> list[RequestTiming]:
-    """``prompts`` served on ``path``: continuous batching, or a static-batching server on ``generate``."""
-    if path == "continuous":
-        return continuous(model, prompts, gen, arrivals)
-    return static_batching_server(model, prompts, path, gen, batch_size, arrivals)
 
 
 def _single(model, path: str, prompts: list[list[int]], gen) -> list[RequestTiming]:
@@ -94,9 +86,26 @@ def _open_loop(model, path: str, prompts, gen, batch_size: int, peak: float, lev
     return out
 
 
-def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path,
-                       notice: Callable[[str], None] = print) -> dict[str, Any]:
-    """The whole benchmark (module docstring); returns what ``generate.json`` holds.
+def _fresh_process(cfg, run_dir: Optional[str], command: tuple[Optional[str], list[str]], out_dir: Path,
+                   avail: dict[str, Optional[str]], notice: Callable[[str], None]) -> Optional[dict[str, Any]]:
+    """The fresh-process first responses (train/generate/first_response.py), or None when not asked for."""
+    from train.generate.first_response import FRESH_PATH, fresh_process_first_response
+
+    if not cfg.generate.fresh_process:
+        return None
+    notice(f"bench-generate: two fresh processes on {FRESH_PATH}, the compile cache cold then warm")
+    fresh = fresh_process_first_response(run_dir, *command, out_dir, unavailable=avail[FRESH_PATH])
+    if fresh.get("cold"):
+        notice(f"bench-generate: first response of a fresh process {fresh['cold']['first_response_s']:.2f} s on a "
+               f"cold cache, {fresh['warm']['first_response_s']:.2f} s on a warm one "
+               f"(warm/cold {fresh['warm_over_cold_first_response']:.2f})")
+    return fresh
+
+
+def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Callable[[str], None] = print,
+                       command: tuple[Optional[str], list[str]] = (None, [])) -> dict[str, Any]:
+    """The whole benchmark (module docstring); returns what ``generate.json`` holds. ``command``: the command
+    line's ``--config`` and overrides, which the fresh first-response processes repeat.
 
     Raises:
         UserError: see :func:`train.generate.source.load_served` and ``held_out_prompts``; a forced
@@ -119,6 +128,11 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path,
     paths = [p for p in PATHS if avail[p] is None]
     first = serve(served.model, paths[0], prompts[:1], gen, 1)[0]
     cold = {"first_response_s": first.token_times[-1] - t0, "includes": "model load, prompts, the first request"}
+    fresh = _fresh_process(cfg, run_dir, command, out_dir, avail, notice)
+    if "static-compile" in paths:  # compiled kernels go to (and come from) the shared compile cache
+        from train.compiling.session import setup_cache_dir
+
+        setup_cache_dir(cfg.compile.cache_dir)
     warm: dict[str, Any] = {}
     for path in paths:  # warm-up: static-compile compiles each prompt bucket and batch size it will serve
         t = time.perf_counter()
@@ -155,7 +169,7 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path,
                           "baseline": baseline, "arrivals": "Poisson, precomputed, seed train.seed"},
             "correctness": {"identical_to_dynamic_single": not mismatch, "mismatches": mismatch[:10],
                             "compared": "greedy output ids, fp32, every path single and batched"},
-            "first_response": {"cold": cold, "warm": warm},
+            "first_response": {"cold": cold, "warm": warm, "fresh_process": fresh},
             **peak_memory(torch.device("cpu")), "kv_cache_bytes": None,
             "kv_cache_unavailable_reason": "CPU: the peak is the process's resident memory; the cache is not "
                                            "separable from it",

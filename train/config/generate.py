@@ -36,6 +36,9 @@ class GenerateConfig(Frozen):
     """Goodput's time-per-output-token SLO (ms)."""
     prompt_fraction: float = allowed(0.5, gt=0, lt=1)
     """A held-out sample's prompt: its first ``prompt_fraction`` of tokens (at least one; EOS never in it)."""
+    fresh_process: bool = True
+    """Also time the first response of two fresh processes on ``static-compile``, the first on an empty compile
+    cache and the second on the cache the first filled (train/generate/first_response.py)."""
     truncate_prompts: Optional[str] = allowed(None, choices=(None, "left", "right"))
     """A prompt that leaves no room for ``max_new_tokens`` in the model's context: refused (null), or cut keeping
     its end (``left``) or its start (``right``)."""

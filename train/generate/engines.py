@@ -170,3 +170,11 @@ def static_batching_server(model, prompts: list[list[int]], path: str, gen, max_
         for i, timing in zip(batch, served):
             out[i] = timing
     return [t for t in out if t is not None]
+
+
+def serve(model, path: str, prompts: list[list[int]], gen, batch_size: int,
+          arrivals=None) -> list[RequestTiming]:
+    """``prompts`` served on ``path``: continuous batching, or a static-batching server on ``generate``."""
+    if path == "continuous":
+        return continuous(model, prompts, gen, arrivals)
+    return static_batching_server(model, prompts, path, gen, batch_size, arrivals)
