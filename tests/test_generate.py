@@ -92,6 +92,9 @@ def test_eos_ends_a_request_unless_ignore_eos() -> None:
     assert len(stopped.token_times) == len(stopped.output_ids) < 8
     ignored = generate_batch(model, PROMPTS[:1], "dynamic", greedy_config(transformers, 8, eos, 0, True))[0]
     assert len(ignored.output_ids) == 8
+    model.generation_config.eos_token_id = eos  # as a trained run's export writes it: ignore_eos still ignores it
+    ignored = generate_batch(model, PROMPTS[:1], "dynamic", greedy_config(transformers, 8, eos, 0, True))[0]
+    assert ignored.output_ids == free.output_ids and len(ignored.token_times) == 8
 
 
 def test_a_static_batching_server_counts_queueing_in_latency() -> None:
@@ -193,3 +196,38 @@ def test_fresh_process_children_that_did_not_see_cold_then_warm_are_an_error(tmp
 
     with pytest.raises(RuntimeError, match="cold/cold, expected cold/warm"):
         fresh_process_first_response(None, None, [], tmp_path, runner=runner)
+
+
+def test_the_decode_profile_puts_each_ops_self_time_in_one_category_and_the_rest_in_python() -> None:
+    from train.generate.decode_profile import CATEGORIES, breakdown, category, explain
+
+    assert category("aten::addmm") == "matmuls" and category("aten::_scaled_dot_product_flash_attention_for_cpu") \
+        == "attention" and category("## Call CompiledFxGraph abc ##") == "compiled_kernels"
+    assert category("aten::index_copy_") == "kv_cache" and category("aten::argmax") == "sampling"
+    assert category("aten::rsqrt") == "other_ops"
+
+    class Ev:
+        def __init__(self, name: str, us: float) -> None:
+            self.name, self.self_cpu_time_total = name, us
+
+    events = [Ev("aten::mm", 4000), Ev("aten::linear", 100), Ev("aten::argmax", 200), Ev("aten::rsqrt", 700)]
+    got = breakdown(events, wall_s=0.010, output_tokens=2)  # 5 ms of ops in 10 ms of wall, 2 tokens
+    ms = got["ms_per_output_token"]
+    assert set(ms) == set(CATEGORIES)
+    assert ms["matmuls"] == pytest.approx(2.05) and ms["sampling"] == pytest.approx(0.1)
+    assert ms["python_and_dispatch"] == pytest.approx(2.5) and sum(ms.values()) == pytest.approx(5.0)
+    faster = breakdown(events[:1], wall_s=0.006, output_tokens=2)
+    line = explain({"dynamic": got, "static-compile": faster})[0]
+    assert line.startswith("static-compile vs dynamic: 3.00 vs 5.00") and "python_and_dispatch -1.50" in line
+
+
+def test_a_real_decode_profile_accounts_for_the_wall_time() -> None:
+    from train.generate.decode_profile import profile_single
+    from train.generate.engines import greedy_config
+
+    model = _tiny_llama()
+    gen = greedy_config(transformers, 4, None, 0, True)
+    got = profile_single(model, "dynamic", PROMPTS[:2], gen)
+    ms = got["ms_per_output_token"]
+    assert got["output_tokens"] == 8 and ms["matmuls"] > 0 and ms["compiled_kernels"] == 0
+    assert sum(ms.values()) == pytest.approx(got["wall_ms_per_output_token"], rel=1e-6)

@@ -86,6 +86,18 @@ def _open_loop(model, path: str, prompts, gen, batch_size: int, peak: float, lev
     return out
 
 
+def _decode_profile(model, paths: list[str], prompts: list[list[int]], gen) -> dict[str, Any]:
+    """Single requests of each ``generate`` path profiled (train/generate/decode_profile.py); empty: not asked."""
+    from train.generate.decode_profile import explain, profile_single
+
+    if not prompts:
+        return {"paths": {}, "reason": "generate.profile_requests=0"}
+    profiles = {p: profile_single(model, p, prompts, gen) for p in paths if p != "continuous"}
+    return {"paths": profiles, "explanation": explain(profiles), "requests": len(prompts),
+            "not_profiled": {"continuous": "its engine runs in a thread of its own, outside the capture"}
+            if "continuous" in paths else {}}
+
+
 def _fresh_process(cfg, run_dir: Optional[str], command: tuple[Optional[str], list[str]], out_dir: Path,
                    avail: dict[str, Optional[str]], notice: Callable[[str], None]) -> Optional[dict[str, Any]]:
     """The fresh-process first responses (train/generate/first_response.py), or None when not asked for."""
@@ -143,6 +155,7 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     slo = (g.slo_ttft_ms, g.slo_tpot_ms)
     single = {p: _single(served.model, p, prompts, gen) for p in paths}
     batched = {p: serve(served.model, p, prompts, gen, g.batch_size) for p in paths}
+    decode_profile = _decode_profile(served.model, paths, prompts[:g.profile_requests], gen)
     chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
         _choose(served.model, paths, prompts, gen, g.batch_size, cfg.bench.rounds)
     peak = summarize(batched[chosen])["requests_per_s"]
@@ -169,7 +182,7 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
                           "baseline": baseline, "arrivals": "Poisson, precomputed, seed train.seed"},
             "correctness": {"identical_to_dynamic_single": not mismatch, "mismatches": mismatch[:10],
                             "compared": "greedy output ids, fp32, every path single and batched"},
-            "first_response": {"cold": cold, "warm": warm, "fresh_process": fresh},
+            "first_response": {"cold": cold, "warm": warm, "fresh_process": fresh}, "decode_profile": decode_profile,
             **peak_memory(torch.device("cpu")), "kv_cache_bytes": None,
             "kv_cache_unavailable_reason": "CPU: the peak is the process's resident memory; the cache is not "
                                            "separable from it",

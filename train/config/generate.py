@@ -39,6 +39,9 @@ class GenerateConfig(Frozen):
     fresh_process: bool = True
     """Also time the first response of two fresh processes on ``static-compile``, the first on an empty compile
     cache and the second on the cache the first filled (train/generate/first_response.py)."""
+    profile_requests: int = allowed(4, ge=0)
+    """Single requests profiled per ``generate`` path (train/generate/decode_profile.py: where each output token's
+    time goes); 0: no profile."""
     truncate_prompts: Optional[str] = allowed(None, choices=(None, "left", "right"))
     """A prompt that leaves no room for ``max_new_tokens`` in the model's context: refused (null), or cut keeping
     its end (``left``) or its start (``right``)."""

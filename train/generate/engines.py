@@ -26,13 +26,18 @@ from train.generate.figures import RequestTiming
 
 PATHS = ("dynamic", "static-compile", "continuous")
 PROMPT_BUCKET = 16
+NO_EOS = -1
+"""The EOS id of ``ignore_eos``: no token has it."""
 """``static-compile`` pads prompts to a multiple of this many tokens: one compiled graph per bucket, not per length."""
 
 
 def greedy_config(tf, max_new_tokens: int, eos_id: Optional[int], pad_id: int, ignore_eos: bool):
-    """The ``GenerationConfig`` of every path: greedy, ``max_new_tokens``, EOS honoured unless ``ignore_eos``."""
+    """The ``GenerationConfig`` of every path: greedy, ``max_new_tokens``, EOS honoured unless ``ignore_eos``.
+
+    ``ignore_eos`` sets the EOS id to -1, an id no model emits: an unset one would be filled in from the model's own
+    ``generation_config`` (a trained run's export writes its EOS there) and end requests early."""
     return tf.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                               eos_token_id=None if ignore_eos else eos_id, pad_token_id=pad_id)
+                               eos_token_id=NO_EOS if ignore_eos else eos_id, pad_token_id=pad_id)
 
 
 class _StepClock:
@@ -60,7 +65,7 @@ def left_pad(prompts: list[list[int]], pad_id: int, multiple: int = 1) -> tuple[
 
 
 def _until_eos(row: list[int], eos_id: Optional[int]) -> list[int]:
-    return row[:row.index(eos_id) + 1] if eos_id is not None and eos_id in row else row
+    return row[:row.index(eos_id) + 1] if eos_id is not None and eos_id != NO_EOS and eos_id in row else row
 
 
 def generate_batch(model, prompts: list[list[int]], path: str, gen, sent: Optional[list[float]] = None
