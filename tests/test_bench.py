@@ -143,3 +143,44 @@ def test_packed_inference_is_refused_for_a_model_that_cannot_pack(tiny_cfg) -> N
                    "packed")
     assert Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len,
                       "auto").batching == "bucket"
+
+
+def test_a_decoder_bench_has_decoder_inference_rows(wndb, tmp_path, monkeypatch) -> None:
+    from tests.conftest import tiny_overrides
+    from train.config import load_config
+
+    # compile's first graphs take minutes on a CPU: the rows of the paths that run here, static-compile left out
+    from train.commands import generate
+    real = generate.available_paths
+    monkeypatch.setattr(generate, "available_paths",
+                        lambda m: {**real(m), "static-compile": "left out of this test (compile time)"})
+    llama = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 4, "
+             "num_key_value_heads: 2, intermediate_size: 64}")
+    cfg = load_config(None, tiny_overrides(
+        wndb, tmp_path, "model.task=causal-lm", "model.source=hf:llama", llama, "data.vocab_size=300",
+        "batching.method=packed", "batching.max_tokens=128", "model.packed_attention=sdpa-mask",
+        "model.chunked_loss=false", "bench.configs=naive", "bench.warmup_steps=1", "bench.rounds=2",
+        "bench.window=1", "bench.requests=3", "generate.max_new_tokens=4", "generate.ignore_eos=true",
+        "train.run_id=bench"))
+    run_bench_suite(cfg, notice=lambda _m: None)
+    out = Path(cfg.train.output_dir) / "bench" / "bench"
+    inf = json.loads((out / "bench.json").read_text())["inference"]
+    assert inf["kind"] == "decoder" and "static-compile" in inf["not_run"]
+    for path, modes in inf["paths"].items():
+        assert modes["single"]["requests"] == 3 and modes["single"]["output_tokens"] == 12, path
+        assert modes["single"]["tpot_ms"]["p50"] > 0 and modes["batched"]["output_tokens_per_s"] > 0, path
+    assert set(inf["batched_output_tokens_per_s_vs_dynamic"]) == set(inf["paths"]) - {"dynamic"}
+    md = (out / "bench.md").read_text()
+    assert "## Inference (decoder)" in md and "| dynamic | single |" in md
+
+
+def test_a_decoder_bench_with_a_missing_checkpoint_is_refused_before_any_step(wndb, tmp_path) -> None:
+    from tests.conftest import tiny_overrides
+    from train.config import load_config
+    from train.errors import UserError
+
+    cfg = load_config(None, tiny_overrides(wndb, tmp_path, "model.task=causal-lm", "model.source=hf:llama",
+                                           f"bench.checkpoint={tmp_path / 'nope.pt'}"))
+    with pytest.raises(UserError, match="bench.checkpoint=.*no such file"):
+        run_bench_suite(cfg, notice=lambda _m: None)
+    assert not (Path(cfg.train.output_dir) / "bench").exists()

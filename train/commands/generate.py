@@ -39,7 +39,7 @@ def available_paths(model) -> dict[str, Optional[str]]:
     return out
 
 
-def _single(model, path: str, prompts: list[list[int]], gen) -> list[RequestTiming]:
+def serve_single(model, path: str, prompts: list[list[int]], gen) -> list[RequestTiming]:
     """One request at a time, each sent when the previous one is answered (closed loop, batch 1); continuous
     batching keeps one manager running across them."""
     if path == "continuous":
@@ -47,7 +47,7 @@ def _single(model, path: str, prompts: list[list[int]], gen) -> list[RequestTimi
     return [serve(model, path, [p], gen, 1)[0] for p in prompts]
 
 
-def _choose(model, paths: list[str], prompts, gen, batch_size: int, rounds: int) -> tuple[str, dict[str, Any]]:
+def choose_path(model, paths: list[str], prompts, gen, batch_size: int, rounds: int) -> tuple[str, dict[str, Any]]:
     """``generate.path=auto``: each path's batched run, interleaved over ``rounds`` (the A/B primitive, each run
     self-timed over its span), paired ratios of output tokens/s against ``dynamic``; the fastest median kept."""
     from train.perf.ab import Arm, interleave
@@ -149,15 +149,15 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     for path in paths:  # warm-up: static-compile compiles each prompt bucket and batch size it will serve
         t = time.perf_counter()
         serve(served.model, path, prompts, gen, g.batch_size)
-        _single(served.model, path, prompts, gen)
+        serve_single(served.model, path, prompts, gen)
         warm[path] = {"warmup_s": time.perf_counter() - t}
         notice(f"bench-generate: {path} warmed up in {warm[path]['warmup_s']:.1f} s")
     slo = (g.slo_ttft_ms, g.slo_tpot_ms)
-    single = {p: _single(served.model, p, prompts, gen) for p in paths}
+    single = {p: serve_single(served.model, p, prompts, gen) for p in paths}
     batched = {p: serve(served.model, p, prompts, gen, g.batch_size) for p in paths}
     decode_profile = _decode_profile(served.model, paths, prompts[:g.profile_requests], gen)
     chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
-        _choose(served.model, paths, prompts, gen, g.batch_size, cfg.bench.rounds)
+        choose_path(served.model, paths, prompts, gen, g.batch_size, cfg.bench.rounds)
     peak = summarize(batched[chosen])["requests_per_s"]
     load = _open_loop(served.model, chosen, prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo)
     baseline = _open_loop(served.model, "dynamic", prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo) \

@@ -76,14 +76,27 @@ def load_served(run_dir: Optional[str], cfg) -> Served:
     if not ckpt.is_file():
         raise UserError(f"bench-generate: {d} has no model/ and no checkpoint.pt: the run did not finish; let it "
                         f"finish or resume it (python -m train train --resume {d})")
+    return served_from_checkpoint(str(ckpt), "bench-generate")
+
+
+def served_from_checkpoint(ckpt: str, who: str) -> Served:
+    """The decoder of a ``checkpoint.pt`` (an adapter merged into a copy of its base), fp32, eval mode.
+
+    Raises:
+        UserError: not a decoder's checkpoint, or one that does not load (``who`` begins the message)."""
     from train.checkpoint import load_checkpoint
     from train.models.export import model_from_checkpoint
 
     state = load_checkpoint(ckpt)
-    wrapper = model_from_checkpoint(state, f"bench-generate: {ckpt}")
+    return served_from_wrapper(model_from_checkpoint(state, f"{who}: {ckpt}"), ckpt, state)
+
+
+def served_from_wrapper(wrapper: nn.Module, source: str, state: Optional[dict] = None) -> Served:
+    """A built decoder (train/models' ``ExternalCausalLM``) ready to generate: its transformers model, an adapter
+    merged into a copy; the special ids from the checkpoint ``state`` where given, else the model's config."""
     peft_model = getattr(wrapper, "peft_model", None)
     inner = copy.deepcopy(peft_model).merge_and_unload() if peft_model is not None else wrapper.inner
-    return Served(inner.float().eval(), f"{ckpt}{' (adapter merged)' if peft_model is not None else ''}",
+    return Served(inner.float().eval(), f"{source}{' (adapter merged)' if peft_model is not None else ''}",
                   *_ids(inner.config, state), _context(inner.config))
 
 

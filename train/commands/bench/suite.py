@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from train.commands.bench.decoder_inference import check_decoder_bench, decoder_markdown, run_decoder_inference
 from train.commands.bench.inference import run_inference_bench
 from train.commands.bench.training import (
     CONFIGS,
@@ -25,6 +26,7 @@ from train.commands.bench.training import (
 )
 from train.config import RunConfig
 from train.data import prepare_data
+from train.data.causal_collate import CAUSAL_LM
 from train.data.tokenizer import load_or_train
 from train.errors import atomic_path, atomic_write_text
 from train.setup import start_run
@@ -40,6 +42,8 @@ def run_bench_suite(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
         UserError: an unknown configuration in ``bench.configs``, only rows the model cannot run, bad data or config.
     """
     b = cfg.bench
+    if cfg.model.task == CAUSAL_LM and not b.skip_inference:
+        check_decoder_bench(cfg)
     names, skipped = runnable_rows(cfg, b.config_names() or list(CONFIGS), notice)  # e.g. packed rows on hf: models
     start = start_run(cfg, prefix="bench-")
     run_dir, device = start.run_dir, start.device
@@ -69,7 +73,8 @@ def run_bench_suite(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
     else:
         tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir,
                                cfg.data.tokenizer_path)
-        result["inference"] = run_inference_bench(cfg, bundle, tok, device, notice)
+        result["inference"] = run_decoder_inference(cfg, bundle, notice) if cfg.model.task == CAUSAL_LM \
+            else run_inference_bench(cfg, bundle, tok, device, notice)
     result["env"]["load_1min_at_end"] = machine_facts(device)["load_1min"]
     result["run_dir"] = str(run_dir)
     write_outputs(out_dir, result)
@@ -123,7 +128,9 @@ def markdown(result: dict[str, Any]) -> str:
     if reason:
         lines += ["", f"Energy: not measured — {reason}."]
     inf = result.get("inference")
-    if inf:
+    if inf and inf.get("kind") == "decoder":
+        lines += decoder_markdown(inf)
+    elif inf:
         lines += ["", "## Inference", "", f"Model: {inf['model']}; precision {inf['precision']}; "
                   f"time to first response {inf['time_to_first_response_s']:.2f} s "
                   f"(first request {inf['first_request_ms']:.1f} ms); "
@@ -183,6 +190,8 @@ def plots(out_dir: Path, result: dict[str, Any]) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels, values = list(names), [r["peak_memory_bytes"] / 2**20 for r in rows]
     inf = result.get("inference")
+    if inf and inf.get("kind") == "decoder":  # its latency CDF and throughput-vs-p99 plot are bench-generate's
+        inf = None
     if inf:
         labels += ["inference single", "inference batched"]
         values += [inf["single"]["peak_memory_bytes"] / 2**20, inf["batched"]["peak_memory_bytes"] / 2**20]
