@@ -232,7 +232,7 @@ def test_prepared_pairs_from_a_model_tokenizer(tmp_path: Path) -> None:
     assert (bundle.task, bundle.bos_id, bundle.eos_id, bundle.pad_id, bundle.vocab_size) == ("causal-lm", 0, 1, 1,
                                                                                              3 + 1 + len(WORDS))
     dropped = [line for line in said if "dropped" in line]
-    assert len(dropped) == 1 and dropped[0].startswith("warning: 1 rows dropped, nothing to learn from them: 1 no "
+    assert len(dropped) == 1 and dropped[0].startswith("warning: 1 row dropped, nothing to learn from them: 1 no "
                                                         "completion token fits after the prompt in data.max_len=16 (")
     assert f"{src}:{len(rows)})" in dropped[0]  # the row named, numbered as in the file
     assert bundle.data_facts["dropped_rows"] == {"no_completion_fits": 1}

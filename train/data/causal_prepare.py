@@ -224,7 +224,7 @@ def build(cfg: RunConfig, out: Path) -> dict:
     if d.on_bad_row == "error" and log.total:
         raise refusal(first, log.total, d.max_len)
     if not splits["train"]["rows"]:
-        raise nothing_left(log.counts, f"data.source={d.source!r}", d.max_len)
+        raise nothing_left(log.counts, f"data.source={d.source!r}", d.max_len, first=first)
     prepare.save_tokenizer(tok, tok_info, out)
     data_fp = lm_data_fingerprint(g.training.fingerprint, g.scan.labels[g.scan.splits["train"]])
     meta = cache.meta_for(g.scan.name, [], tok_info, tok_info["vocab_size"], roles.pad_id, data_fp, splits)

@@ -160,7 +160,7 @@ def scan_lm_source(cfg: DataConfig, on_text: Callable[[str], None],
         progress(len(fractions) - done)
     if not fractions and log.total:
         raise (refusal(sorted(log.early), log.total, cfg.max_len) if cfg.on_bad_row == "error"
-               else nothing_left(log.counts, f"data.source={cfg.source!r}", cfg.max_len))
+               else nothing_left(log.counts, f"data.source={cfg.source!r}", cfg.max_len, first=sorted(log.early)))
     if not fractions:
         raise UserError(f"data.source={cfg.source!r}: no examples found")
     labels = np.frombuffer(prompt_chars, dtype=np.int64).copy()

@@ -97,12 +97,16 @@ def drop_line(f: dict, max_len: int, pack_len: Optional[int] = None) -> Optional
     blank = f.get("blank_lines_skipped", 0)
     if not parts and not blank:
         return None
-    said = f"{blank} blank line{'s' if blank != 1 else ''} skipped (first: {f.get('first_blank_line')})"
+    said = f"{_n(blank, 'blank line')} skipped (first: {f.get('first_blank_line')})"
     if not parts:
         return f"note: {said}"
-    line = (f"warning: {sum(counts.values())} rows dropped, nothing to learn from them: " + "; ".join(parts)
+    line = (f"warning: {_n(sum(counts.values()), 'row')} dropped, nothing to learn from them: " + "; ".join(parts)
             + "; fix them, or set data.on_bad_row=error to refuse such data (report.json data.dropped_rows)")
     return line + (f"; {said}" if blank else "")
+
+
+def _n(n: int, word: str) -> str:
+    return f"{n:,} {word}{'s' if n != 1 else ''}"
 
 
 def _lines(locs: list[str], n: int) -> str:
@@ -117,9 +121,12 @@ def refusal(first: list[tuple[int, str, str]], total: int, max_len: int) -> User
                      "or set data.on_bad_row=drop to leave them out (counted)")
 
 
-def nothing_left(counts: dict[str, int], where: str, max_len: int, pack_len: Optional[int] = None) -> UserError:
-    """No training sample has a trained target: how many rows were dropped, and why."""
+def nothing_left(counts: dict[str, int], where: str, max_len: int, pack_len: Optional[int] = None,
+                 first: Sequence[tuple[int, str, str]] = ()) -> UserError:
+    """No training sample has a trained target: how many rows were dropped, and why (``first``: the first dropped
+    rows, ``(source row, cause, location)``, named)."""
     why = "; ".join(f"{n} {_detail(cause, max_len, pack_len)}" for cause, n in sorted(counts.items()) if n)
+    why += f"; first: {', '.join(loc for _src, _cause, loc in first[:SHOWN])}" if first else ""
     fix = ("raise batching.pack_len (or null: data.max_len)" if "no_target_at_pack_len" in counts
            else "raise data.max_len, shorten the prompts or fix the rows")
     return UserError(f"{where}: every training row was dropped, none has a target to train on ({why}); {fix}")
@@ -130,10 +137,10 @@ def long_text_line(policy: str, truncated: int, cut_tokens: int, split_texts: in
     """The one console line saying what ``data.long_text`` did (None when no sample was longer than ``max_len``)."""
     if not truncated and not split_texts:
         return None
-    cut = (f"{truncated} samples longer than data.max_len={max_len} cut to it, {cut_tokens:,} tokens dropped"
+    cut = (f"{_n(truncated, 'sample')} longer than data.max_len={max_len} cut to it, {cut_tokens:,} tokens dropped"
            if truncated else "")
     if policy == "split":
-        made = f"{split_texts} texts longer than data.max_len={max_len} split into {chunks:,} samples"
+        made = f"{_n(split_texts, 'text')} longer than data.max_len={max_len} split into {chunks:,} samples"
         return f"note: data.long_text=split: {made}" + (f"; {cut} (prompt + completion rows)" if cut else "")
     return f"note: data.long_text=truncate: {cut}; data.long_text=split keeps every token (texts as max_len chunks)"
 
