@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
-from tests.conftest import assert_clean_error, run_cli, write_jsonl
+from tests.conftest import WORDS, assert_clean_error, run_cli, word_tokenizer, write_jsonl
+from tests.conftest import causal_cfg as cfg_for
 from train.config import DataConfig, load_config
 from train.data.causal_collate import (
     IGNORE_INDEX,
@@ -33,27 +34,9 @@ from train.data.collate import PadCollate
 from train.data.packing import PackCollate
 from train.errors import UserError
 
-WORDS = ["q", "what", "is", "two", "plus", "four", "the", "answer", "a", "b", "c", "d", "e"]
-
-
-def word_tokenizer(specials=("<s>", "</s>"), bos_template: bool = False) -> Tokenizer:
-    """A whitespace word-level tokenizer: the specials first (ids 0, 1, …), then ``[UNK]``, then :data:`WORDS`."""
-    vocab = {w: i for i, w in enumerate([*specials, "[UNK]", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(list(specials))
-    if bos_template:  # Llama's template: BOS before every text
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    return tok
-
 
 def ids_of(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
-
-
-def cfg_for(tmp_path: Path, *overrides: str):
-    return load_config(None, ["model.task=causal-lm", f"data.cache_dir={tmp_path / 'cache'}", "data.max_len=16",
-                              "data.vocab_size=300", "train.progress=false", "batching.num_buckets=2", *overrides])
 
 
 # -- targets: per sample -----------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import assert_clean_error, run_cli, tiny_overrides, write_jsonl
-from tests.test_causal_data import cfg_for, word_tokenizer
+from tests.conftest import assert_clean_error, run_cli, tiny_overrides, word_tokenizer, write_jsonl
+from tests.conftest import causal_cfg as cfg_for
 from train.config import DataConfig, load_config
 from train.data.causal_collate import causal_targets
 from train.data.causal_prepare import text_pieces
