@@ -20,7 +20,7 @@ from train.config import DataConfig, load_config
 from train.data.causal_collate import causal_targets
 from train.data.causal_prepare import text_pieces
 from train.data.causal_rows import lm_rows_for
-from train.data.readers import csv_records
+from train.data.readers import csv_records, jsonl_records
 from train.errors import UserError
 
 PROMPT = " ".join(["q"] * 10)  # 10 tokens with the word tokenizer (no BOS): 13 with " a b" and EOS
@@ -200,6 +200,9 @@ def test_csv_blank_lines_are_counted_and_said(tmp_path: Path, capsys) -> None:
     p.write_text("text,label\nx,a\n\ny,b\n\r\nz,c\n", encoding="utf-8")
     assert [loc for _r, loc in csv_records(p, lambda _h: None)] == [f"{p}:2", f"{p}:4", f"{p}:6"]
     assert capsys.readouterr().err == f"note: {p}: 2 blank lines skipped (first: {p}:3)\n"
+    j = write_jsonl(tmp_path / "d.jsonl", [{"text": "x", "label": "a"}, "", {"text": "y", "label": "b"}])
+    assert len(list(jsonl_records(j, "text"))) == 2
+    assert capsys.readouterr().err == f"note: {j}: 1 blank line skipped (first: {j}:2)\n"
     blank: list[str] = []
     rows = list(lm_rows_for(DataConfig(source=str(p)), blank.append)[1])
     assert len(rows) == 3 and blank == [f"{p}:3", f"{p}:5"]

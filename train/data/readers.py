@@ -37,11 +37,13 @@ def _field(record: dict, name: str, what: str, loc: str) -> Any:
 def jsonl_records(path: Path, expect: str,
                   on_blank: Optional[Callable[[str], None]] = None) -> Iterator[tuple[dict, str]]:
     """``(record, "file:line")`` for each non-blank line of a JSONL file; ``expect`` says what a record holds (for
-    the message when a line is JSON but not an object); ``on_blank("file:line")`` for each blank line skipped.
+    the message when a line is JSON but not an object); ``on_blank("file:line")`` for each blank line skipped
+    (without it, one ``note:`` line on stderr says how many).
 
     Raises:
         UserError: a line that is not UTF-8, not JSON or not an object (file:line).
     """
+    blank: list[str] = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             loc = f"{path}:{lineno}"
@@ -50,8 +52,7 @@ def jsonl_records(path: Path, expect: str,
             except UnicodeDecodeError as exc:
                 raise UserError(f"{loc}: not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
             if not line.strip():
-                if on_blank is not None:
-                    on_blank(loc)
+                (on_blank or blank.append)(loc)
                 continue
             try:
                 record = json.loads(line)
@@ -61,6 +62,14 @@ def jsonl_records(path: Path, expect: str,
             if not isinstance(record, dict):
                 raise UserError(f"{loc}: expected a JSON object with {expect}")
             yield record, loc
+    blank_note(path, blank)
+
+
+def blank_note(path: Path, blank: list[str]) -> None:
+    """One ``note:`` line on stderr for the blank lines (their ``file:line``) a reader skipped; none without any."""
+    if blank:
+        print(f"note: {path}: {len(blank)} blank line{'s' if len(blank) > 1 else ''} skipped (first: {blank[0]})",
+              file=sys.stderr, flush=True)
 
 
 def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
@@ -122,9 +131,7 @@ def csv_records(path: Path, check_header: Callable[[list[str]], None],
                 yield dict(zip(header, row)), loc
     except csv.Error as exc:
         raise UserError(f"{path}: malformed CSV ({exc})") from None
-    if blank:
-        print(f"note: {path}: {len(blank)} blank line{'s' if len(blank) > 1 else ''} skipped (first: {blank[0]})",
-              file=sys.stderr, flush=True)
+    blank_note(path, blank)
 
 
 def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
