@@ -146,6 +146,8 @@ def test_long_text_split_makes_max_len_samples_every_token_a_target_once(tmp_pat
     assert sum(len(s) for s in bundle.splits.values()) == len(rows) - 1 + len(pieces)
     assert all(len(bundle.corpus.split(k)) == len(s) for k, s in bundle.splits.items())  # texts sample for sample
     assert f"note: data.long_text=split: 1 text longer than data.max_len=16 split into {len(pieces)} samples" in said
+    truncated, _ = prepare(tmp_path, rows)
+    assert truncated.data_fingerprint != bundle.data_fingerprint  # a bucket plan of one does not pass for the other
 
 
 def test_long_text_split_is_refused_for_a_classifier() -> None:

@@ -195,9 +195,10 @@ def _encode_split(cfg: RunConfig, tok, roles: Roles, g: prepare.Gathered, name: 
             "split_chunks": counts["chunks"]}
 
 
-def lm_data_fingerprint(texts_fp: str, prompt_chars: np.ndarray) -> str:
-    """The training data's fingerprint for a causal LM: its texts and where each prompt ends."""
-    h = hashlib.sha256(f"causal-lm:{texts_fp}:".encode())
+def lm_data_fingerprint(texts_fp: str, prompt_chars: np.ndarray, long_text: str = "truncate") -> str:
+    """The training data's fingerprint for a causal LM: its texts, where each prompt ends and, when long texts are
+    split (other samples, other lengths: a bucket plan fitted on truncated ones does not apply), that."""
+    h = hashlib.sha256(f"causal-lm:{texts_fp}:".encode() + (b"" if long_text == "truncate" else long_text.encode()))
     h.update(np.ascontiguousarray(prompt_chars, dtype=np.int64).tobytes())
     return h.hexdigest()[:16]
 
@@ -226,7 +227,7 @@ def build(cfg: RunConfig, out: Path) -> dict:
     if not splits["train"]["rows"]:
         raise nothing_left(log.counts, f"data.source={d.source!r}", d.max_len, first=first)
     prepare.save_tokenizer(tok, tok_info, out)
-    data_fp = lm_data_fingerprint(g.training.fingerprint, g.scan.labels[g.scan.splits["train"]])
+    data_fp = lm_data_fingerprint(g.training.fingerprint, g.scan.labels[g.scan.splits["train"]], d.long_text)
     meta = cache.meta_for(g.scan.name, [], tok_info, tok_info["vocab_size"], roles.pad_id, data_fp, splits)
     meta["data_facts"] = {**facts(log, first), "on_bad_row": d.on_bad_row, "long_text": d.long_text,
                           "truncated_samples": sum(s["truncated"] for s in splits.values()),
