@@ -61,7 +61,7 @@ def test_every_row_without_a_target_is_one_line_exit_2_and_no_run_directory(tmp_
     src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": " ".join(["q"] * 15), "completion": " a"}] * 30)
     proc = run_cli("train", *tiny_overrides(tmp_path, tmp_path, "model.task=causal-lm", "data.max_len=16",
                                             f"data.source={src}", word_tok(tmp_path), "train.run_id=x"))
-    assert_clean_error(proc, "every training row was dropped, none has a target to train on (30 no completion token "
+    assert_clean_error(proc, "no training row is left with a target to train on (dropped: 30 no completion token "
                        f"fits after the prompt in data.max_len=16; first: {src}:1, {src}:2, {src}:3)")
     assert proc.stderr.count("\n") == 1
     assert not (tmp_path / "runs" / "x").exists()
@@ -72,7 +72,9 @@ def test_every_row_without_a_target_is_one_line_exit_2_and_no_run_directory(tmp_
 def test_a_pack_len_shorter_than_every_prompt_is_refused_naming_it(tmp_path: Path) -> None:
     msg = refused(tmp_path, [{"prompt": PROMPT, "completion": " a b"}] * 40, "batching.method=packed",
                   "batching.pack_len=8")
-    assert msg.startswith("batching.pack_len=8: every training row was dropped") and "raise batching.pack_len" in msg
+    assert msg.startswith("batching.pack_len=8: no training row is left with a target to train on (dropped: 40 no "
+                          "completion token fits after the prompt in batching.pack_len=8)")
+    assert msg.endswith("raise batching.pack_len (or null: data.max_len)")
 
 
 def test_packed_rows_without_a_target_are_not_built(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ def nothing_left(counts: dict[str, int], where: str, max_len: int, pack_len: Opt
     why += f"; first: {', '.join(loc for _src, _cause, loc in first[:SHOWN])}" if first else ""
     fix = ("raise batching.pack_len (or null: data.max_len)" if "no_target_at_pack_len" in counts
            else "raise data.max_len, shorten the prompts or fix the rows")
-    return UserError(f"{where}: every training row was dropped, none has a target to train on ({why}); {fix}")
+    return UserError(f"{where}: no training row is left with a target to train on (dropped: {why}); {fix}")
 
 
 def long_text_line(policy: str, truncated: int, cut_tokens: int, split_texts: int, chunks: int,
