@@ -27,6 +27,8 @@ from train.compat import hf_attn_implementation
 from train.config import load_config
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from train.precision import PrecisionPolicy
     from train.trainer import Trainer
 
@@ -382,3 +384,27 @@ def packed_causal_batch(samples: list[torch.Tensor], rows=CAUSAL_ROWS, capacity:
             at, slot = at + len(s), slot + 1
     return {"input_ids": ids, "attention_mask": seq >= 0, "position_ids": pos, "seq_index": seq, "labels": labels,
             "num_seqs": slot}
+
+
+# --- causal-LM data (tests/test_causal_data.py, tests/test_data_policies.py) ---
+
+WORDS = ["q", "what", "is", "two", "plus", "four", "the", "answer", "a", "b", "c", "d", "e"]
+
+
+def word_tokenizer(specials=("<s>", "</s>"), bos_template: bool = False) -> "Tokenizer":
+    """A whitespace word-level tokenizer: the specials first (ids 0, 1, …), then ``[UNK]``, then :data:`WORDS`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {w: i for i, w in enumerate([*specials, "[UNK]", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(specials))
+    if bos_template:  # Llama's template: BOS before every text
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return tok
+
+
+def causal_cfg(tmp_path: Path, *overrides: str):
+    """A causal-LM config for the data tests: max_len 16, the caches under ``tmp_path``."""
+    return load_config(None, ["model.task=causal-lm", f"data.cache_dir={tmp_path / 'cache'}", "data.max_len=16",
+                              "data.vocab_size=300", "train.progress=false", "batching.num_buckets=2", *overrides])

@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
 
-from tests.conftest import assert_clean_error, run_cli, write_jsonl
+from tests.conftest import WORDS, assert_clean_error, run_cli, word_tokenizer, write_jsonl
+from tests.conftest import causal_cfg as cfg_for
 from train.config import DataConfig, load_config
 from train.data.causal_collate import (
     IGNORE_INDEX,
@@ -33,27 +34,9 @@ from train.data.collate import PadCollate
 from train.data.packing import PackCollate
 from train.errors import UserError
 
-WORDS = ["q", "what", "is", "two", "plus", "four", "the", "answer", "a", "b", "c", "d", "e"]
-
-
-def word_tokenizer(specials=("<s>", "</s>"), bos_template: bool = False) -> Tokenizer:
-    """A whitespace word-level tokenizer: the specials first (ids 0, 1, …), then ``[UNK]``, then :data:`WORDS`."""
-    vocab = {w: i for i, w in enumerate([*specials, "[UNK]", *WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(list(specials))
-    if bos_template:  # Llama's template: BOS before every text
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    return tok
-
 
 def ids_of(tok: Tokenizer, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False).ids
-
-
-def cfg_for(tmp_path: Path, *overrides: str):
-    return load_config(None, ["model.task=causal-lm", f"data.cache_dir={tmp_path / 'cache'}", "data.max_len=16",
-                              "data.vocab_size=300", "train.progress=false", "batching.num_buckets=2", *overrides])
 
 
 # -- targets: per sample -----------------------------------------------------------------------------------------
@@ -84,7 +67,7 @@ def test_encoding_a_text_and_a_pair_with_bos() -> None:
     assert second == [0, *ids_of(tok, prompt), *ids_of(tok, "four"), 1]
     assert chunk.n_prompt[1] == 1 + len(ids_of(tok, prompt))
     assert second[chunk.n_prompt[1]] == tok.token_to_id("four")
-    assert chunk.truncated == 0 and chunk.keep.all()
+    assert chunk.truncated == 0 and not chunk.dropped
 
 
 def test_truncation_keeps_eos_and_a_completion_cut_away_is_dropped() -> None:
@@ -95,13 +78,13 @@ def test_truncation_keeps_eos_and_a_completion_cut_away_is_dropped() -> None:
     fits = " ".join(["c"] * 4)
     texts = [long_text, prompt + " d e", fits + " d e e e e e"]
     chunk = encode_lm_chunk(tok, roles, texts, np.array([0, len(prompt), len(fits)]), 8)
-    assert chunk.keep.tolist() == [True, False, True]
+    assert chunk.dropped == [(1, "no_completion_fits")]
     assert chunk.truncated == 2  # the text and the third row (its completion cut, not away)
     seqs = np.split(chunk.ids, np.cumsum(chunk.lengths)[:-1])
     assert [len(s) for s in seqs] == [8, 8] and all(s[-1] == 1 for s in seqs)  # EOS kept
     assert chunk.n_prompt.tolist() == [0, 4]
     too_long = encode_lm_chunk(tok, roles, [" ".join(["b"] * 9) + " d"], np.array([17]), 8)
-    assert too_long.too_long == (0, 9)
+    assert too_long.dropped == [(0, "prompt_too_long")]
 
 
 # -- batches -----------------------------------------------------------------------------------------------------
@@ -232,7 +215,10 @@ def test_prepared_pairs_from_a_model_tokenizer(tmp_path: Path) -> None:
     assert (bundle.task, bundle.bos_id, bundle.eos_id, bundle.pad_id, bundle.vocab_size) == ("causal-lm", 0, 1, 1,
                                                                                              3 + 1 + len(WORDS))
     dropped = [line for line in said if "dropped" in line]
-    assert len(dropped) == 1 and dropped[0].startswith("warning: 1 prompt + completion samples dropped")
+    assert len(dropped) == 1 and dropped[0].startswith("warning: 1 row dropped, nothing to learn from them: 1 no "
+                                                        "completion token fits after the prompt in data.max_len=16 (")
+    assert f"{src}:{len(rows)})" in dropped[0]  # the row named, numbered as in the file
+    assert bundle.data_facts["dropped_rows"] == {"no_completion_fits": 1}
     tok = Tokenizer.from_file(str(path))
     n = {name: len(s) for name, s in bundle.splits.items()}
     assert sum(n.values()) == len(rows) - 1 and all(len(bundle.corpus.split(k)) == v for k, v in n.items())
@@ -253,12 +239,12 @@ def test_wordnet_glosses_are_text_rows_split_like_classification(wndb: Path) -> 
 
     cfg = DataConfig(wordnet_dir=str(wndb))
     rows = list(lm_rows_for(cfg)[1])
-    assert rows and all(prompt == "" for _, prompt, _, _ in rows)
+    assert rows and all(prompt == "" and cause is None for _, prompt, _, _, cause in rows)
     texts: list[str] = []
     classified: list[str] = []
     lm = scan_lm_source(cfg, texts.append)
     cls = scan_source(cfg, classified.append)
-    assert texts == [gloss for _, _, gloss, _ in rows] and len(texts) == len(classified)
+    assert texts == [gloss for _, _, gloss, _, _ in rows] and len(texts) == len(classified)
     assert all(c.endswith(": " + t) for c, t in zip(classified, texts))  # "lemmas: gloss" → the gloss alone
     assert all((lm.splits[s] == cls.splits[s]).all() for s in lm.splits) and lm.label_names == []
     assert (lm.labels == 0).all()
@@ -298,7 +284,8 @@ def test_a_row_with_neither_text_nor_completion(tmp_path: Path) -> None:
 
 
 def test_an_empty_completion_and_a_prompt_without_one(tmp_path: Path) -> None:
-    assert "d.jsonl:2: empty completion; " in bad(tmp_path, [{"text": "a"}, {"prompt": "q", "completion": " "}])
+    assert "row a model cannot learn from: " + f"{tmp_path / 'd.jsonl'}:2: whitespace-only completion; " in \
+        bad(tmp_path, [{"text": "a"}, {"prompt": "q", "completion": " "}], "data.on_bad_row=error")
     assert "d.jsonl:1: a prompt without a completion" in bad(tmp_path, [{"prompt": "q"}])
     assert "d.jsonl:1: completion ('completion') must be a string, got int" in \
         bad(tmp_path, [{"prompt": "q", "completion": 3}])
@@ -307,8 +294,9 @@ def test_an_empty_completion_and_a_prompt_without_one(tmp_path: Path) -> None:
 
 def test_a_prompt_longer_than_max_len_writes_nothing(tmp_path: Path) -> None:
     rows = [{"text": f"row {i} of text"} for i in range(40)] + [{"prompt": "word " * 40, "completion": "end"}]
-    msg = bad(tmp_path, rows)
-    assert msg.startswith(f"{tmp_path / 'd.jsonl'}:41: the prompt is ") and "longer than data.max_len=16" in msg
+    msg = bad(tmp_path, rows, "data.on_bad_row=error")
+    assert msg.startswith(f"1 row a model cannot learn from: {tmp_path / 'd.jsonl'}:41: prompt longer than "
+                          "data.max_len=16; ")
     assert not [p for p in (tmp_path / "cache" / "data").iterdir()]  # no entry, no temporary directory left
 
 
@@ -339,13 +327,12 @@ def test_csv_without_either_form_of_columns(tmp_path: Path) -> None:
         csv.writer(f).writerows([["text", "prompt", "completion"], ["", "q", "a"], ["t", "", ""], ["", "", ""]])
     rows = lm_rows_for(DataConfig(source=str(tmp_path / "e.csv")))[1]
     assert [next(rows)[1:3], next(rows)[1:3]] == [("q", "a"), ("", "t")]  # blank cells: not given
-    with pytest.raises(UserError, match=r"e\.csv:4: empty text"):
-        next(rows)
+    assert next(rows)[1:] == ("", "", f"{tmp_path / 'e.csv'}:4", "empty_text")  # data.on_bad_row decides
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "completion": ""}])
     proc = run_cli("buckets", "model.task=causal-lm", f"data.source={src}", f"data.cache_dir={tmp_path / 'c'}",
-                   f"train.output_dir={tmp_path / 'runs'}")
-    assert_clean_error(proc, f"{src}:1: empty completion")
+                   f"train.output_dir={tmp_path / 'runs'}", "data.on_bad_row=error")
+    assert_clean_error(proc, f"{src}:1: whitespace-only completion")
     assert proc.stderr.count("\n") == 1

@@ -74,6 +74,9 @@ class RunConfig(Frozen):
 
         if self.data.tokenizer_path is None:  # the model directory's own tokenizer, if it has one
             self.data.tokenizer_path = model_dir_tokenizer(self.model.source, self.data.cache_dir)
+        if self.data.long_text == "split" and self.model.task != "causal-lm":
+            raise UserError(f"data.long_text=split cuts a text into data.max_len chunks, each a causal-LM sample; "
+                            f"model.task={self.model.task} has one label per text: set data.long_text=truncate")
         if self.batching.pack_len is not None and self.batching.pack_len > self.data.max_len:
             raise UserError(f"batching.pack_len={self.batching.pack_len} exceeds data.max_len={self.data.max_len} (the "
                             "position table); lower batching.pack_len or raise data.max_len")

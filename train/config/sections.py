@@ -44,6 +44,15 @@ class DataConfig(Frozen):
     evaluation's ``samples`` state it."""
     max_len: int = allowed(128, ge=3)
     """Maximum sequence length in tokens, ``[CLS]`` and ``[SEP]`` included; longer inputs are truncated and counted."""
+    on_bad_row: str = allowed("drop", choices=("drop", "error"))
+    """``model.task=causal-lm``: a row a model cannot learn from (an empty text or whitespace-only completion, a prompt
+    longer than ``max_len``, a completion with no room after its prompt): ``drop`` leaves it out, counted by cause
+    (one ``warning:`` line naming the first lines; report.json ``data.dropped_rows``), ``error`` refuses the data
+    listing every such line at once (the first ten and the total; exit 2)."""
+    long_text: str = allowed("truncate", choices=("truncate", "split"))
+    """``model.task=causal-lm``: a sample longer than ``max_len``: ``truncate`` cuts it to ``max_len`` tokens (EOS
+    kept; the tokens dropped counted), ``split`` cuts a text row into ``max_len`` chunks, each a sample, every token
+    a target once (a prompt + completion row is still truncated). Classifiers truncate."""
     vocab_size: int = allowed(8192, ge=10)
     """Vocabulary size when the tokenizer is trained on the training split: WordPiece, or for ``model.task=causal-lm``
     a byte-level BPE (it has at least its 257 base tokens: the 256 bytes and ``<|endoftext|>``)."""

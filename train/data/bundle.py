@@ -19,6 +19,7 @@ import train.data.causal_prepare as causal_prepare
 import train.data.prepare as prepare
 from train.config import RunConfig
 from train.data.buckets import BucketPlan
+from train.data.data_policy import nothing_left, untrainable_at, without
 from train.data.sources import Corpus, check_classes
 from train.data.tokenizer import TokenizedSplit
 from train.errors import UserError
@@ -52,6 +53,9 @@ class DataBundle:
     ``tokenizer_info["roles"]["add_bos"]``."""
     eos_id: Optional[int] = None
     """Causal LM: the EOS id every sample ends with (``pad_id`` is EOS's when the tokenizer has no pad token)."""
+    data_facts: dict = field(default_factory=dict)
+    """Causal LM: what preparation dropped (by cause), cut or split: report.json ``data``
+    (train/data/data_policy.py)."""
 
     @property
     def num_classes(self) -> int:
@@ -188,11 +192,12 @@ def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: 
     """Load (or reuse), split, tokenize and plan the buckets. Raises UserError for any bad input."""
     p = prepare_splits(cfg)
     task, roles = cfg.model.task, p.tokenizer_info.get("roles") or {}
-    if task == "causal-lm":  # no classes; the samples left out said once
+    data_facts = dict(p.data_facts)
+    if task == "causal-lm":  # no classes; the samples left out, cut or split said once
         unseen: list = []
-        dropped = causal_prepare.drop_notice(p.splits, cfg.data.max_len)
-        if dropped is not None:
-            notice(dropped)
+        pack_len = _drop_untrainable_packed(cfg, p, data_facts)
+        for line in causal_prepare.data_notices(data_facts, cfg.data.max_len, pack_len):
+            notice(line)
     else:
         unseen = check_classes({name: p.corpus.split(name).labels for name in ("train", "validation", "test")},
                                p.corpus.label_names, notice)
@@ -202,7 +207,30 @@ def prepare_data(cfg: RunConfig, run_dir: Optional[Path] = None, buckets_force: 
     return DataBundle(corpus=p.corpus, splits=p.splits, tokenizer_info=p.tokenizer_info, vocab_size=p.vocab_size,
                       pad_id=p.pad_id, bounds=bounds, pad_to=pad_to, plan=plan, plan_source=source,
                       data_fingerprint=p.data_fingerprint, cache=p.cache, classes_without_training_examples=unseen,
-                      task=task, bos_id=roles.get("bos_id"), eos_id=roles.get("eos_id"))
+                      task=task, bos_id=roles.get("bos_id"), eos_id=roles.get("eos_id"), data_facts=data_facts)
+
+
+def _drop_untrainable_packed(cfg: RunConfig, p: cache.Prepared, data_facts: dict) -> Optional[int]:
+    """Packed rows of ``batching.pack_len`` tokens: leave out of the training split the samples that would have no
+    trained target once cut to it (a prompt that fills the row), so no optimizer step trains nothing; counted in
+    ``data_facts`` (``no_target_at_pack_len``). Returns the ``pack_len`` that applies, or None.
+
+    Raises:
+        UserError: no training sample keeps a target at ``pack_len`` (the setting named before any step).
+    """
+    b = cfg.batching
+    if b.method not in ("packed", "auto") or b.pack_len is None or b.pack_len >= cfg.data.max_len:
+        return None
+    train = p.splits["train"]
+    drop = untrainable_at(train, b.pack_len)
+    if not drop.any():
+        return b.pack_len
+    counts = {**data_facts.get("dropped_rows", {}), "no_target_at_pack_len": int(drop.sum())}
+    if drop.all():
+        raise nothing_left(counts, f"batching.pack_len={b.pack_len}", cfg.data.max_len, b.pack_len)
+    p.splits = {**p.splits, "train": without(train, drop)}
+    data_facts["dropped_rows"] = counts
+    return b.pack_len
 
 
 def fit_bucket_plan(cfg: RunConfig) -> BucketPlan:

@@ -151,6 +151,8 @@ class Prepared:
     pad_id: int
     data_fingerprint: str
     cache: dict[str, Any] = field(default_factory=dict)
+    data_facts: dict[str, Any] = field(default_factory=dict)
+    """Causal LM: what preparation dropped, cut or split (``meta.json`` ``data_facts``: train/data/data_policy.py)."""
 
 
 STALE_AFTER_S = 3600.0
@@ -313,7 +315,8 @@ def load(entry: Path) -> Optional[Prepared]:
     if (entry / "tokenizer.json").is_file():  # the entry's own copy: valid even if the tokenizer cache was cleared
         tok_info["path"] = str(entry / "tokenizer.json")
     return Prepared(corpus=corpus, splits=splits, tokenizer_info=tok_info, vocab_size=meta["vocab_size"],
-                    pad_id=meta["pad_id"], data_fingerprint=meta["data_fingerprint"])
+                    pad_id=meta["pad_id"], data_fingerprint=meta["data_fingerprint"],
+                    data_facts=meta.get("data_facts", {}))
 
 
 def user_tokenizer_fingerprint(path: Optional[str]) -> Optional[str]:

@@ -19,12 +19,14 @@ import numpy as np
 
 import train.data.wordnet as wordnet  # the module itself, not the package: no package <-> submodule import loop
 from train.config import DataConfig
+from train.data.data_policy import DropLog, nothing_left, refusal
 from train.data.readers import FILE_TYPES, csv_records, hf_records, jsonl_records, parquet_columns, source_rows
 from train.data.sources import Scan, split_rows, stable_fraction
 from train.errors import UserError
 
-LMRow = tuple[str, str, str, str]
-"""``(split key, prompt, completion, location)``; a text row: an empty prompt and its text as the completion."""
+LMRow = tuple[str, str, str, str, Optional[str]]
+"""``(split key, prompt, completion, location, drop cause)``; a text row: an empty prompt and its text as the
+completion. The cause (a key of :data:`train.data.data_policy.WHY`) is None for a row to train on."""
 
 
 def fields_fix(cfg: DataConfig) -> str:
@@ -33,13 +35,15 @@ def fields_fix(cfg: DataConfig) -> str:
             "data.completion_field, to the right names")
 
 
-def lm_row(record: dict, cfg: DataConfig, loc: str, blank_is_missing: bool = False) -> tuple[str, str]:
-    """``(prompt, completion)`` of one record (a text row: ``("", text)``). A field is given when the record has it
-    and it is not null (``blank_is_missing``: nor an empty CSV cell).
+def lm_row(record: dict, cfg: DataConfig, loc: str, blank_is_missing: bool = False) -> tuple[str, str, Optional[str]]:
+    """``(prompt, completion, drop cause)`` of one record (a text row: ``("", text, cause)``); the cause is
+    ``empty_text`` / ``empty_completion`` for one of only whitespace (a row to drop or refuse by
+    ``data.on_bad_row``), else None. A field is given when the record has it and it is not null
+    (``blank_is_missing``: nor an empty CSV cell).
 
     Raises:
         UserError: neither a text nor a completion, both, a prompt without a completion, a value that is not a
-            string, an empty text or completion (one line naming ``loc`` and the fix).
+            string (one line naming ``loc`` and the fix).
     """
     def given(name: str) -> bool:
         v = record.get(name)
@@ -51,26 +55,25 @@ def lm_row(record: dict, cfg: DataConfig, loc: str, blank_is_missing: bool = Fal
         raise UserError(f"{loc}: both a text ({tf!r}) and a prompt/completion ({pf!r}, {cf!r}); give a row one "
                         "or the other")
     if not pair and not text and isinstance(record.get(tf), str):  # an empty CSV cell where the text belongs
-        return "", _string(record[tf], tf, "text", loc)
+        return "", record[tf], "empty_text"
     if not pair and not text:
         have = ", ".join(map(str, record)) or "none"
         raise UserError(f"{loc}: neither a text field {tf!r} nor a completion field {cf!r} (fields: {have}); "
                         + fields_fix(cfg))
     if text:
-        return "", _string(record[tf], tf, "text", loc)
+        value = _string(record[tf], tf, "text", loc)
+        return "", value, None if value.strip() else "empty_text"
     if not given(cf):
         raise UserError(f"{loc}: a prompt without a completion ({cf!r} missing); add the completion the model "
                         "should learn, or give the row as a text")
     prompt = _string(record[pf], pf, "prompt", loc) if given(pf) else ""
-    return prompt, _string(record[cf], cf, "completion", loc)
+    completion = _string(record[cf], cf, "completion", loc)
+    return prompt, completion, None if completion.strip() else "empty_completion"
 
 
 def _string(value: Any, field: str, what: str, loc: str) -> str:
     if not isinstance(value, str):
         raise UserError(f"{loc}: {what} ({field!r}) must be a string, got {type(value).__name__}")
-    if what != "prompt" and not value.strip():
-        fix = "remove the row or fill in" if what == "text" else "the model learns the completion: fill in"
-        raise UserError(f"{loc}: empty {what}; {fix} {field!r}")
     return value
 
 
@@ -83,7 +86,7 @@ def _wordnet_rows(cfg: DataConfig) -> Iterator[LMRow]:
     root = wordnet.find_wordnet_dir(cfg.wordnet_dir)
     for s in wordnet.iter_synsets(root):
         if s.gloss.strip():
-            yield f"{s.pos}:{s.offset}", "", s.gloss, f"{root} synset {s.pos}:{s.offset:08d}"
+            yield f"{s.pos}:{s.offset}", "", s.gloss, f"{root} synset {s.pos}:{s.offset:08d}", None
 
 
 def _forms_check(cfg: DataConfig, where: str) -> Callable[[list[str]], None]:
@@ -95,51 +98,58 @@ def _forms_check(cfg: DataConfig, where: str) -> Callable[[list[str]], None]:
     return check
 
 
-def _file_rows(path: Path, cfg: DataConfig) -> Iterator[LMRow]:
+def _file_rows(path: Path, cfg: DataConfig, on_blank: Optional[Callable[[str], None]]) -> Iterator[LMRow]:
     kind = FILE_TYPES[path.suffix.lower()]
     records: Iterator[tuple[dict, str]]
     if kind == "jsonl":
-        records = jsonl_records(path, f"{cfg.text_field!r}, or {cfg.prompt_field!r} and {cfg.completion_field!r}")
+        records = jsonl_records(path, f"{cfg.text_field!r}, or {cfg.prompt_field!r} and {cfg.completion_field!r}",
+                                on_blank)
     elif kind == "csv":
-        records = csv_records(path, _forms_check(cfg, f"{path}:1"))
+        records = csv_records(path, _forms_check(cfg, f"{path}:1"), on_blank)
     else:
         names = [cfg.text_field, cfg.prompt_field, cfg.completion_field]
         columns = parquet_columns(path, names, _forms_check(cfg, str(path)))
         n = len(next(iter(columns.values()))) if columns else 0
         records = (({k: v[i] for k, v in columns.items()}, f"{path}: row {i}") for i in range(n))
     for record, loc in records:
-        prompt, completion = lm_row(record, cfg, loc, blank_is_missing=kind == "csv")
-        yield row_key(prompt, completion), prompt, completion, loc
+        prompt, completion, cause = lm_row(record, cfg, loc, blank_is_missing=kind == "csv")
+        yield row_key(prompt, completion), prompt, completion, loc, cause
 
 
 def _hf_rows(spec: str, cfg: DataConfig) -> Iterator[LMRow]:
     for split_name, i, record, loc in hf_records(spec):
-        prompt, completion = lm_row(record, cfg, loc)
-        yield f"{split_name}:{i}:{row_key(prompt, completion)}", prompt, completion, loc
+        prompt, completion, cause = lm_row(record, cfg, loc)
+        yield f"{split_name}:{i}:{row_key(prompt, completion)}", prompt, completion, loc, cause
 
 
-def lm_rows_for(cfg: DataConfig) -> tuple[str, Iterator[LMRow]]:
-    """The source's name and its causal-LM rows (:data:`LMRow`), read lazily.
+def lm_rows_for(cfg: DataConfig, on_blank: Optional[Callable[[str], None]] = None) -> tuple[str, Iterator[LMRow]]:
+    """The source's name and its causal-LM rows (:data:`LMRow`), read lazily; ``on_blank("file:line")`` for each
+    blank line a JSONL/CSV file skips.
 
     Raises:
         UserError: as :func:`~train.data.readers.rows_for`, and a row of neither form (:func:`lm_row`).
     """
-    return source_rows(cfg, _wordnet_rows, _hf_rows, _file_rows)
+    return source_rows(cfg, _wordnet_rows, _hf_rows, lambda path, c: _file_rows(path, c, on_blank))
 
 
 def scan_lm_source(cfg: DataConfig, on_text: Callable[[str], None],
-                   progress: Optional[Callable[[int], None]] = None) -> Scan:
+                   progress: Optional[Callable[[int], None]] = None, log: Optional[DropLog] = None) -> Scan:
     """:func:`~train.data.sources.scan_source` for causal-LM rows: each row's ``prompt + completion`` handed to
     ``on_text``; ``labels`` holds each row's prompt length in characters (int64; 0 for a text row) and
-    ``label_names`` is empty.
+    ``label_names`` is empty. A row with a drop cause (an empty text or completion) and blank lines are left out
+    and recorded in ``log``: the scan's rows are the rows kept.
 
     Raises:
-        UserError: as :func:`lm_rows_for`; no rows; an empty training split.
+        UserError: as :func:`lm_rows_for`; no rows; every row dropped; an empty training split.
     """
-    name, rows = lm_rows_for(cfg)
+    log = log if log is not None else DropLog()
+    name, rows = lm_rows_for(cfg, log.blank)
     fractions, prompt_chars = array("d"), array("q")
     done = 0
-    for key, prompt, completion, _loc in rows:
+    for source_row, (key, prompt, completion, loc, cause) in enumerate(rows):
+        if cause is not None:
+            log.read_drop(source_row, cause, loc)
+            continue
         fractions.append(stable_fraction(key))
         prompt_chars.append(len(prompt))
         on_text(prompt + completion)
@@ -148,16 +158,27 @@ def scan_lm_source(cfg: DataConfig, on_text: Callable[[str], None],
             done = len(fractions)
     if progress is not None and len(fractions) > done:
         progress(len(fractions) - done)
+    if not fractions and log.total:
+        raise (refusal(sorted(log.early), log.total, cfg.max_len) if cfg.on_bad_row == "error"
+               else nothing_left(log.counts, f"data.source={cfg.source!r}", cfg.max_len, first=sorted(log.early)))
     if not fractions:
         raise UserError(f"data.source={cfg.source!r}: no examples found")
     labels = np.frombuffer(prompt_chars, dtype=np.int64).copy()
     return Scan(name=name, label_names=[], labels=labels, splits=split_rows(fractions, cfg), rows=len(fractions))
 
 
-def lm_row_location(cfg: DataConfig, i: int) -> str:
-    """Where row ``i`` (in the order :func:`lm_rows_for` yields them) is, for a message: the source read again."""
-    name, rows = lm_rows_for(cfg)
-    for k, row in enumerate(rows):
-        if k == i:
-            return row[3]
-    return f"{name}: row {i}"
+def lm_row_locations(cfg: DataConfig, scan_rows: set[int]) -> dict[int, tuple[int, str]]:
+    """Where the scan's rows ``scan_rows`` (numbered as :func:`scan_lm_source` keeps them) are, for a message:
+    ``{scan row: (source row, location)}``, the source read again once."""
+    _name, rows = lm_rows_for(cfg)
+    found: dict[int, tuple[int, str]] = {}
+    kept = -1
+    for source_row, row in enumerate(rows):
+        if row[4] is not None:
+            continue
+        kept += 1
+        if kept in scan_rows:
+            found[kept] = (source_row, row[3])
+            if len(found) == len(scan_rows):
+                break
+    return found

@@ -8,10 +8,11 @@ import json
 import os
 import re
 import socket
+import sys
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import train.data.wordnet as wordnet  # the module itself, not the package: no package <-> submodule import loop
 from train.config import DataConfig
@@ -33,13 +34,16 @@ def _field(record: dict, name: str, what: str, loc: str) -> Any:
     return record[name]
 
 
-def jsonl_records(path: Path, expect: str) -> Iterator[tuple[dict, str]]:
+def jsonl_records(path: Path, expect: str,
+                  on_blank: Optional[Callable[[str], None]] = None) -> Iterator[tuple[dict, str]]:
     """``(record, "file:line")`` for each non-blank line of a JSONL file; ``expect`` says what a record holds (for
-    the message when a line is JSON but not an object).
+    the message when a line is JSON but not an object); ``on_blank("file:line")`` for each blank line skipped
+    (without it, one ``note:`` line on stderr says how many).
 
     Raises:
         UserError: a line that is not UTF-8, not JSON or not an object (file:line).
     """
+    blank: list[str] = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             loc = f"{path}:{lineno}"
@@ -48,6 +52,7 @@ def jsonl_records(path: Path, expect: str) -> Iterator[tuple[dict, str]]:
             except UnicodeDecodeError as exc:
                 raise UserError(f"{loc}: not valid UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
             if not line.strip():
+                (on_blank or blank.append)(loc)
                 continue
             try:
                 record = json.loads(line)
@@ -57,6 +62,14 @@ def jsonl_records(path: Path, expect: str) -> Iterator[tuple[dict, str]]:
             if not isinstance(record, dict):
                 raise UserError(f"{loc}: expected a JSON object with {expect}")
             yield record, loc
+    blank_note(path, blank)
+
+
+def blank_note(path: Path, blank: list[str]) -> None:
+    """One ``note:`` line on stderr for the blank lines (their ``file:line``) a reader skipped; none without any."""
+    if blank:
+        print(f"note: {path}: {len(blank)} blank line{'s' if len(blank) > 1 else ''} skipped (first: {blank[0]})",
+              file=sys.stderr, flush=True)
 
 
 def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
@@ -70,28 +83,55 @@ _INT = re.compile(r"[-+]?[0-9]+")  # ASCII digits only (str.isdigit accepts '²'
 _FLOAT = re.compile(r"[-+]?([0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)([eE][-+]?[0-9]+)?")
 
 
-def csv_records(path: Path, check_header: Callable[[list[str]], None]) -> Iterator[tuple[dict, str]]:
-    """``(record, "file:line")`` for each row of a CSV file (UTF-8, a header line); ``check_header(columns)`` raises
-    for missing columns before the first row.
+def decoded_lines(path: Path, f) -> Iterator[str]:
+    """The lines of the binary file ``f`` (``path``) as text, line endings kept (``\\n``, ``\\r\\n``, ``\\r``), each
+    decoded on its own so an error names its line (a leading BOM is not data).
 
     Raises:
-        UserError: not UTF-8, malformed CSV, a row with another number of columns than the header.
+        UserError: a line that is not UTF-8, or holds a NUL character (``file:line``).
     """
+    lineno = 0
+    for raw in f:
+        for piece in raw.splitlines(keepends=True):  # a lone \\r ends a line too, as in text mode
+            lineno += 1
+            try:
+                line = piece.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: not valid UTF-8 (byte {exc.start + 1} of the line); re-encode the "
+                                "file as UTF-8") from None
+            if "\0" in line:  # most often a UTF-16 file read as UTF-8; never text a model should learn
+                raise UserError(f"{path}:{lineno}: a NUL character (column {line.index(chr(0)) + 1}); a UTF-16 or "
+                                "binary file? save it as UTF-8 text, or remove the NUL characters")
+            yield line
+
+
+def csv_records(path: Path, check_header: Callable[[list[str]], None],
+                on_blank: Optional[Callable[[str], None]] = None) -> Iterator[tuple[dict, str]]:
+    """``(record, "file:line")`` for each row of a CSV file (UTF-8, a header line); ``check_header(columns)`` raises
+    for missing columns before the first row; ``on_blank("file:line")`` for each blank line skipped (without it,
+    one ``note:`` line on stderr says how many).
+
+    Raises:
+        UserError: not UTF-8 or a NUL character (file:line), malformed CSV, a row with another number of columns
+            than the header.
+    """
+    blank: list[str] = []
     try:
-        with open(path, encoding="utf-8-sig", newline="") as f:  # utf-8-sig: a leading BOM is not data
-            reader = csv.DictReader(f)
-            header = reader.fieldnames or []
+        with open(path, "rb") as f:
+            reader = csv.reader(decoded_lines(path, f))
+            header = next(reader, [])
             check_header(list(header))
-            for record in reader:
+            for row in reader:
                 loc = f"{path}:{reader.line_num}"
-                if None in record or any(v is None for v in record.values()):
+                if not row:
+                    (on_blank or blank.append)(loc)
+                    continue
+                if len(row) != len(header):
                     raise UserError(f"{loc}: expected {len(header)} columns as in the header, got a different count")
-                yield record, loc
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not valid UTF-8 (byte offset {exc.start} of a read block); "
-                        "re-encode the file as UTF-8") from None
+                yield dict(zip(header, row)), loc
     except csv.Error as exc:
         raise UserError(f"{path}: malformed CSV ({exc})") from None
+    blank_note(path, blank)
 
 
 def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:

@@ -165,7 +165,7 @@ def _quality(r: ReportInputs) -> dict[str, Any]:
 def _data(cfg: RunConfig, bundle: DataBundle) -> dict[str, Any]:
     """report.json ``data``: the source, split sizes, labels, truncation, fingerprints, tokenizer and cache facts."""
     train_split = bundle.splits["train"]
-    return {
+    data = {
         "name": bundle.corpus.name,
         "source": cfg.data.source,
         "train_samples": len(train_split),
@@ -184,6 +184,13 @@ def _data(cfg: RunConfig, bundle: DataBundle) -> dict[str, Any]:
         "classes_without_training_examples": bundle.classes_without_training_examples,
         **bundle.cache,
     }
+    if cfg.model.task == "causal-lm":  # every row dropped (by cause) and every text cut or split
+        f = bundle.data_facts
+        data.update({"on_bad_row": cfg.data.on_bad_row, "long_text": cfg.data.long_text,
+                     "dropped_rows": f.get("dropped_rows", {}), "dropped_rows_first": f.get("dropped_rows_first", {}),
+                     "blank_lines_skipped": f.get("blank_lines_skipped"), "truncated_tokens": f.get("truncated_tokens"),
+                     "split_texts": f.get("split_texts"), "split_chunks": f.get("split_chunks")})
+    return data
 
 
 def _batching(r: ReportInputs) -> dict[str, Any]:
