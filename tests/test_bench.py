@@ -147,10 +147,10 @@ def test_packed_inference_is_refused_for_a_model_that_cannot_pack(tiny_cfg) -> N
 
 def test_a_decoder_bench_has_decoder_inference_rows(wndb, tmp_path, monkeypatch) -> None:
     from tests.conftest import tiny_overrides
-    from train.config import load_config
 
     # compile's first graphs take minutes on a CPU: the rows of the paths that run here, static-compile left out
     from train.commands import generate
+    from train.config import load_config
     real = generate.available_paths
     monkeypatch.setattr(generate, "available_paths",
                         lambda m: {**real(m), "static-compile": "left out of this test (compile time)"})
