@@ -231,3 +231,26 @@ def test_a_real_decode_profile_accounts_for_the_wall_time() -> None:
     ms = got["ms_per_output_token"]
     assert got["output_tokens"] == 8 and ms["matmuls"] > 0 and ms["compiled_kernels"] == 0
     assert sum(ms.values()) == pytest.approx(got["wall_ms_per_output_token"], rel=1e-6)
+
+
+def test_the_kv_cache_share_follows_the_models_shape_and_each_paths_allocation() -> None:
+    from train.generate.resources import kv_bytes_per_token, kv_cache_tokens
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
+    assert kv_bytes_per_token(cfg, torch.float32) == 2 * 3 * 2 * 8 * 4  # grouped-query: 2 KV heads of dim 8
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 3 * 2 * 8 * 2
+    prompts = [[1] * 5, [1] * 3, [1] * 2]
+    assert kv_cache_tokens("dynamic", prompts, 4, 2) == 2 * (5 + 4)  # the largest batch: two rows at the longest
+    assert kv_cache_tokens("dynamic", prompts + [[1] * 30], 4, 3) == 1 * (30 + 4)  # one long row outweighs three
+    assert kv_cache_tokens("static-compile", prompts, 4, 2) == 2 * (16 + 4)  # rounded up to the prompt bucket
+    assert kv_cache_tokens("continuous", prompts, 4, 2) % 32 == 0  # whole pages, allocated up front
+
+
+def test_generate_precision_places_the_served_model_in_that_dtype_and_unknown_ones_are_refused() -> None:
+    from train.generate.source import Served, place
+
+    model = _tiny_llama()
+    got = place(Served(model, "x", None, 0, None), torch.device("cpu"), "bf16")
+    assert next(got.model.parameters()).dtype == torch.bfloat16 and not got.model.training
+    with pytest.raises(UserError, match="generate.precision"):
+        load_config(None, ["generate.precision=int8"])

@@ -171,7 +171,7 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
     run_config = str(Path(run_dir) / "config.yaml") if run_dir and not args.config else None
     cfg = load_cfg(args, default_config=run_config)
     if args.child:
-        from train.generate.first_response import first_response_child
+        from train.commands.generate import first_response_child
 
         first_response_child(cfg, run_dir, t_start, args.child)
         return 0

@@ -12,6 +12,7 @@ Greedy outputs are compared across paths token by token (fp32). Writes ``runs/<i
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,6 +115,46 @@ def _fresh_process(cfg, run_dir: Optional[str], command: tuple[Optional[str], li
     return fresh
 
 
+def load_decoder(run_dir: Optional[str], cfg):
+    """The decoder to serve: :func:`train.generate.source.load_served`'s, or, for ``model.source=hf:<model_type>``
+    (no run directory, no such local directory), one freshly initialised from the config — serving speed without a
+    trained run (the GPU check's decoders)."""
+    from train.generate.source import load_served, served_from_wrapper
+
+    src = cfg.model.source
+    if run_dir is None and src.startswith("hf:") and "/" not in src[3:] and not Path(src[3:]).exists() \
+            and cfg.model.task == "causal-lm":
+        from train.data import prepare_data
+        from train.setup import build_model
+
+        bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
+        return served_from_wrapper(build_model(cfg, bundle), f"{src} (random init)")
+    return load_served(run_dir, cfg)
+
+
+def first_response_child(cfg, run_dir: Optional[str], t_start: float, out: str) -> None:
+    """One process: the compile cache of ``cfg.compile.cache_dir``, the served model, one request on
+    ``generate.path`` (the first held-out prompt); writes the timings (seconds) to ``out`` as JSON."""
+    from train.compiling.session import setup_cache_dir
+    from train.generate.engines import greedy_config, serve
+    from train.generate.source import held_out_prompts
+    from train.models.hf import import_transformers
+
+    g = cfg.generate
+    cache = setup_cache_dir(cfg.compile.cache_dir)
+    t_load = time.perf_counter()
+    served = load_decoder(run_dir, cfg)
+    prompts, _ = held_out_prompts(cfg, 2, g.prompt_fraction, served.context, g.max_new_tokens, g.truncate_prompts)
+    gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
+    t_sent = time.perf_counter()
+    first = serve(served.model, g.path, prompts[:1], gen, 1)[0]
+    done = first.token_times[-1]
+    atomic_write_text(out, json.dumps({
+        "path": g.path, "time_to_first_response_s": done - t_start, "first_response_s": done - t_sent,
+        "setup_s": t_sent - t_start, "model_and_prompts_s": t_sent - t_load, "output_tokens": len(first.output_ids),
+        "cache_dir": cache.dir, "cache_state": cache.state}, indent=2) + "\n")
+
+
 def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Callable[[str], None] = print,
                        command: tuple[Optional[str], list[str]] = (None, [])) -> dict[str, Any]:
     """The whole benchmark (module docstring); returns what ``generate.json`` holds. ``command``: the command
@@ -122,15 +163,15 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     Raises:
         UserError: see :func:`train.generate.source.load_served` and ``held_out_prompts``; a forced
             ``generate.path`` that cannot run here."""
-    from train.generate.source import held_out_prompts, load_served
+    from train.generate.source import held_out_prompts, place
     from train.models.hf import import_transformers
-    from train.tools.decisions import busy_note
-    from train.tools.env import machine_load
+    from train.tools.env import machine_load, resolve_device
 
     g = cfg.generate
     t0 = time.perf_counter()
     load_start = machine_load()
-    served = load_served(run_dir, cfg)
+    device = resolve_device(cfg.train.device)
+    served = place(load_decoder(run_dir, cfg), device, g.precision)
     prompts, prompt_facts = held_out_prompts(cfg, g.requests, g.prompt_fraction, served.context, g.max_new_tokens,
                                              g.truncate_prompts)
     gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
@@ -145,49 +186,65 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
         from train.compiling.session import setup_cache_dir
 
         setup_cache_dir(cfg.compile.cache_dir)
-    warm: dict[str, Any] = {}
-    for path in paths:  # warm-up: static-compile compiles each prompt bucket and batch size it will serve
-        t = time.perf_counter()
-        serve(served.model, path, prompts, gen, g.batch_size)
-        serve_single(served.model, path, prompts, gen)
-        warm[path] = {"warmup_s": time.perf_counter() - t}
-        notice(f"bench-generate: {path} warmed up in {warm[path]['warmup_s']:.1f} s")
-    slo = (g.slo_ttft_ms, g.slo_tpot_ms)
-    single = {p: serve_single(served.model, p, prompts, gen) for p in paths}
-    batched = {p: serve(served.model, p, prompts, gen, g.batch_size) for p in paths}
-    decode_profile = _decode_profile(served.model, paths, prompts[:g.profile_requests], gen)
-    chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
-        choose_path(served.model, paths, prompts, gen, g.batch_size, cfg.bench.rounds)
-    peak = summarize(batched[chosen])["requests_per_s"]
-    load = _open_loop(served.model, chosen, prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo)
-    baseline = _open_loop(served.model, "dynamic", prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo) \
-        if chosen != "dynamic" else load
-    ref = single["dynamic"]
-    mismatch = _mismatches({**{f"{p} single": t for p, t in single.items()},
-                            **{f"{p} batched": t for p, t in batched.items()}}, ref)
-    from train.perf.memory import peak_memory
+    result = _measure(cfg, served.model, paths, prompts, gen, device, notice)
+    return {"source": served.source, "run_dir": run_dir, **_busy(load_start, machine_load()),
+            "precision": g.precision, "device": str(device),
+            "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
+            "paths": {p: why for p, why in avail.items()}, **result,
+            "first_response": {"cold": cold, "warm": result.pop("warm"), "fresh_process": fresh}}
 
-    load_end = machine_load()
+
+def _busy(load_start: Optional[float], load_end: Optional[float]) -> dict[str, Any]:
+    from train.tools.decisions import busy_note
+
     # the figures of a busy machine are said to be (the train command's note, without its caching clause)
     note = busy_note(max(load_start or 0.0, load_end or 0.0))
     busy = note.replace("; not cached: the machine was busy", "; the machine was busy").split(", so")[0]
-    return {"source": served.source, "run_dir": run_dir, "load_1min": [load_start, load_end], "busy_note": busy,
-            "precision": "fp32", "device": "cpu",
-            "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
-            "paths": {p: why for p, why in avail.items()}, "chosen_path": chosen, "choice": choice,
+    return {"load_1min": [load_start, load_end], "busy_note": busy}
+
+
+def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device: torch.device,
+             notice: Callable[[str], None]) -> dict[str, Any]:
+    """Warm-up, single and batched runs of every path, the decode profile, the choice, the open-loop runs, the
+    correctness comparison, memory (the KV cache's share) and energy: ``generate.json``'s measured part."""
+    from train.generate.resources import energy_per_output_token, kv_cache
+    from train.perf.memory import peak_memory
+
+    g = cfg.generate
+    warm: dict[str, Any] = {}
+    for path in paths:  # warm-up: static-compile compiles each prompt bucket and batch size it will serve
+        t = time.perf_counter()
+        serve(model, path, prompts, gen, g.batch_size)
+        serve_single(model, path, prompts, gen)
+        warm[path] = {"warmup_s": time.perf_counter() - t}
+        notice(f"bench-generate: {path} warmed up in {warm[path]['warmup_s']:.1f} s")
+    slo = (g.slo_ttft_ms, g.slo_tpot_ms)
+    single = {p: serve_single(model, p, prompts, gen) for p in paths}
+    batched = {p: serve(model, p, prompts, gen, g.batch_size) for p in paths}
+    decode_profile = _decode_profile(model, paths, prompts[:g.profile_requests], gen)
+    chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
+        choose_path(model, paths, prompts, gen, g.batch_size, cfg.bench.rounds)
+    peak = summarize(batched[chosen])["requests_per_s"]
+    load = _open_loop(model, chosen, prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo)
+    baseline = _open_loop(model, "dynamic", prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo) \
+        if chosen != "dynamic" else load
+    energy = energy_per_output_token(device, lambda: sum(
+        t.output_tokens for t in serve(model, chosen, prompts, gen, g.batch_size)))
+    mismatch = _mismatches({**{f"{p} single": t for p, t in single.items()},
+                            **{f"{p} batched": t for p, t in batched.items()}}, single["dynamic"])
+    exact = g.precision == "fp32"
+    return {"chosen_path": chosen, "choice": choice, "warm": warm,
             "single": {p: summarize(t, *slo) for p, t in single.items()},
             "batched": {p: {**summarize(t, *slo), "batch_size": g.batch_size if p != "continuous" else None}
                         for p, t in batched.items()},
             "open_loop": {"path": chosen, "levels": load, "baseline_path": "dynamic (static batching)",
                           "baseline": baseline, "arrivals": "Poisson, precomputed, seed train.seed"},
-            "correctness": {"identical_to_dynamic_single": not mismatch, "mismatches": mismatch[:10],
-                            "compared": "greedy output ids, fp32, every path single and batched"},
-            "first_response": {"cold": cold, "warm": warm, "fresh_process": fresh}, "decode_profile": decode_profile,
-            **peak_memory(torch.device("cpu")), "kv_cache_bytes": None,
-            "kv_cache_unavailable_reason": "CPU: the peak is the process's resident memory; the cache is not "
-                                           "separable from it",
-            "energy_j_per_output_token": None,
-            "energy_unavailable_reason": "no NVML energy counter on a CPU"}
+            "correctness": {"identical_to_dynamic_single": not mismatch if exact else None, "mismatches": mismatch[:10],
+                            "compared": f"greedy output ids, {g.precision}, every path single and batched"
+                            + ("" if exact else "; identity is asked of fp32 only (rounding differs between kernels)")},
+            "decode_profile": decode_profile, **peak_memory(device),
+            "kv_cache": kv_cache(model, paths, prompts, g.max_new_tokens, g.batch_size, next(model.parameters()).dtype),
+            **energy}
 
 
 def write_outputs(result: dict[str, Any], out_dir: Path) -> Path:

@@ -25,35 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-from train.errors import atomic_write_text
-
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root (holds the ``train`` package): the children's PYTHONPATH."""
 FRESH_PATH = "static-compile"
 """The path whose first response depends on the compile cache (the others compile nothing)."""
-
-
-def first_response_child(cfg, run_dir: Optional[str], t_start: float, out: str) -> None:
-    """One process: the compile cache of ``cfg.compile.cache_dir``, the served model, one request on
-    ``generate.path`` (the first held-out prompt); writes the timings (seconds) to ``out`` as JSON."""
-    from train.compiling.session import setup_cache_dir
-    from train.generate.engines import greedy_config, serve
-    from train.generate.source import held_out_prompts, load_served
-    from train.models.hf import import_transformers
-
-    g = cfg.generate
-    cache = setup_cache_dir(cfg.compile.cache_dir)
-    t_load = time.perf_counter()
-    served = load_served(run_dir, cfg)
-    prompts, _ = held_out_prompts(cfg, 2, g.prompt_fraction, served.context, g.max_new_tokens, g.truncate_prompts)
-    gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
-    t_sent = time.perf_counter()
-    first = serve(served.model, g.path, prompts[:1], gen, 1)[0]
-    done = first.token_times[-1]
-    atomic_write_text(out, json.dumps({
-        "path": g.path, "time_to_first_response_s": done - t_start, "first_response_s": done - t_sent,
-        "setup_s": t_sent - t_start, "model_and_prompts_s": t_sent - t_load, "output_tokens": len(first.output_ids),
-        "cache_dir": cache.dir, "cache_state": cache.state}, indent=2) + "\n")
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:

@@ -138,6 +138,13 @@ def held_out_prompts(cfg, n: int, fraction: float, context: Optional[int], max_n
                              f"{fraction:g} of the sample's tokens"}
 
 
+def place(served: Served, device: torch.device, precision: str) -> Served:
+    """``served`` with its model on ``device`` in ``precision`` (``fp32``, ``bf16``, ``fp16``), in eval mode."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    served.model = served.model.to(device=device, dtype=dtype).eval()
+    return served
+
+
 def config_of_run(run_dir: str):
     """The resolved config a run wrote (``runs/<id>/config.yaml``).
 
