@@ -56,11 +56,14 @@ def test_a_causal_run_reports_loss_per_target_token_and_packs_one_shape(referenc
         p["throughput_tokens_per_s"] - p["throughput_samples_per_s"], rel=1e-9)
 
 
-def test_a_causal_run_resumes_from_a_middle_checkpoint_bit_identically(reference) -> None:
+def test_a_causal_run_resumes_from_a_middle_checkpoint_bit_identically(reference, capsys) -> None:
     _, root, overrides, _ = reference
     cfg = load_config(None, overrides + ["train.run_id=mid", "train.checkpoint_every=6"])
     report, _ = resume_from_first_checkpoint(cfg, root / "runs" / "mid")
     assert report["resumed_from"]["step"] == 6 and report["task"] == "causal-lm"
+    roles = report["data"]["tokenizer"]["roles"]  # the trained BPE has no pad token: the console says so, once a run
+    assert roles["pad_is_eos"] and sum(line.startswith(f"tokenizer: pad = EOS (id {roles['eos_id']})")
+                                       for line in capsys.readouterr().out.splitlines()) == 2
     assert_same_final_state(root / "runs" / "ref", root / "runs" / "mid")
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from train.commands.train import run_training
-from train.config import RunConfig
+from train.config import RunConfig, load_config
 from train.data import batching_auto, prepare_data
 from train.distributed import DistContext
 from train.models import dropout
@@ -53,12 +54,49 @@ def test_resolve_keeps_explicit_settings_and_measures_nothing(tiny_cfg, monkeypa
 
     monkeypatch.setattr(batching_auto, "measure_layouts", refuse)
     monkeypatch.setattr(dropout, "measure", refuse, raising=False)
-    cfg = tiny_cfg("batching.method=optimal", "model.fast_dropout=false")
+    cfg = tiny_cfg("batching.method=optimal", "model.fast_dropout=false", "train.precision=fp32",
+                   "compile.enabled=false")
     bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
     resolved = resolve_run(cfg, "t", bundle, CPU, DistContext())
     assert resolved.cfg.to_dict() == cfg.with_values({}).to_dict()
     assert resolved.batching_auto is None and resolved.attention is None
     assert resolved.bundle is bundle
+
+
+def _no_probe(*_a, **_k):
+    raise AssertionError("a decision recorded in config.yaml was measured again")
+
+
+def test_config_yaml_records_every_auto_decision_and_a_rerun_measures_none(
+        tiny_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy machine caches no measured decision (another run could choose otherwise): config.yaml holds each one,
+    so ``--config runs/<id>/config.yaml`` makes the same choices without probing. The inputs are forced."""
+    for module in ("train.precision", "train.models.dropout", "train.data.batching_auto"):
+        monkeypatch.setattr(f"{module}.machine_load", lambda: 1e6)  # busy: used for the run, never cached
+    monkeypatch.setattr("train.precision.cpu_native_bf16", lambda: True)
+    monkeypatch.setattr("train.precision.measure_bf16_speedup",
+                        lambda probe, repeats=9: {"fp32_ms": 3.0, "bf16_ms": 1.0, "ratio": 3.0, "repeats": repeats})
+    monkeypatch.setattr(batching_auto, "measure_layouts", _forced_packed)
+    monkeypatch.setattr(dropout, "measure", lambda *_a, **_k: {"speedup": 1.5, "low": 1.2, "high": 1.8, "rounds": 5,
+                                                               "fast_ms": 2.0, "torch_ms": 3.0})
+    cfg = tiny_cfg("train.max_steps=2", "train.eval_every=2", "model.dropout=0.1", "batching.method=auto",
+                   "model.fast_dropout=auto", "train.precision=auto", "compile.enabled=auto")
+    first = run_training(cfg, 0.0)
+    run_dir = Path(first["run_dir"])
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    decided = {"train.precision": "bf16", "compile.enabled": "false", "batching.method": "packed",
+               "model.fast_dropout": "true"}
+    assert {k: saved[k.split(".")[0]][k.split(".")[1]] for k in decided} == decided
+    assert saved["model"]["packed_attention"] != "auto"
+    for module, name in (("train.precision", "measure_bf16_speedup"), ("train.data.batching_auto", "measure_layouts"),
+                         ("train.models.dropout", "measure"), ("train.data.attention", "machine_load")):
+        monkeypatch.setattr(f"{module}.{name}", _no_probe)
+    again = run_training(load_config(str(run_dir / "config.yaml"), ["train.run_id=rerun"]), 0.0)
+    assert again["env"]["precision"] == first["env"]["precision"] == "bf16"
+    assert again["levers"]["fast_dropout"]["applied"] and again["batching"]["method"] == "packed"
+    assert again["batching"]["attention_path"] == first["batching"]["attention_path"]
+    rerun = yaml.safe_load((Path(again["run_dir"]) / "config.yaml").read_text(encoding="utf-8"))
+    assert {**rerun, "train": {**rerun["train"], "run_id": "t"}} == saved
 
 
 LAYERS = (("train.commands", "train.cli", "train.__main__"),

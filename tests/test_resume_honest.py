@@ -167,11 +167,35 @@ def test_a_noise_level_py_spy_overhead_is_printed_as_noise(capsys) -> None:
 
 
 def test_the_changed_keys_are_compared_on_the_resolved_configs() -> None:
+    from train.commands.resume_settings import resume_changes
     from train.errors import UserError
-    from train.resume import resume_changes
 
     saved = load_config(None, ["optim.betas=[0.9, 0.98]"]).to_dict()
     assert resume_changes(saved, load_config(None, ["optim.betas=[0.9, 0.98]", "train.max_steps=9"]), "x") == [
         "train.max_steps None → 9"]
     with pytest.raises(UserError, match=r"optim.betas \[0.9, 0.98\] → \[0.9, 0.999\]"):
         resume_changes(saved, load_config(None, []), "x")
+
+
+def test_a_tokenizer_overwritten_in_place_is_named_and_a_moved_one_is_listed(tmp_path: Path, capsys) -> None:
+    """The refusal names the user's ``data.tokenizer_path`` (not the prepared-data cache's copy of it, which a second
+    attempt reads), and the same tokenizer under another path resumes with the change listed."""
+    from train.data.tokenizer import train_wordpiece
+
+    user, kept = tmp_path / "user.json", tmp_path / "moved.json"
+    train_wordpiece([f"a gloss of word {i} about things" for i in range(200)], 200).save(str(user))
+    shutil.copyfile(user, kept)
+    overrides = tiny_overrides(write_wndb(tmp_path / "wn", synthetic_rows()), tmp_path, "train.max_steps=10",
+                               "train.checkpoint_every=5", f"data.tokenizer_path={user}")
+    assert main(["train", *overrides, "train.run_id=tok"]) == 0
+    run_dir = tmp_path / "runs" / "tok"
+    train_wordpiece([f"other words {i} zzz qqq" for i in range(200)], 200).save(str(user))  # overwritten in place
+    capsys.readouterr()
+    for _ in range(2):  # the second attempt finds the new content prepared in the cache
+        assert main(["train", "--resume", str(run_dir / "checkpoints" / "step-00000005.pt")]) == 2
+        err = capsys.readouterr().err
+        assert f"({user}" in err and str(tmp_path / "cache") not in err, err
+    assert main(["train", "--resume", str(run_dir / "checkpoints" / "step-00000005.pt"),
+                 f"data.tokenizer_path={kept}"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("resuming from"))
+    assert f"changed settings applied: data.tokenizer_path '{user}' → '{kept}' (the same tokenizer)" in line

@@ -6,8 +6,9 @@ Every ``auto`` of a run is decided here, once, in this order: the run id (the ru
 method (``batching.method=auto``: the run's own step on its batches), fast dropout (``model.fast_dropout=auto``), the
 compile switch (``compile.enabled``: a rule), the packed rows' attention path (``model.packed_attention``) and the
 chunked LM loss (``model.chunked_loss``: causal LMs; its step A/B runs on the attention path just chosen). The
-probes run on the run's model through a throwaway trainer and restore it bit-exactly. What comes out is a value:
-nothing after this phase edits the config; :func:`train.setup.build_run` builds the run from it.
+probes run on the run's model through a throwaway trainer and restore it bit-exactly. What comes out is a value, each
+``auto`` replaced by what it decided (so ``config.yaml`` replays the run without measuring): nothing after this phase
+edits the config; :func:`train.setup.build_run` builds the run from it.
 
 Under torchrun rank 0 decides and every rank follows (a measurement cannot split the job).
 """
@@ -124,8 +125,14 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
         batching = decision.as_report()
         say(f"batching: {decision.reason}", flush=True)
     fast_dropout = decided(lambda: _decide_fast_dropout(cfg, model, policy, bundle, device))
+    # every auto becomes what it decided, so a rerun with --config runs/<id>/config.yaml makes the same choices
+    # without measuring (a measurement on a busy machine is not cached, and may choose otherwise next time)
     decided_values = {"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}
+    if cfg.train.precision == "auto":
+        decided_values["train.precision"] = policy.mode
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
+    if cfg.compile.enabled == "auto":
+        decided_values["compile.enabled"] = "true" if compile_enabled else "false"
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
         attention = decided(lambda: attention_choice(cfg, model, policy, bundle, device, compile_enabled))

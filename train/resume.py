@@ -214,8 +214,10 @@ def read_resume_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bundle, spec) -> dict[str, Any]:
-    """Check that ``state`` (from :func:`read_resume_state`) fits this run; returns it.
+def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bundle, spec,
+                       tokenizer_path: Optional[str] = None) -> dict[str, Any]:
+    """Check that ``state`` (from :func:`read_resume_state`) fits this run; returns it. ``tokenizer_path``: the run's
+    ``data.tokenizer_path`` (a refusal names it, not the prepared-data cache's copy the bundle may read).
 
     Raises:
         UserError: another world size, another model shape (e.g. ``data.max_len`` above the checkpoint's
@@ -237,9 +239,9 @@ def check_resume_state(state: dict[str, Any], path: Path, ctx: DistContext, bund
         run_dir = path.parent.parent if path.parent.name == CHECKPOINT_DIR else path.parent
         own = run_dir / "tokenizer.json"
         fix = f"data.tokenizer_path={own}" if own.is_file() else "data.tokenizer_path=<the run's tokenizer.json>"
+        named = f"{tokenizer_path}, data.tokenizer_path" if tokenizer_path else bundle.tokenizer_info.get("path")
         raise UserError(f"{where}: trained with tokenizer {state['tokenizer_fingerprint']} but this run's tokenizer is "
-                        f"{have_tok} ({bundle.tokenizer_info.get('path')}); resume with the run's own tokenizer, "
-                        f"{fix}, or start a new run")
+                        f"{have_tok} ({named}); resume with the run's own tokenizer, {fix}, or start a new run")
     want = asdict(spec)
     for key, have in state["spec"].items():
         if want.get(key) != have:
@@ -291,70 +293,3 @@ def truncate_metrics(path: Path, step: int) -> None:
         if record.get("step", 0) <= step:
             keep.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in keep))
-
-
-# -- what a resume may change -------------------------------------------------------------------------------------
-
-FIXED_SECTIONS = ("data", "batching", "model", "optim")
-"""Sections whose settings are baked into the checkpoint (data order, model shape, optimizer/scheduler state)."""
-MAY_CHANGE = {"data.cache_dir", "data.cache_prepared", "data.num_workers", "data.max_eval_samples", "optim.fused",
-              "optim.clip_norm"}
-"""Keys of those sections that a resume applies (where the data is cached and read, the evaluation bound, AdamW's
-kernel, and ``clip_norm``, an alias of ``clip.max_norm``)."""
-CHECKED_BY_CONTENT = {"data.source", "data.wordnet_dir", "data.tokenizer_path", "data.max_len", "train.precision"}
-"""Keys checked by what they produce, not their text (data and tokenizer fingerprints, the model's position table,
-the checkpoint's precision): a moved file with the same content resumes."""
-FIXED_KEYS = {"train.seed"}
-NOT_SETTINGS = {"train.run_id", "train.output_dir", "train.overwrite", "train.resume_apply"}
-APPLICABLE = ("optim.lr",)
-"""Fixed keys that ``train.resume_apply`` applies for real (:func:`apply_lr`)."""
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and not prefix:
-            out.update(_flat(v, f"{k}."))
-        else:
-            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
-    return out
-
-
-def resume_changes(saved: dict, cfg, where: str) -> list[str]:
-    """Compare the checkpoint's resolved config (``saved``, ``RunConfig.to_dict()``) with the run's (``cfg``): returns
-    the changes that apply, ``"key old → new"`` each (a key the checkpoint does not have is not compared).
-
-    Raises:
-        UserError: a setting that cannot change mid-run differs (data, model, tokenizer, batching, the optimizer's
-            hyper-parameters, ``train.seed``), one line listing each key with both values, unless it is in
-            ``train.resume_apply`` (:data:`APPLICABLE`).
-    """
-    old, new = _flat(saved or {}), _flat(cfg.to_dict())
-    apply = cfg.train.resume_apply
-    refused, applied = [], []
-    for key in sorted(old.keys() & new.keys()):
-        if old[key] == new[key] or key in NOT_SETTINGS or key in CHECKED_BY_CONTENT:
-            continue
-        change = f"{key} {old[key]!r} → {new[key]!r}"
-        fixed = key in FIXED_KEYS or (key.split(".")[0] in FIXED_SECTIONS and key not in MAY_CHANGE)
-        if fixed and key != apply:
-            refused.append(change)
-        else:
-            applied.append(change + (" (written into the optimizer and scheduler)" if key == apply else ""))
-    if refused:
-        how = "".join(f" (or train.resume_apply={k} to apply it)" for k in APPLICABLE
-                      if any(c.startswith(k + " ") for c in refused))
-        raise UserError(f"{where}: these settings cannot change mid-run (checkpoint → requested): "
-                        f"{', '.join(refused)}; resume with the checkpoint's values{how}, or start a new run")
-    return applied
-
-
-def apply_lr(trainer, lr: float) -> None:
-    """Make ``lr`` (the peak learning rate) the run's own after ``trainer.load_state_dict``: every param group's
-    ``initial_lr`` and current ``lr`` (``lr`` × the schedule's factor at this step) and the scheduler's ``base_lrs``."""
-    sched = trainer.scheduler
-    for i, group in enumerate(trainer.optimizer.param_groups):
-        group["initial_lr"] = lr
-        group["lr"] = lr * sched.lr_lambdas[i](sched.last_epoch)
-    sched.base_lrs = [lr] * len(trainer.optimizer.param_groups)
-    sched._last_lr = [g["lr"] for g in trainer.optimizer.param_groups]

@@ -18,11 +18,17 @@ from train.resolve import Resolved
 
 
 def say_data(bundle: DataBundle, data_s: float, say: Callable[..., None]) -> None:
+    """The data line of a run's console (``data_s``: seconds spent preparing it), and a causal LM's pad = EOS line."""
     b, classes = bundle, "" if bundle.task == "causal-lm" else f"{bundle.num_classes} classes, "
     say(f"data: {b.corpus.name}, {len(b.splits['train'])} train / {len(b.splits['validation'])} val / "
         f"{len(b.splits['test'])} test, {classes}vocab {b.vocab_size} "
         f"(tokenizer {b.tokenizer_info['source']}, prepared data {b.cache.get('cache', 'off')}), {data_s:.1f}s",
         flush=True)
+    roles = b.tokenizer_info.get("roles") or {}
+    if roles.get("pad_is_eos"):  # in report.json's data.tokenizer.roles too, but padding with EOS is worth seeing
+        say(f"tokenizer: pad = EOS (id {roles['eos_id']}): the tokenizer has no pad token of its own "
+            f"({roles.get('read_from') or 'its roles'}); padded positions are masked out of attention and loss, each "
+            "sample's own EOS is still trained", flush=True)
 
 
 def write_run_files(resolved: Resolved, run_dir: Path, ctx: DistContext) -> None:

@@ -19,6 +19,7 @@ import torch
 from train.callbacks import AfterFirstStep
 from train.checkpoint import optimizer_state_for
 from train.commands.ranks import prepare_data_on_ranks, reduce_stats
+from train.commands.resume_settings import apply_lr, resume_changes
 from train.commands.run_files import export_at_end, say_data, write_run_files
 from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig
@@ -41,13 +42,11 @@ from train.report.levers import levers_section, model_section
 from train.resolve import Checkpoint, Resolved, decision_lines, resolve_run
 from train.resume import (
     Checkpointer,
-    apply_lr,
     check_resume_state,
     complete_run,
     full_state,
     load_resume,
     restore_rng,
-    resume_changes,
     truncate_metrics,
     write_state,
 )
@@ -184,7 +183,8 @@ def _check_resume(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir:
     # 'builtin'), not as what it changed in the model's spec
     applied, state = agreed(lambda: (
         resume_changes(checkpoint.state.get("config"), resolved.cfg, f"--resume {checkpoint.path}"),
-        check_resume_state(checkpoint.state, checkpoint.path, ctx, resolved.bundle, resolved.model.spec)), ctx)
+        check_resume_state(checkpoint.state, checkpoint.path, ctx, resolved.bundle, resolved.model.spec,
+                           resolved.cfg.data.tokenizer_path)), ctx)
     say(f"resuming from {checkpoint.path} (step {state['step']})"
         + (f"; changed settings applied: {'; '.join(applied)}" if applied else ""), flush=True)
     return Checkpoint(checkpoint.path, state)

@@ -10,17 +10,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from train.commands.optimize.deadline import Deadline, OutOfTime, budget_reason
 from train.commands.optimize.levers import BATCHING, batching_settings
+from train.commands.optimize.preflight import Capabilities, model_capabilities
 from train.commands.optimize.proposals import Evidence, LeverContext
 from train.commands.optimize.schedule import SCHEDULE_KEYS, schedule_in_samples
 from train.compat import fused_adamw_supported
 from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig
 from train.data import make_loader
-from train.data.attention import alternatives
 from train.data.layout_cost import layout_cost
 from train.evaluation import evaluate
 from train.precision import PrecisionPolicy, cpu_native_bf16
@@ -117,13 +116,14 @@ class RunBackend:
     ``bundle``. Profiles are written to ``out_dir/profiles/<n>/summary.{json,md}``."""
 
     def __init__(self, base: RunConfig, bundle: Any, device: torch.device, out_dir: Path,
-                 notice: Callable[[str], None] = print, deadline: Optional[Deadline] = None) -> None:
+                 notice: Callable[[str], None] = print, deadline: Optional[Deadline] = None,
+                 capabilities: Optional[Capabilities] = None) -> None:
         self.base, self.bundle, self.device, self.out_dir, self.notice = base, bundle, device, out_dir, notice
         self.deadline = deadline
         self.default_threads = torch.get_num_threads()
         self._policies: dict[str, PrecisionPolicy] = {}
         self._quality: Optional[list[dict]] = None
-        self._caps: Optional[tuple[bool, int, dict[str, str]]] = None
+        self._caps = capabilities  # the command's, where it built the model already
         self._roofline: dict[str, dict] = {}
         self._costs: dict[str, Any] = {}
         b = base.batching
@@ -155,13 +155,9 @@ class RunBackend:
             self._quality = out
         return self._quality
 
-    def _capabilities(self) -> tuple[bool, int, dict[str, str]]:
+    def _capabilities(self) -> Capabilities:
         if self._caps is None:
-            model = build_model(self.base, self.bundle)
-            drops = sum(1 for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0)
-            paths = ({path: why for path, _, why in alternatives(model, self.device, compiled=False)}
-                     if hasattr(model, "set_packed_attention") else {})
-            self._caps = (bool(getattr(model, "supports_packing", False)), drops, paths)
+            self._caps = model_capabilities(build_model(self.base, self.bundle), self.device)
         return self._caps
 
     def arm(self, name: str, settings: dict[str, Any]) -> RunArm:
@@ -189,10 +185,10 @@ class RunBackend:
 
     def context(self, settings: dict[str, Any]) -> LeverContext:
         cfg = self.cfg(settings)
-        packing, drops, paths = self._capabilities()
-        cuda = self.device.type == "cuda"
-        return LeverContext(cfg=cfg, device_type=self.device.type, supports_packing=packing, dropout_modules=drops,
-                            attention_paths=paths,
+        caps = self._capabilities()
+        packing, cuda = caps.supports_packing, self.device.type == "cuda"
+        return LeverContext(cfg=cfg, device_type=self.device.type, supports_packing=packing,
+                            dropout_modules=caps.dropout_modules, attention_paths=caps.attention_paths,
                             native_bf16=cpu_native_bf16(), cuda_bf16=cuda and torch.cuda.is_bf16_supported(),
                             fused_adamw=fused_adamw_supported(self.device), torch_threads=self.default_threads,
                             planned_steps=self.planned_steps(), batch_shapes=len(replan(cfg, self.bundle).bounds),

@@ -14,23 +14,26 @@ from train.commands.optimize.backend import RunBackend
 from train.commands.optimize.deadline import Deadline, overshoot_allowed
 from train.commands.optimize.levers import CATALOGUE, select
 from train.commands.optimize.outputs import write_outputs
+from train.commands.optimize.preflight import model_capabilities, refuse_inapplicable
 from train.commands.optimize.results import SearchResult
 from train.commands.optimize.search import search
 from train.commands.optimize.settings import SearchSettings
 from train.config import RunConfig
 from train.data import prepare_data
 from train.errors import UserError
-from train.setup import start_run
-from train.tools.env import device_name, machine_facts
+from train.setup import build_model, start_run
+from train.tools.env import device_name, machine_facts, resolve_device
 from train.tools.progress import progress_bar
 
 
-def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str, Any], list[str]]:
+def baseline_settings(cfg: RunConfig, resolved_precision: str,
+                      dropout: bool = True) -> tuple[dict[str, Any], list[str]]:
     """The overrides that make the user's config explicit where it says ``auto`` (so every arm runs one decided
     setting), and a note for each. ``train.precision=auto`` → what auto decided; ``batching.method=auto`` →
-    ``optimal`` (packing is a lever the search measures); ``model.fast_dropout=auto`` → ``false`` (idem);
-    a causal LM's ``model.chunked_loss=auto`` → ``false`` (idem); ``model.packed_attention=auto`` → ``sdpa-mask``
-    (the other paths are the attention lever)."""
+    ``optimal`` (packing is a lever the search measures); ``model.fast_dropout=auto`` → ``false`` (idem; ``dropout``:
+    the model has an ``nn.Dropout`` with p > 0, else nothing to swap); a causal LM's ``model.chunked_loss=auto`` →
+    ``false`` (idem); ``model.packed_attention=auto`` → ``sdpa-mask`` (the other paths are the attention lever).
+    optimized.yaml keeps each ``auto`` that no candidate measured (:func:`optimized_settings`)."""
     out, notes = {}, []
     if cfg.train.precision == "auto":
         out["train.precision"] = resolved_precision
@@ -41,7 +44,8 @@ def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str
     if cfg.model.fast_dropout == "auto":
         out["model.fast_dropout"] = "false"
         notes.append("model.fast_dropout=auto: the baseline runs nn.Dropout; the cheaper mask is the fast_dropout "
-                     "lever")
+                     "lever" if dropout else "model.fast_dropout=auto: the model has no nn.Dropout with p > 0 "
+                     "(nothing to swap)")
     if cfg.model.task == "causal-lm" and cfg.model.chunked_loss == "auto":
         out["model.chunked_loss"] = "false"
         notes.append("model.chunked_loss=auto: the baseline keeps the logits whole; chunking is the chunked_loss lever")
@@ -49,6 +53,14 @@ def baseline_settings(cfg: RunConfig, resolved_precision: str) -> tuple[dict[str
         out["model.packed_attention"] = "sdpa-mask"
         notes.append("model.packed_attention=auto: packed rows run sdpa-mask; the other paths are the attention lever")
     return out, notes
+
+
+def optimized_settings(best: dict[str, Any], pinned: dict[str, Any], decisions: list) -> dict[str, Any]:
+    """What optimized.yaml sets: the search's ``best`` less each ``auto`` the baseline pinned (``pinned``:
+    :func:`baseline_settings`' overrides) that no measured candidate (``decisions``) set — nothing measured it, so
+    the config keeps ``auto`` and decides it as any run does."""
+    measured = {key for d in decisions for key in d.candidate.overrides}
+    return {k: v for k, v in best.items() if k not in pinned or k in measured or v != pinned[k]}
 
 
 def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
@@ -67,13 +79,19 @@ def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
         levers = select(cfg.optimize.lever_names(), CATALOGUE)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    # the data and the model's capabilities before the run directory: a named lever that cannot apply is refused
+    # before anything is measured or written
+    device = resolve_device(cfg.train.device)
+    bundle = prepare_data(cfg, None, notice=notice)
+    caps = model_capabilities(build_model(cfg, bundle), device)
+    if cfg.optimize.levers is not None:
+        refuse_inapplicable(cfg.optimize.lever_names(), cfg, caps, device)
     start = start_run(cfg, prefix="optimize-")
     out_dir = start.run_dir / "optimize"
-    bundle = prepare_data(start.cfg, None, notice=notice)
-    base, notes = baseline_settings(start.cfg, start.policy.mode)
+    base, notes = baseline_settings(start.cfg, start.policy.mode, dropout=caps.dropout_modules > 0)
     for n in notes:
         notice(f"optimize: {n}")
-    backend = RunBackend(start.cfg, bundle, start.device, out_dir, notice, deadline=deadline)
+    backend = RunBackend(start.cfg, bundle, start.device, out_dir, notice, deadline=deadline, capabilities=caps)
     facts = machine_facts(start.device)
     meta = {"config": config_path or "the built-in defaults", "device": device_name(start.device),
             "budget_s": cfg.optimize.budget_s, "overshoot_allowed_s": overshoot_allowed(cfg.optimize.budget_s),
@@ -88,8 +106,9 @@ def run_optimize(cfg: RunConfig, notice: Callable[[str], None] = print,
     def update(res: SearchResult) -> None:
         bar.n = min(int(settings.budget_s), int(deadline.elapsed()))
         bar.refresh()
-        best = start.cfg.with_values({**res.best, "train.run_id": None, "train.overwrite": False})
-        write_outputs(out_dir, res.as_dict(), meta, best)
+        kept = optimized_settings(res.best, base, res.decisions)
+        best = start.cfg.with_values({**kept, "train.run_id": None, "train.overwrite": False})
+        write_outputs(out_dir, res.as_dict(), meta, best, kept)
 
     def on_term(_sig, _frame):
         raise KeyboardInterrupt

@@ -49,7 +49,9 @@ def grid_arms(start: RunStart, backend: Any, optimized: Optional[RunConfig]) -> 
     named = {name_of(p): {**p, **backend.schedule(p)} for p in points}
     named["baseline"] = baseline_settings(start.cfg, start.policy.mode)[0]
     if optimized is not None:
-        named["optimized"] = {k: optimized.value(k) for k in SETTINGS_KEYS}
+        # an auto the search left unmeasured runs as its baseline ran it
+        named["optimized"] = {**{k: optimized.value(k) for k in SETTINGS_KEYS},
+                              **baseline_settings(optimized, start.policy.mode)[0]}
     return named
 
 

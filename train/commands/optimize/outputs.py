@@ -131,11 +131,14 @@ def plot_waterfall(res: dict[str, Any], path: Path) -> Optional[str]:
     return None
 
 
-def write_outputs(out_dir: Path, res: dict[str, Any], meta: dict[str, Any], optimized: RunConfig) -> None:
-    """optimized.yaml, optimize.json, optimize.md and waterfall.png (each atomically)."""
+def write_outputs(out_dir: Path, res: dict[str, Any], meta: dict[str, Any], optimized: RunConfig,
+                  settings: Optional[dict[str, Any]] = None) -> None:
+    """optimized.yaml, optimize.json, optimize.md and waterfall.png (each atomically). ``settings``: what ``optimized``
+    sets over the config (its header names them; None: ``res["best"]``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    over = res["best"] if settings is None else settings
     atomic_write_text(out_dir / "optimized.yaml", "# written by make optimize: the best configuration it measured "
-                      f"({meta.get('config')} + {json.dumps(res['best'])})\n" + dump_config(optimized))
+                      f"({meta.get('config')} + {json.dumps(over)})\n" + dump_config(optimized))
     why = plot_waterfall(res, out_dir / "waterfall.png")
     payload = {**res, "meta": meta, "waterfall_png": None if why else str(out_dir / "waterfall.png"),
                "waterfall_png_unavailable_reason": why}
