@@ -22,10 +22,12 @@ OUT=${OUT:-runs/gpu-check}
 WORK=${WORK:-$OUT.work}
 CONFIG=${CONFIG:-configs/gpu-bert-base.yaml}
 DRY_RUN=${DRY_RUN:-0}
-ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit,optimize,causal-lm"
+ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit,optimize,causal-lm,generate,generate-0.5b"
 # On a GPU the default leaves compile-default and causal-lm out: with cold caches the compile steps need ~120 s each,
 # and all ten steps' budgets would not fit one 10-minute call. STEPS=compile-default,causal-lm runs them (a second
 # call): causal-lm trains the tiny Llama of configs/causal-cpu.yaml packed, bf16, compiled, with the chunked loss.
+# generate and generate-0.5b (bench-generate on a random-init tiny Llama and on a Qwen2-0.5B-shaped one, bf16: TTFT and
+# TPOT at batch 1 and at saturation, static cache + compile through CUDA graphs) likewise: STEPS=generate,generate-0.5b.
 GPU_STEPS="verify-gpu,bench-precision,bench,compile-reduce-overhead,compile-run,profile,sync-audit,optimize"
 if [ "${DRY_RUN:-0}" = 1 ]; then STEPS=${STEPS:-$ALL_STEPS}; else STEPS=${STEPS:-$GPU_STEPS}; fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -61,6 +63,9 @@ if [ "$DRY_RUN" = 1 ]; then
   OPTIMIZE=(optimize.budget_s=60 optimize.rounds=2 optimize.window_samples=16 optimize.confirm_rounds=2
             optimize.quality_samples=32 optimize.profile_steps=2 "optimize.levers=precision,batching,fast_dropout")
   CAUSAL=(train.max_steps=4 train.eval_every=4 train.log_every=2 compile.enabled=false model.chunked_loss=true)
+  GENERATE=(generate.requests=4 generate.max_new_tokens=4 generate.batch_size=2 generate.load_levels=0.5
+            generate.fresh_process=false generate.profile_requests=1 bench.rounds=2)
+  HALF_B=("model.hf_overrides={num_hidden_layers: 2, hidden_size: 64, num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 128}")
 else
   MODE=gpu
   COMMON=(train.device=cuda train.progress=false train.overwrite=true "train.output_dir=$WORK")
@@ -71,6 +76,10 @@ else
             "optimize.levers=precision,batching,token_budget,fast_dropout,fused_adamw,workers")
   CAUSAL=(train.max_steps=60 train.eval_every=60 train.log_every=20 train.precision=bf16 compile.enabled=true
           model.chunked_loss=true data.vocab_size=8192 batching.max_tokens=16384)
+  GENERATE=(generate.precision=bf16 generate.requests=32 generate.max_new_tokens=32 generate.batch_size=8
+            generate.ignore_eos=true bench.rounds=3)
+  # Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads, MLP 4864) on the Llama architecture, random init
+  HALF_B=("model.hf_overrides={num_hidden_layers: 24, hidden_size: 896, num_attention_heads: 14, num_key_value_heads: 2, intermediate_size: 4864}")
 fi
 # bench-precision trains bert-base 4 times (fp32 without TF32 is ~22 TFLOP a step at the config's 32k tokens: ~0.4 s on
 # an H200); an 8k-token budget keeps its 4 x 120 steps and evaluations inside the step's budget.
@@ -126,6 +135,11 @@ run_step optimize 65 "$PYTHON" "${M[@]}" optimize --config "$CONFIG" --run-id gc
   compile.enabled=false "${OPTIMIZE[@]}"
 run_step causal-lm 120 "$PYTHON" "${M[@]}" train --config configs/causal-cpu.yaml --run-id gc-causal "${COMMON[@]}" \
   "${CAUSAL[@]}"
+# the decoders are random init (model.source=hf:llama of configs/causal-cpu.yaml): no trained run is needed
+run_step generate 150 "$PYTHON" "${M[@]}" bench-generate --config configs/causal-cpu.yaml --run-id gc-generate \
+  "${COMMON[@]}" "${GENERATE[@]}"
+run_step generate-0.5b 200 "$PYTHON" "${M[@]}" bench-generate --config configs/causal-cpu.yaml --run-id gc-generate-05b \
+  "${COMMON[@]}" "${GENERATE[@]}" "${HALF_B[@]}" generate.fresh_process=false
 
 "$PYTHON" scripts/gpu_check_report.py write "$WORK" "$OUT" "$MODE" "$ALL_STEPS" || FAILED=1
 echo "gpu-check ($MODE): $([ "$FAILED" = 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED'); see $OUT/gpu_check.md"

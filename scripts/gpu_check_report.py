@@ -156,11 +156,38 @@ def _causal(work: Path) -> tuple[Optional[dict], str]:
                  f"peak memory {_f(p.get('peak_memory_bytes'), '.0f', 1 / (1 << 20))} MiB")
 
 
+def _generate(pattern: str) -> Callable[[Path], tuple[Optional[dict], str]]:
+    def get(work: Path) -> tuple[Optional[dict], str]:
+        r = _load(_find(work, pattern))
+        if r is None:
+            return None, "no generate.json"
+        keep = ("source", "precision", "device", "chosen_path", "choice", "paths", "correctness", "first_response",
+                "decode_profile", "kv_cache", "peak_memory_bytes", "energy_j_per_output_token",
+                "energy_unavailable_reason", "max_new_tokens")
+        out = {k: r.get(k) for k in keep}
+        out["single"] = {p: {k: f.get(k) for k in ("ttft_ms", "tpot_ms", "e2e_ms", "output_tokens_per_s")}
+                         for p, f in (r.get("single") or {}).items()}
+        out["batched"] = {p: {k: f.get(k) for k in ("ttft_ms", "tpot_ms", "output_tokens_per_s", "batch_size")}
+                          for p, f in (r.get("batched") or {}).items()}
+        out["open_loop"] = {"path": (r.get("open_loop") or {}).get("path"),
+                            "levels": [{k: lv.get(k) for k in ("load", "ttft_ms", "tpot_ms", "output_tokens_per_s")}
+                                       for lv in (r.get("open_loop") or {}).get("levels", [])]}
+        parts = [f"{p}: batch-1 TTFT {_f(f['ttft_ms'].get('p50'))} ms, TPOT {_f(f['tpot_ms'].get('p50'), '.2f')} ms; "
+                 f"batched {_f(out['batched'].get(p, {}).get('output_tokens_per_s'), '.0f')} tok/s"
+                 for p, f in out["single"].items()]
+        fresh = (r.get("first_response") or {}).get("fresh_process") or {}
+        ratio = _f(fresh.get("warm_over_cold_first_response"), ".2f")
+        return out, (f"{r.get('precision')}, chosen {r.get('chosen_path')}; " + "; ".join(parts)
+                     + (f"; fresh process warm/cold first response {ratio}" if fresh.get("cold") else ""))
+    return get
+
+
 STEPS: dict[str, Callable[[Path], tuple[Optional[dict], str]]] = {
     "verify-gpu": _verify, "bench-precision": _precision, "bench": _bench,
     "compile-default": _compile("gc-compile-default*/bench-compile.json"),
     "compile-reduce-overhead": _compile("gc-compile-ro*/bench-compile.json"),
     "compile-run": _run, "profile": _profile, "sync-audit": _sync, "optimize": _optimize, "causal-lm": _causal,
+    "generate": _generate("gc-generate/generate.json"), "generate-0.5b": _generate("gc-generate-05b/generate.json"),
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["verify-gpu", "bench-precision", "bench", "compile-default", "compile-reduce-overhead", "compile-run",
-         "profile", "sync-audit", "optimize", "causal-lm"]
+         "profile", "sync-audit", "optimize", "causal-lm", "generate", "generate-0.5b"]
 
 
 def run_check(tmp_path: Path, wndb: Path, python: str = sys.executable, **env: str) -> subprocess.CompletedProcess:
