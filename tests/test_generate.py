@@ -254,3 +254,32 @@ def test_generate_precision_places_the_served_model_in_that_dtype_and_unknown_on
     assert next(got.model.parameters()).dtype == torch.bfloat16 and not got.model.training
     with pytest.raises(UserError, match="generate.precision"):
         load_config(None, ["generate.precision=int8"])
+
+
+def test_the_auto_path_is_measured_once_per_machine_and_workload_and_not_cached_when_busy(tmp_path,
+                                                                                          monkeypatch) -> None:
+    from train.commands import generate
+
+    cfg = load_config(None, [f"data.cache_dir={tmp_path}", "generate.max_new_tokens=4"])
+    model = _tiny_llama()
+    calls: list[int] = []
+
+    def measure(*args):
+        calls.append(1)
+        return "continuous", {"reason": "auto: continuous served the most", "vs_dynamic": {}}
+
+    monkeypatch.setattr("train.tools.env.machine_load", lambda: 0.0)
+    monkeypatch.setattr("train.tools.decisions.cpu_used_elsewhere", lambda *a: 0.0)
+    args = (cfg, model, ["dynamic", "continuous"], PROMPTS, None, torch.device("cpu"))
+    assert generate.auto_path(*args, measure=measure)[0] == "continuous"
+    best, choice = generate.auto_path(*args, measure=measure)
+    assert best == "continuous" and len(calls) == 1 and "(cached " in choice["reason"]
+    other = (cfg, model, ["dynamic", "continuous"], PROMPTS[:1], None, torch.device("cpu"))
+    generate.auto_path(*other, measure=measure)  # another workload: measured again
+    assert len(calls) == 2
+    monkeypatch.setattr("train.tools.env.machine_load", lambda: 99.0)
+    monkeypatch.setattr("train.tools.decisions.cpu_used_elsewhere", lambda *a: 2.0)
+    busy = (cfg, model, ["dynamic", "continuous"], PROMPTS[1:], None, torch.device("cpu"))
+    generate.auto_path(*busy, measure=measure)
+    generate.auto_path(*busy, measure=measure)
+    assert len(calls) == 4  # a busy machine's answer is used, never cached

@@ -68,6 +68,32 @@ def choose_path(model, paths: list[str], prompts, gen, batch_size: int, rounds: 
     return best, {"output_tokens_per_s": rate, "vs_dynamic": ratios, "reason": why}
 
 
+def auto_path(cfg, model, paths: list[str], prompts: list[list[int]], gen, device: torch.device,
+              measure: Callable[..., tuple[str, dict[str, Any]]] = choose_path) -> tuple[str, dict[str, Any]]:
+    """``generate.path=auto``: :func:`choose_path`'s answer, cached like the other measured decisions
+    (train/tools/decisions.py) for this machine, model, precision, paths and workload; a busy machine's is used but
+    not cached."""
+    import hashlib
+
+    from train.tools.decisions import cache_path, machine_identity, read_cached, store
+    from train.tools.env import machine_load
+
+    g = cfg.generate
+    fingerprint = {**machine_identity(device), "paths": paths, "batch_size": g.batch_size,
+                   "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos,
+                   "model": [type(model).__name__, sum(p.numel() for p in model.parameters()),
+                             str(next(model.parameters()).dtype)],
+                   "prompts": hashlib.sha256(repr(prompts).encode()).hexdigest()[:16]}
+    path = cache_path(cfg.data.cache_dir, "generate-path", fingerprint, 1)
+    cached = read_cached(path, fingerprint, "path", tuple(paths))
+    if cached is not None:
+        return cached["path"], {**cached["measurement"], "reason": cached["reason"]}
+    load = machine_load()
+    best, choice = measure(model, paths, prompts, gen, g.batch_size, cfg.bench.rounds)
+    store(path, {"fingerprint": fingerprint, "path": best, "reason": choice["reason"], "measurement": choice}, load)
+    return best, choice
+
+
 def _mismatches(runs: dict[str, list[RequestTiming]], reference: list[RequestTiming]) -> list[str]:
     out = []
     for name, timings in runs.items():
@@ -223,7 +249,7 @@ def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device
     batched = {p: serve(model, p, prompts, gen, g.batch_size) for p in paths}
     decode_profile = _decode_profile(model, paths, prompts[:g.profile_requests], gen)
     chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
-        choose_path(model, paths, prompts, gen, g.batch_size, cfg.bench.rounds)
+        auto_path(cfg, model, paths, prompts, gen, device)
     peak = summarize(batched[chosen])["requests_per_s"]
     load = _open_loop(model, chosen, prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo)
     baseline = _open_loop(model, "dynamic", prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo) \
