@@ -84,8 +84,8 @@ def test_config_yaml_records_every_auto_decision_and_a_rerun_measures_none(
     first = run_training(cfg, 0.0)
     run_dir = Path(first["run_dir"])
     saved = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    decided = {"train.precision": "bf16", "compile.enabled": "false", "batching.method": "packed",
-               "model.fast_dropout": "true"}
+    decided = {"train.precision": "bf16", "compile.enabled": "auto", "batching.method": "packed",
+               "model.fast_dropout": "true"}  # compile's auto is a rule (no measurement): it stays auto
     assert {k: saved[k.split(".")[0]][k.split(".")[1]] for k in decided} == decided
     assert saved["model"]["packed_attention"] != "auto"
     for module, name in (("train.precision", "measure_bf16_speedup"), ("train.data.batching_auto", "measure_layouts"),

@@ -130,9 +130,9 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
     decided_values = {"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}
     if cfg.train.precision == "auto":
         decided_values["train.precision"] = policy.mode
+    # compile.enabled=auto stays auto: a rule of the device kind and the batching, no measurement, so the same machine
+    # decides the same; written as its outcome, the report's reason would say "compile.enabled=false" instead of why
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
-    if cfg.compile.enabled == "auto":
-        decided_values["compile.enabled"] = "true" if compile_enabled else "false"
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
         attention = decided(lambda: attention_choice(cfg, model, policy, bundle, device, compile_enabled))
