@@ -243,7 +243,8 @@ def test_the_kv_cache_share_follows_the_models_shape_and_each_paths_allocation()
     assert kv_cache_tokens("dynamic", prompts, 4, 2) == 2 * (5 + 4)  # the largest batch: two rows at the longest
     assert kv_cache_tokens("dynamic", prompts + [[1] * 30], 4, 3) == 1 * (30 + 4)  # one long row outweighs three
     assert kv_cache_tokens("static-compile", prompts, 4, 2) == 2 * (16 + 4)  # rounded up to the prompt bucket
-    assert kv_cache_tokens("continuous", prompts, 4, 2) % 32 == 0  # whole pages, allocated up front
+    if hasattr(transformers, "ContinuousBatchingConfig"):  # continuous batching runs only where transformers has it
+        assert kv_cache_tokens("continuous", prompts, 4, 2) % 32 == 0  # whole pages, allocated up front
 
 
 def test_generate_precision_places_the_served_model_in_that_dtype_and_unknown_ones_are_refused() -> None:
