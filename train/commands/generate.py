@@ -161,6 +161,7 @@ def load_decoder(run_dir: Optional[str], cfg):
 def first_response_child(cfg, run_dir: Optional[str], t_start: float, out: str) -> None:
     """One process: the compile cache of ``cfg.compile.cache_dir``, the served model, one request on
     ``generate.path`` (the first held-out prompt); writes the timings (seconds) to ``out`` as JSON."""
+    from train.compat import compile_cache_counts
     from train.compiling.session import setup_cache_dir
     from train.generate.engines import greedy_config, serve
     from train.generate.source import held_out_prompts
@@ -178,7 +179,7 @@ def first_response_child(cfg, run_dir: Optional[str], t_start: float, out: str) 
     atomic_write_text(out, json.dumps({
         "path": g.path, "time_to_first_response_s": done - t_start, "first_response_s": done - t_sent,
         "setup_s": t_sent - t_start, "model_and_prompts_s": t_sent - t_load, "output_tokens": len(first.output_ids),
-        "cache_dir": cache.dir, "cache_state": cache.state}, indent=2) + "\n")
+        "cache_dir": cache.dir, "cache_state": cache.state, "cache_counts": compile_cache_counts()}, indent=2) + "\n")
 
 
 def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Callable[[str], None] = print,
