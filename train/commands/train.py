@@ -27,6 +27,7 @@ from train.errors import Interrupted, UserError, atomic_write_text
 from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.adapter import load_model_state
 from train.numerics import NumericsAbort
+from train.parallel.fsdp import check_fsdp
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
 from train.report import (
@@ -75,8 +76,10 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, re
     refusal of a ``train.run_id`` that exists (:func:`~train.tools.run_dir.make_run_dir`); None: a command that cannot.
 
     Raises:
-        UserError: any bad input (config, data, buckets, run directory, checkpoint), on every rank.
+        UserError: any bad input (config, data, buckets, run directory, checkpoint; ``dist.strategy=fsdp`` where it
+            cannot run), on every rank.
     """
+    check_fsdp(cfg)  # before any rank joins the group: every rank refuses alike
     ctx, device = init_distributed(resolve_device(cfg.train.device))
     try:
         return _train(cfg, t_start, buckets_force, resume, ctx, device, hooks, continue_flag)
