@@ -312,7 +312,8 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     cfg, device, built, resolved = run.cfg, run.device, run.built, run.resolved
     trainer, compiled = built.trainer, built.compiled
     env = {**collect_env(device), **resolved.policy.report(), "num_threads": torch.get_num_threads(),
-           "world_size": run.ctx.world_size, "distributed_backend": run.ctx.backend}
+           "world_size": run.ctx.world_size, "distributed_backend": run.ctx.backend,
+           "distributed_strategy": cfg.dist.strategy if run.ctx.enabled else None}
     sections = {"numerics": trainer.guard.report(), "clip": clip_report(cfg)}
     if run.tracking is not None:
         sections["tracking"] = run.tracking.report()

@@ -37,12 +37,17 @@ def check_fsdp(cfg: Any) -> None:
     """
     if cfg.dist.strategy != "fsdp":
         return
-    api, why = fsdp2_api()
-    if api is None:
-        raise UserError(f"dist.strategy=fsdp: {why}; use the torch2x stack (torch ≥ 2.6), or dist.strategy=ddp")
+    _fsdp2()
     if cfg.clip.method in UNSHARDABLE_CLIPS:
         raise UserError(f"dist.strategy=fsdp: clip.method={cfg.clip.method} needs each gradient whole, and FSDP2 "
                         "leaves each rank a shard; use clip.method=global-norm (or none), or dist.strategy=ddp")
+
+
+def _fsdp2() -> tuple:
+    api, why = fsdp2_api()
+    if api is None:
+        raise UserError(f"dist.strategy=fsdp: {why}; use the torch2x stack, or dist.strategy=ddp")
+    return api
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -70,10 +75,7 @@ def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: s
     Raises:
         UserError: this torch has no FSDP2.
     """
-    api, why = fsdp2_api()
-    if api is None:
-        raise UserError(f"dist.strategy=fsdp: {why}; use the torch2x stack (torch ≥ 2.6), or dist.strategy=ddp")
-    fully_shard, mixed_precision, init_device_mesh = api
+    fully_shard, mixed_precision, init_device_mesh = _fsdp2()
     with torch.no_grad():  # rank 0's weights everywhere, as DDP starts: each rank keeps its shard of them
         for tensor in model.state_dict().values():
             torch.distributed.broadcast(tensor, src=0)
@@ -96,11 +98,16 @@ def is_sharded(model: nn.Module) -> bool:
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered whole onto the CPU (a collective under FSDP2: every rank
-    calls it); the plain state dict (tensors shared with the model) when nothing is sharded."""
-    state = model.state_dict()
+    calls it); the plain state dict (tensors shared with the model) when nothing is sharded. A tensor under two
+    names (tied embeddings) is gathered once and kept shared, as ``torch.save`` stores an unsharded model's."""
+    state = model.state_dict(keep_vars=True)  # the parameters themselves: a tied one is one object
     if not any(is_dtensor(v) for v in state.values()):
-        return state
-    return {k: full_tensor(v.detach()).cpu() if is_dtensor(v) else v.detach().cpu() for k, v in state.items()}
+        return model.state_dict()
+    whole: dict[int, torch.Tensor] = {}
+    for v in state.values():
+        if id(v) not in whole:
+            whole[id(v)] = full_tensor(v.detach()).cpu() if is_dtensor(v) else v.detach().cpu()
+    return {k: whole[id(v)] for k, v in state.items()}
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
