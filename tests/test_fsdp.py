@@ -15,10 +15,12 @@ import torch.multiprocessing as mp
 
 from tests.conftest import free_port, packed_causal_batch
 from train.compat import fsdp2_api
+from train.evaluation import evaluate
 
 needs_fsdp2 = pytest.mark.skipif(fsdp2_api()[0] is None, reason=fsdp2_api()[1])
 VOCAB, STEPS, ROW = 101, 3, 16  # 101 and intermediate_size 75: dimension 0 does not split evenly over 2 ranks
 LENGTHS = (7, 3, 12, 5)
+EVAL_SHARDS = ([(0, 10), (1, 10)], [(0, 11)])  # (half, step) of each held-out batch, per rank
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -119,9 +121,13 @@ def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, o
         torch.distributed.all_reduce(summed)  # the global batch's loss: the mean of the halves' (equal target counts)
         mean = (summed / world).tolist()
         params = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
+        # uneven evaluation shards (rank 0: 2 batches, rank 1: 1): the forwards all-gather, so rank 1 must keep up
+        held_out = evaluate(model, [half_batch(h, st, packed) for h, st in EVAL_SHARDS[rank]], trainer.policy,
+                            VOCAB, device, ctx)
         shares = {n: [local_tensor(p).shape[0], p.shape[0]] for n, p in model.named_parameters()}
         if rank == 0:
-            torch.save({"losses": mean, "norms": norms, "grads": grads, "params": params}, Path(out) / "fsdp.pt")
+            torch.save({"losses": mean, "norms": norms, "grads": grads, "params": params, "eval": held_out},
+                       Path(out) / "fsdp.pt")
         Path(out, f"shares{rank}.json").write_text(json.dumps(shares))
     finally:
         teardown(ctx)
@@ -141,11 +147,14 @@ def test_two_sharded_ranks_equal_one_unsharded_process(tmp_path: Path, packed: b
         torch.testing.assert_close(got["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
     for name, param in ref.model.named_parameters():
         torch.testing.assert_close(got["params"][name], param.detach(), atol=1e-5, rtol=0, msg=name)
+    everything = [half_batch(h, st, packed) for shard in EVAL_SHARDS for h, st in shard]
+    single = evaluate(ref.model, everything, ref.policy, VOCAB, torch.device("cpu"))
+    assert got["eval"]["loss"] == pytest.approx(single["loss"], abs=1e-4) and single["loss"] is not None
     for rank in (0, 1):  # each rank holds its half of every parameter (rounded up on rank 0)
         shares = json.loads((tmp_path / f"shares{rank}.json").read_text())
         assert set(shares) == set(grads)
         for name, (mine, whole) in shares.items():
-            assert mine == (whole + 1) // 2 if rank == 0 else whole - (whole + 1) // 2, name
+            assert mine == ((whole + 1) // 2 if rank == 0 else whole - (whole + 1) // 2), name
     assert json.loads((tmp_path / "shares0.json").read_text())["inner.model.embed_tokens.weight"] == [51, 101]
 
 

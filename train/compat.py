@@ -309,16 +309,17 @@ def flex_attention_functions(device_type: str = "cpu",
 FSDP2_MIN_VERSION = (2, 6)
 
 
-def fsdp2_api() -> tuple[Optional[tuple[Callable, Any, Callable]], str]:
-    """``((fully_shard, MixedPrecisionPolicy, init_device_mesh), "")`` where FSDP2 is public, else ``(None, why)``
+def fsdp2_api() -> tuple[Optional[tuple[Callable, Any, Callable, type]], str]:
+    """``((fully_shard, MixedPrecisionPolicy, init_device_mesh, FSDPModule), "")`` where FSDP2 is public, else
+    ``(None, why)``
     in one clause (e.g. "torch 2.1.0 has no FSDP2 (fully_shard needs torch ≥ 2.6)")."""
     version = torch.__version__.split("+")[0]
     if torch_version() < FSDP2_MIN_VERSION:
         return None, f"torch {version} has no FSDP2 (fully_shard needs torch ≥ {'.'.join(map(str, FSDP2_MIN_VERSION))})"
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    return (fully_shard, MixedPrecisionPolicy, init_device_mesh), ""
+    return (fully_shard, MixedPrecisionPolicy, init_device_mesh, FSDPModule), ""
 
 
 def force_sum_reduction(module: torch.nn.Module) -> bool:

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from train.data.batch import move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum, any_rank
-from train.parallel.fsdp import EXHAUSTED, idle_forward, is_sharded, lockstep
+from train.parallel.fsdp import EXHAUSTED, idle_forward, is_sharded, lockstep, reshard
 from train.precision import PrecisionPolicy
 from train.shutdown import pause_point, requested_signal, stop_requested
 from train.tasks import Task, task_for
@@ -55,6 +55,8 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, policy: PrecisionPolicy
         metrics.update(model(ids, mask, policy.blocks_autocast, **packed_inputs(batch, device)), labels, batch)
         pause_point(phase)  # a test hook (no-op): a signal during the evaluation
     model.train(was_training)
+    if sharded:
+        reshard(model)
     if any_rank(abandoned, ctx):
         raise EvaluationAbandoned(f"{requested_signal()} during the {phase}: evaluation abandoned")
     sums = metrics.sums()

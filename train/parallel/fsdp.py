@@ -75,7 +75,7 @@ def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: s
     Raises:
         UserError: this torch has no FSDP2.
     """
-    fully_shard, mixed_precision, init_device_mesh = _fsdp2()
+    fully_shard, mixed_precision, init_device_mesh, _ = _fsdp2()
     with torch.no_grad():  # rank 0's weights everywhere, as DDP starts: each rank keeps its shard of them
         for tensor in model.state_dict().values():
             torch.distributed.broadcast(tensor, src=0)
@@ -89,6 +89,16 @@ def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: s
     for unit in units:
         force_sum_reduction(unit)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the whole weights a forward without a backward (an evaluation) leaves gathered: FSDP2 keeps the root's
+    after its forward, for the backward that usually follows, so until the next step ``model.parameters()`` would
+    be the root's whole tensors instead of shards."""
+    fsdp_module = _fsdp2()[3]
+    for module in model.modules():
+        if isinstance(module, fsdp_module):
+            module.reshard()
 
 
 def is_sharded(model: nn.Module) -> bool:
