@@ -201,14 +201,15 @@ def spawn_run(overrides: list[str], resume: Path | None = None) -> None:
 def test_a_sharded_run_writes_whole_checkpoints_resumes_exactly_as_fsdp_and_as_ddp_and_exports(tmp_path: Path) -> None:
     """2 FSDP2 ranks, a tiny Llama on packed rows: checkpoint.pt holds whole tensors (today's format); a resume from
     the middle checkpoint as fsdp is bit-identical to the uninterrupted run, as ddp within 1e-4; the model directory
-    is exported from the checkpoint."""
+    is exported from the checkpoint. Per-layer gradient records (rank 0 alone, which holds only shards) are off
+    under fsdp: with them on every record, a run that computed them would hang in a collective rank 1 never joins."""
     from tests.conftest import assert_same_final_state, causal_overrides, synthetic_rows, write_wndb
     from train.compat import load_state
     from train.resume import list_checkpoints
 
     wndb = write_wndb(tmp_path / "wn", synthetic_rows())
     base = causal_overrides(wndb, tmp_path, "train.max_steps=8", "train.eval_every=8", "train.log_every=1",
-                            "train.checkpoint_every=4", "dist.strategy=fsdp")
+                            "train.checkpoint_every=4", "tracking.grad_stats_every=1", "dist.strategy=fsdp")
     runs = tmp_path / "runs"
     spawn_run(base + ["train.run_id=ref"])
     report = json.loads((runs / "ref" / "report.json").read_text())

@@ -27,7 +27,7 @@ from train.errors import Interrupted, UserError, atomic_write_text
 from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.adapter import load_model_state
 from train.numerics import NumericsAbort
-from train.parallel.fsdp import check_fsdp
+from train.parallel.fsdp import check_fsdp, is_sharded
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
 from train.report import (
@@ -219,7 +219,10 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
     for line in decision_lines(resolved, device_name(device)):
         say(line, flush=True)
     if tracking is not None and tracking.grad_stats is not None:
-        built.trainer.add_callback(GradStatsCallback(tracking.grad_stats, built.trainer))
+        if is_sharded(built.model):  # rank 0 alone cannot read whole gradients: each rank holds shards
+            say("notice: tracking.grad_stats_every: no per-layer gradient records under dist.strategy=fsdp", flush=True)
+        else:
+            built.trainer.add_callback(GradStatsCallback(tracking.grad_stats, built.trainer))
     model_name = cfg.model.preset if cfg.model.source == "builtin" else cfg.model.source
     say(f"model: {model_name}, {sum(p.numel() for p in built.model.parameters()) / 1e6:.2f}M parameters; "
         f"{built.trainer.total_steps} steps ({len(built.loaders['train'])} batches per epoch per rank)", flush=True)
