@@ -408,3 +408,18 @@ def causal_cfg(tmp_path: Path, *overrides: str):
     """A causal-LM config for the data tests: max_len 16, the caches under ``tmp_path``."""
     return load_config(None, ["model.task=causal-lm", f"data.cache_dir={tmp_path / 'cache'}", "data.max_len=16",
                               "data.vocab_size=300", "train.progress=false", "batching.num_buckets=2", *overrides])
+
+
+# --- a whole tiny causal-LM run (tests/test_causal_run.py, tests/test_fsdp.py) ---
+
+LLAMA = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 4, "
+         "intermediate_size: 64}")
+
+
+def causal_overrides(wndb: Path, root: Path, *extra: str) -> list[str]:
+    """The classification tests' tiny settings turned into a tiny Llama learning the glosses in packed rows. The
+    attention path and the chunked loss are pinned: ``auto`` measures, and two runs on a busy machine may pick
+    differently (a resume must then equal a run that chose as it did)."""
+    return tiny_overrides(wndb, root, "model.task=causal-lm", "model.source=hf:llama", LLAMA, "data.vocab_size=300",
+                          "batching.method=packed", "batching.max_tokens=128", "model.dropout=0.0",
+                          "model.packed_attention=sdpa-mask", "model.chunked_loss=false", *extra)

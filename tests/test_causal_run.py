@@ -10,22 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_same_final_state, resume_from_first_checkpoint, tiny_overrides
+from tests.conftest import assert_same_final_state, causal_overrides, resume_from_first_checkpoint, tiny_overrides
 from train.commands.train import run_training
 from train.config import load_config
 from train.errors import UserError
-
-LLAMA = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 4, "
-         "intermediate_size: 64}")
-
-
-def causal_overrides(wndb: Path, root: Path, *extra: str) -> list[str]:
-    """The classification tests' tiny settings turned into a tiny Llama learning the glosses in packed rows. The
-    attention path and the chunked loss are pinned: ``auto`` measures, and two runs on a busy machine may pick
-    differently (a resume must then equal a run that chose as it did)."""
-    return tiny_overrides(wndb, root, "model.task=causal-lm", "model.source=hf:llama", LLAMA, "data.vocab_size=300",
-                          "batching.method=packed", "batching.max_tokens=128", "model.dropout=0.0",
-                          "model.packed_attention=sdpa-mask", "model.chunked_loss=false", *extra)
 
 
 @pytest.fixture(scope="module")

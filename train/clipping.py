@@ -15,7 +15,9 @@
 
 Every method returns the pre-clip global L2 norm (fp32, true units; non-finite when any gradient is)
 and the fraction of gradient elements the clipping changed, both as 0-d device tensors: nothing here
-reads a value back to the host, so clipping adds no host-device sync.
+reads a value back to the host, so clipping adds no host-device sync. FSDP2-sharded gradients (DTensors,
+``dist.strategy=fsdp``): each rank clips its shards with the norm of the whole gradients (one all-reduce of the
+squared local norms); ``per-layer-std`` and ``agc`` need whole gradients and are refused there (train/parallel/fsdp.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+from train.compat import is_dtensor, local_tensor
 
 METHODS = ("global-norm", "per-layer-std", "agc", "none")
 
@@ -99,7 +103,8 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], method: str = "global-n
     """Clip the ``.grad`` of ``params`` in place with ``method`` (one of :data:`METHODS`).
 
     Call after ``GradScaler.unscale_`` so thresholds and the returned norm are in true units.
-    Parameters without a gradient are ignored. Raises ValueError for an unknown method.
+    Parameters without a gradient are ignored. Raises ValueError for an unknown method, or ``per-layer-std`` /
+    ``agc`` on FSDP2-sharded gradients.
     """
     if method not in METHODS:
         raise ValueError(f"unknown clipping method {method!r}; expected one of {METHODS}")
@@ -108,7 +113,15 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], method: str = "global-n
     if not grads:
         zero = torch.zeros(())
         return ClipResult(zero, zero.clone())
+    sharded = is_dtensor(grads[0])
+    if sharded and method in ("per-layer-std", "agc"):
+        raise ValueError(f"clip.method={method} needs whole gradients; these are FSDP2 shards")
+    grads = [local_tensor(g) for g in grads]  # in place on the shards: DTensor's own ops would add collectives
     total = global_grad_norm(grads)
+    if sharded:  # the norm over all ranks' shards: sqrt of the summed squares
+        total = total.square()
+        torch.distributed.all_reduce(total)
+        total = total.sqrt()
     if method == "global-norm":
         fraction = clip_global_norm_(grads, total, max_norm)
     elif method == "per-layer-std":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -296,3 +297,63 @@ def flex_attention_functions(device_type: str = "cpu",
         return None, (f"torch {version}: FlexAttention failed on {device_type} "
                       f"({exc.__class__.__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
     return (flex_attention, create_block_mask), ""
+
+
+# --- FSDP2 (dist.strategy=fsdp; train/parallel/fsdp.py) ---------------------------------------------------------------
+# ``fully_shard`` and ``MixedPrecisionPolicy`` are public in ``torch.distributed.fsdp`` from torch 2.6 (2.4–2.5 kept
+# them in the private ``torch.distributed._composable.fsdp``, not supported here); torch 2.1 has no FSDP2 at all.
+# ``set_force_sum_reduction_for_comms`` is newer still: gloo's averaging reduce-scatter returned gradients scaled by
+# the world size under FSDP2 (pytorch/pytorch#162338); forcing sum makes FSDP2 divide itself. Where the method is
+# missing nothing is forced: the parity test (tests/test_fsdp.py) is what shows a given torch right or wrong.
+
+FSDP2_MIN_VERSION = (2, 6)
+
+
+def fsdp2_api() -> tuple[Optional[tuple[Callable, Any, Callable, type]], str]:
+    """``((fully_shard, MixedPrecisionPolicy, init_device_mesh, FSDPModule), "")`` where FSDP2 is public, else
+    ``(None, why)``
+    in one clause (e.g. "torch 2.1.0 has no FSDP2 (fully_shard needs torch ≥ 2.6)")."""
+    version = torch.__version__.split("+")[0]
+    if torch_version() < FSDP2_MIN_VERSION:
+        return None, f"torch {version} has no FSDP2 (fully_shard needs torch ≥ {'.'.join(map(str, FSDP2_MIN_VERSION))})"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    return (fully_shard, MixedPrecisionPolicy, init_device_mesh, FSDPModule), ""
+
+
+def force_sum_reduction(module: torch.nn.Module) -> bool:
+    """Make an FSDP2 module's gradient reductions plain sums followed by FSDP2's own division by the world size
+    (``set_force_sum_reduction_for_comms``, its own parameter group only); False where this torch lacks it."""
+    setter = getattr(module, "set_force_sum_reduction_for_comms", None)
+    if setter is None:
+        return False
+    setter(True)
+    return True
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``DTensor`` (FSDP2's sharded parameters, gradients, optimizer state; public from 2.5). No
+    DTensor exists before its module is imported, so an unimported module answers False at no cost."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (its storage: in-place ops change the DTensor), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole tensor (a collective: every rank calls it, in the same order), else ``t``."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` (every rank holds the same values) split as the DTensor ``like`` is: same mesh and placements, this
+    rank's part only (no communication). ``full`` itself when ``like`` is no DTensor."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)

@@ -116,11 +116,22 @@ def teardown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
-def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device) -> torch.nn.Module:
-    """``DistributedDataParallel`` around ``model`` (rank 0's weights are broadcast); the model itself when
-    single-process."""
+def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device, strategy: str = "ddp",
+               mode: str = "fp32") -> torch.nn.Module:
+    """What a training step calls: ``DistributedDataParallel`` around ``model`` (rank 0's weights are broadcast), or
+    for ``strategy="fsdp"`` ``model`` itself sharded in place by FSDP2 (train/parallel/fsdp.py; ``mode``: the precision
+    policy's, for its mixed precision; rank 0's weights are broadcast first, as DDP's); the model itself when
+    single-process.
+
+    Raises:
+        UserError: ``fsdp`` on a torch without FSDP2.
+    """
     if not ctx.enabled:
         return model
+    if strategy == "fsdp":
+        from train.parallel.fsdp import shard_model
+
+        return shard_model(model, ctx.world_size, device, mode)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 
 from train.data.batch import move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum, any_rank
+from train.parallel.fsdp import EXHAUSTED, idle_forward, is_sharded, lockstep, reshard
 from train.precision import PrecisionPolicy
 from train.shutdown import pause_point, requested_signal, stop_requested
 from train.tasks import Task, task_for
@@ -29,7 +30,8 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, policy: PrecisionPolicy
     Under DDP each rank evaluates its shard (``loader`` from ``make_loader(..., world_size, rank)``): the task's
     totals are all-reduced (torchmetrics all-gathers its own states). A signal (train/shutdown.py) stops the loop
     before the next batch; under DDP the ranks agree once, after their loops, so a rank that finished its shard
-    never waits for one that stopped.
+    never waits for one that stopped. An FSDP2-sharded model's forwards are collectives: the ranks step through
+    their shards together (:func:`~train.parallel.fsdp.lockstep`), a rank whose shard is done running idle forwards.
 
     Raises:
         EvaluationAbandoned: a signal arrived during the evaluation (``phase`` names it in the message).
@@ -41,14 +43,20 @@ def evaluate(model: torch.nn.Module, loader: DataLoader, policy: PrecisionPolicy
     was_training = model.training
     model.eval()
     abandoned = False
-    for batch in loader:
-        if stop_requested():
+    sharded = ctx.enabled and is_sharded(model)  # FSDP2: the ranks' forwards run in lockstep (all-gathers)
+    for batch in lockstep(loader, ctx, stop_requested) if sharded else loader:
+        if batch is None or (not sharded and stop_requested()):
             abandoned = True
             break
+        if batch is EXHAUSTED:
+            idle_forward(model, policy.blocks_autocast, device)
+            continue
         ids, mask, labels = move(batch, device)
         metrics.update(model(ids, mask, policy.blocks_autocast, **packed_inputs(batch, device)), labels, batch)
         pause_point(phase)  # a test hook (no-op): a signal during the evaluation
     model.train(was_training)
+    if sharded:
+        reshard(model)
     if any_rank(abandoned, ctx):
         raise EvaluationAbandoned(f"{requested_signal()} during the {phase}: evaluation abandoned")
     sums = metrics.sums()

@@ -6,8 +6,7 @@ is ``runs/<id>/checkpoint.pt``) holds state_dicts, tensors and plain values only
 * ``model`` (an adapter run: the adapter alone, its base named by ``spec.base_fingerprint``), ``optimizer``,
   ``scheduler``, ``grad_scaler`` (None without fp16), ``step``, ``epoch``, ``batches_in_epoch`` (the sampler
   position), ``evals``, ``final_train_loss``, ``total_steps``;
-* ``ranks[r]``: rank r's RNG states (Python, NumPy, torch CPU, CUDA) and its open logging window
-  and counters, so each rank's dropout stream and metrics continue exactly;
+* ``ranks[r]``: rank r's RNG states (Python, NumPy, torch CPU, CUDA), its open logging window and counters;
 * ``world_size``, ``spec``, ``label_names``, ``data_fingerprint``, ``tokenizer_fingerprint``, ``precision`` (the
   resolved mode, its reason and source), ``config``, ``format``, ``special_tokens`` (the BOS / EOS / pad ids, for
   ``python -m train export``): what the resume checks against (a resumed run continues in the checkpoint's
@@ -58,11 +57,12 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 
 
 def full_state(trainer, model: torch.nn.Module, bundle, cfg, ctx: DistContext) -> Optional[dict[str, Any]]:
-    """Everything needed to continue (a collective under DDP: every rank calls it); the dict on rank 0, else None."""
+    """Everything needed to continue (a collective: every rank calls it); the dict on rank 0, else None."""
     ranks = gather_to_main({"rng": rng_state(), **trainer.rank_state_dict()}, ctx)
+    shared, weights = trainer.state_dict(), model_state(model)  # FSDP2 gathers shards: on every rank
     if not ctx.is_main:
         return None
-    return {"format": FORMAT, **trainer.state_dict(), "model": model_state(model), "ranks": ranks,
+    return {"format": FORMAT, **shared, "model": weights, "ranks": ranks,
             "world_size": ctx.world_size, "spec": asdict(model.spec), "label_names": list(bundle.corpus.label_names),
             "data_fingerprint": bundle.data_fingerprint, "tokenizer_fingerprint": bundle.tokenizer_info["fingerprint"],
             "precision": trainer.policy.state(), "config": cfg.to_dict(), "torch": str(torch.__version__),

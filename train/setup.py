@@ -159,7 +159,7 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
     ``compile`` settings, shapes planned), ``before_wrap(model, compiled)`` (e.g. loading a checkpoint before DDP
     broadcasts rank 0's weights), and the :class:`~train.trainer.Trainer` (validation as its periodic evaluation when
     that split is built and not empty; ``logger(model)`` its metrics logger; the step through the compiled forward
-    or the DDP wrapper).
+    or the DDP wrapper; ``dist.strategy=fsdp``: the model sharded in place, before the trainer builds its optimizer).
 
     Raises:
         UserError: a model that cannot be built for this data, or ``batching.method=packed`` on a model without
@@ -191,7 +191,8 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
         before_wrap(model, compiled)
     val = loaders.get("validation")
     has_val = val is not None and len(bundle.splits["validation"]) > 0  # none: no periodic evaluation
-    forward = compiled.forward if compiled is not None and compiled.enabled else wrap_model(model, ctx, device)
+    forward = compiled.forward if compiled is not None and compiled.enabled else \
+        wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode)
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders.get("train"),
                       eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,
                       logger=logger(model) if logger is not None else None, train_model=forward)

@@ -29,6 +29,7 @@ from train.models.adapter import hold_frozen_base
 from train.models.encoder import EncoderClassifier, param_groups
 from train.models.varlen import plan_pairs
 from train.numerics import NumericsGuard
+from train.parallel.fsdp import full_optimizer_state, load_optimizer_state
 from train.perf.timer import StepTimer
 from train.precision import DTYPES, PrecisionPolicy
 from train.profiling.ranges import null_ranges
@@ -316,11 +317,12 @@ class Trainer:
         """The training state every rank shares: progress, optimizer, scheduler, GradScaler, evaluations.
 
         Plain values and tensors only (loadable with ``weights_only=True``). ``batches_in_epoch`` is the
-        sampler position: batches of ``epoch`` the loop has consumed (not what the DataLoader prefetched).
+        sampler position: batches of ``epoch`` the loop has consumed (not what the DataLoader prefetched). Under
+        FSDP2 the optimizer state is gathered whole (a collective: every rank calls this).
         """
         scaler = self.policy.scaler
         return {"step": self.stats.steps, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
-                "total_steps": self.total_steps, "optimizer": self.optimizer.state_dict(),
+                "total_steps": self.total_steps, "optimizer": full_optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(),
                 "grad_scaler": scaler.state_dict() if scaler is not None else None,
                 "evals": list(self.stats.evals), "final_train_loss": self.stats.final_train_loss}
@@ -336,7 +338,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` / :meth:`rank_state_dict`: the next step is ``state['step'] + 1``."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])  # sharded as this run holds it
         self.scheduler.load_state_dict(state["scheduler"])
         if self.policy.scaler is not None and state.get("grad_scaler") is not None:
             self.policy.scaler.load_state_dict(state["grad_scaler"])

@@ -28,6 +28,7 @@ from train.errors import Interrupted, UserError, atomic_write_text
 from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.adapter import load_model_state
 from train.numerics import NumericsAbort
+from train.parallel.fsdp import check_fsdp, is_sharded
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
 from train.report import (
@@ -74,8 +75,10 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, re
     refusal of a ``train.run_id`` that exists (:func:`~train.tools.run_dir.make_run_dir`); None: a command that cannot.
 
     Raises:
-        UserError: any bad input (config, data, buckets, run directory, checkpoint), on every rank.
+        UserError: any bad input (config, data, buckets, run directory, checkpoint; ``dist.strategy=fsdp`` where it
+            cannot run), on every rank.
     """
+    check_fsdp(cfg)  # before any rank joins the group: every rank refuses alike
     ctx, device = init_distributed(resolve_device(cfg.train.device))
     try:
         return _train(cfg, t_start, buckets_force, resume, ctx, device, hooks, continue_flag)
@@ -216,7 +219,10 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
     for line in decision_lines(resolved, device_name(device)):
         say(line, flush=True)
     if tracking is not None and tracking.grad_stats is not None:
-        built.trainer.add_callback(GradStatsCallback(tracking.grad_stats, built.trainer))
+        if is_sharded(built.model):  # rank 0 alone cannot read whole gradients: each rank holds shards
+            say("notice: tracking.grad_stats_every: no per-layer gradient records under dist.strategy=fsdp", flush=True)
+        else:
+            built.trainer.add_callback(GradStatsCallback(tracking.grad_stats, built.trainer))
     model_name = cfg.model.preset if cfg.model.source == "builtin" else cfg.model.source
     say(f"model: {model_name}, {sum(p.numel() for p in built.model.parameters()) / 1e6:.2f}M parameters; "
         f"{built.trainer.total_steps} steps ({len(built.loaders['train'])} batches per epoch per rank)", flush=True)
@@ -309,7 +315,8 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     cfg, device, built, resolved = run.cfg, run.device, run.built, run.resolved
     trainer, compiled = built.trainer, built.compiled
     env = {**collect_env(device), **resolved.policy.report(), "num_threads": torch.get_num_threads(),
-           "world_size": run.ctx.world_size, "distributed_backend": run.ctx.backend}
+           "world_size": run.ctx.world_size, "distributed_backend": run.ctx.backend,
+           "distributed_strategy": cfg.dist.strategy if run.ctx.enabled else None}
     sections = {"numerics": trainer.guard.report(), "clip": clip_report(cfg)}
     if run.tracking is not None:
         sections["tracking"] = run.tracking.report()

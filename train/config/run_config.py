@@ -19,6 +19,7 @@ from train.config.bench import (
     BenchPrecisionConfig,
     BenchTrackingConfig,
 )
+from train.config.dist import DistConfig
 from train.config.generate import GenerateConfig
 from train.config.optimize import OptimizeConfig
 from train.config.sections import (
@@ -48,6 +49,7 @@ class RunConfig(Frozen):
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     clip: ClipConfig = field(default_factory=ClipConfig)
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)

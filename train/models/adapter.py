@@ -189,8 +189,11 @@ def has_adapter(model: nn.Module) -> bool:
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint keeps of ``model``: its whole state dict, or for an adapter run the adapter alone (the
-    frozen base is rebuilt from its source; the spec's ``base_fingerprint`` says which base it was)."""
-    return adapter_state(model) if has_adapter(model) else model.state_dict()
+    frozen base is rebuilt from its source; the spec's ``base_fingerprint`` says which base it was). An FSDP2-sharded
+    model's is gathered whole onto the CPU (a collective: every rank calls it)."""
+    from train.parallel.fsdp import full_model_state
+
+    return adapter_state(model) if has_adapter(model) else full_model_state(model)
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

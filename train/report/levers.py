@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from train.compat import local_tensor
 from train.models import source_kind
 
 BUCKETED = ("optimal", "quantile", "kmeans")
@@ -28,18 +29,19 @@ def memory_split(model, optimizer=None, peak: Optional[dict] = None) -> dict[str
     """Bytes of the frozen weights, the trainable weights and the optimizer state (every tensor of its state:
     AdamW's two moments and step), counted from the tensors themselves; ``activations_bytes``: the peak allocated by
     torch on CUDA less those three (gradients are as large as the trainable weights and counted with them), null on
-    a CPU, where the peak is the whole process's resident memory (``activations_reason`` says so)."""
+    a CPU, where the peak is the whole process's resident memory (``activations_reason`` says so). Under
+    ``dist.strategy=fsdp``: what this rank holds (its shards; rank 0 writes the report)."""
     seen: set[int] = set()
     frozen = trainable = 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        size = p.numel() * p.element_size()
+        size = local_tensor(p).numel() * p.element_size()  # fsdp: this rank's shard
         trainable, frozen = (trainable + size, frozen) if p.requires_grad else (trainable, frozen + size)
     opt = None
     if optimizer is not None:
-        opt = sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+        opt = sum(local_tensor(t).numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
                   if hasattr(t, "numel") and t.dim() > 0)
     out: dict[str, Any] = {"frozen_weights_bytes": frozen, "trainable_weights_bytes": trainable,
                            "gradients_bytes": trainable, "optimizer_state_bytes": opt,

@@ -1,0 +1,238 @@
+"""``dist.strategy=fsdp`` (FSDP2): a tiny Llama sharded over 2 Gloo ranks, each with half of a global batch, equals
+the same model unsharded in one process on the whole batch — per-step loss and pre-clip gradient norm, the clipped
+gradients, and every parameter after 3 AdamW steps — with and without packed rows and the chunked loss; and the
+refusals (torch without FSDP2, a clipping method that needs whole gradients)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.conftest import free_port, packed_causal_batch
+from train.compat import fsdp2_api
+from train.evaluation import evaluate
+
+needs_fsdp2 = pytest.mark.skipif(fsdp2_api()[0] is None, reason=fsdp2_api()[1])
+VOCAB, STEPS, ROW = 101, 3, 16  # 101 and intermediate_size 75: dimension 0 does not split evenly over 2 ranks
+LENGTHS = (7, 3, 12, 5)
+EVAL_SHARDS = ([(0, 10), (1, 10)], [(0, 11)])  # (half, step) of each held-out batch, per rank
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A random-init Llama with uneven dimension-0 sizes (vocabulary 101, MLP 75), fp32, packing probed."""
+    import transformers
+
+    from train.compat import hf_attn_implementation
+    from train.models.causal import ExternalCausalLM
+    from train.models.causal_probe import probe_causal_packing
+    from train.models.wrap import ExternalSpec
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("llama", vocab_size=VOCAB, pad_token_id=0, num_hidden_layers=2,
+                                               hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                               intermediate_size=75, max_position_embeddings=64, attention_dropout=0.0)
+    inner = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=hf_attn_implementation())
+    model = ExternalCausalLM(inner.float(), ExternalSpec("hf:llama", 0, VOCAB, 64, task="causal-lm"), "hf").train()
+    assert probe_causal_packing(model)[0]
+    return model
+
+
+def half_batch(half: int, step: int, packed: bool) -> dict:
+    """Rank ``half``'s half of step ``step``'s global batch: 2 rows of 16 tokens with the same number of target tokens
+    on either half (so the mean of the halves' per-token losses is the global batch's)."""
+    gen = torch.Generator().manual_seed(100 * step + half)
+    if packed:
+        samples = [torch.randint(1, VOCAB, (n,), generator=gen) for n in LENGTHS]
+        batch = packed_causal_batch(samples)
+        batch["samples"] = len(samples)
+    else:
+        ids = torch.randint(1, VOCAB, (2, ROW), generator=gen)
+        labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+        batch = {"input_ids": ids, "attention_mask": torch.ones(2, ROW, dtype=torch.bool), "labels": labels}
+    batch["real_tokens"] = int(batch["attention_mask"].sum())
+    batch["target_tokens"] = int((batch["labels"] != -100).sum())
+    return batch
+
+
+def global_batch(step: int, packed: bool) -> dict:
+    """Both halves of step ``step``'s batch as one (rank 0's rows first; packed slots renumbered)."""
+    a, b = half_batch(0, step, packed), half_batch(1, step, packed)
+    out = {k: torch.cat([a[k], b[k]]) for k in ("input_ids", "attention_mask", "labels")}
+    if packed:
+        out["position_ids"] = torch.cat([a["position_ids"], b["position_ids"]])
+        out["seq_index"] = torch.cat([a["seq_index"], torch.where(b["seq_index"] >= 0, b["seq_index"] + a["num_seqs"],
+                                                                  b["seq_index"])])
+        out["num_seqs"], out["samples"] = a["num_seqs"] + b["num_seqs"], a["samples"] + b["samples"]
+    for k in ("real_tokens", "target_tokens"):
+        out[k] = a[k] + b[k]
+    return out
+
+
+def trainer_for(model: torch.nn.Module, chunked: bool, ctx=None):
+    from train.config import load_config
+    from train.precision import PrecisionPolicy
+    from train.trainer import Trainer
+
+    model.set_chunked_loss(chunked)
+    # max_norm below the gradients' norm: the clip scales every step, so a per-rank norm would show. lr 1e-3: AdamW
+    # divides by sqrt(v), so at 10x that the last-bit differences of near-zero gradients (summed in another order
+    # over shards) move a few weights past 1e-5, while the gradients themselves agree to float rounding
+    cfg = load_config(None, ["model.task=causal-lm", "train.max_steps=100", "optim.warmup_fraction=0.0",
+                             "optim.lr=0.001", "clip.max_norm=0.5", "dist.strategy=fsdp"])
+    cpu = torch.device("cpu")
+    return Trainer(cfg=cfg, model=model, policy=PrecisionPolicy(mode="fp32", reason="test", device=cpu), device=cpu,
+                   train_loader=[None], num_classes=VOCAB, dist_ctx=ctx)
+
+
+def run_steps(trainer, batches) -> tuple[list[float], list[float], dict]:
+    """Losses and pre-clip norms of a step per batch, and the (clipped) gradients of the first step."""
+    from train.compat import full_tensor
+
+    losses, norms, grads = [], [], {}
+    for i, batch in enumerate(batches):
+        rec = trainer.step(batch)
+        losses.append(rec.loss.detach())
+        norms.append(float(rec.grad_norm))
+        if i == 0:
+            grads = {n: full_tensor(p.grad).clone() for n, p in trainer.model.named_parameters()}
+    return losses, norms, grads
+
+
+def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, out: str) -> None:
+    """One rank: shard the tiny Llama with the product's wrap, step on this rank's halves, write what it holds."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    from train.compat import full_tensor, local_tensor
+    from train.distributed import init_distributed, teardown, wrap_model
+
+    ctx, device = init_distributed(torch.device("cpu"))
+    try:
+        model = tiny_llama()
+        wrap_model(model, ctx, device, "fsdp", "fp32")
+        trainer = trainer_for(model, chunked, ctx)
+        losses, norms, grads = run_steps(trainer, [half_batch(rank, s, packed) for s in range(STEPS)])
+        summed = torch.stack(losses)
+        torch.distributed.all_reduce(summed)  # the global batch's loss: the mean of the halves' (equal target counts)
+        mean = (summed / world).tolist()
+        params = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
+        # uneven evaluation shards (rank 0: 2 batches, rank 1: 1): the forwards all-gather, so rank 1 must keep up
+        held_out = evaluate(model, [half_batch(h, st, packed) for h, st in EVAL_SHARDS[rank]], trainer.policy,
+                            VOCAB, device, ctx)
+        shares = {n: [local_tensor(p).shape[0], p.shape[0]] for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"losses": mean, "norms": norms, "grads": grads, "params": params, "eval": held_out},
+                       Path(out) / "fsdp.pt")
+        Path(out, f"shares{rank}.json").write_text(json.dumps(shares))
+    finally:
+        teardown(ctx)
+
+
+@needs_fsdp2
+@pytest.mark.parametrize("packed, chunked", [(False, False), (True, True)], ids=["padded", "packed-chunked"])
+def test_two_sharded_ranks_equal_one_unsharded_process(tmp_path: Path, packed: bool, chunked: bool) -> None:
+    ref = trainer_for(tiny_llama(), chunked)
+    losses, norms, grads = run_steps(ref, [global_batch(s, packed) for s in range(STEPS)])
+    mp.spawn(fsdp_worker, args=(2, free_port(), packed, chunked, str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "fsdp.pt")
+    assert got["losses"] == pytest.approx([float(x) for x in losses], abs=1e-5)
+    # the pre-clip norm of the whole gradient: not a rank's shard, not scaled by the world size
+    assert got["norms"] == pytest.approx(norms, rel=1e-5)
+    for name, grad in grads.items():  # the mean over ranks, clipped by the full norm
+        torch.testing.assert_close(got["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    for name, param in ref.model.named_parameters():
+        torch.testing.assert_close(got["params"][name], param.detach(), atol=1e-5, rtol=0, msg=name)
+    everything = [half_batch(h, st, packed) for shard in EVAL_SHARDS for h, st in shard]
+    single = evaluate(ref.model, everything, ref.policy, VOCAB, torch.device("cpu"))
+    assert got["eval"]["loss"] == pytest.approx(single["loss"], abs=1e-4) and single["loss"] is not None
+    for rank in (0, 1):  # each rank holds its half of every parameter (rounded up on rank 0)
+        shares = json.loads((tmp_path / f"shares{rank}.json").read_text())
+        assert set(shares) == set(grads)
+        for name, (mine, whole) in shares.items():
+            assert mine == ((whole + 1) // 2 if rank == 0 else whole - (whole + 1) // 2), name
+    assert json.loads((tmp_path / "shares0.json").read_text())["inner.model.embed_tokens.weight"] == [51, 101]
+
+
+def test_fsdp_is_refused_in_one_line_where_torch_has_no_fsdp2(monkeypatch) -> None:
+    from train.config import load_config
+    from train.errors import UserError
+    from train.parallel import fsdp
+
+    monkeypatch.setattr(fsdp, "fsdp2_api", lambda: (None, "torch 2.1.0 has no FSDP2 (fully_shard needs torch ≥ 2.6)"))
+    fsdp.check_fsdp(load_config(None, []))  # ddp, the default: nothing to refuse
+    refusal = r"dist.strategy=fsdp: torch 2.1.0 has no FSDP2 \(fully_shard needs torch ≥ 2.6\); use the torch2x stack"
+    with pytest.raises(UserError, match=refusal) as err:
+        fsdp.check_fsdp(load_config(None, ["dist.strategy=fsdp"]))
+    assert "\n" not in str(err.value)
+
+
+@needs_fsdp2
+def test_fsdp_refuses_a_clipping_method_that_needs_whole_gradients() -> None:
+    from train.config import load_config
+    from train.errors import UserError
+    from train.parallel.fsdp import check_fsdp
+
+    with pytest.raises(UserError, match="clip.method=agc needs each gradient whole"):
+        check_fsdp(load_config(None, ["dist.strategy=fsdp", "clip.method=agc"]))
+
+
+def run_worker(rank: int, world: int, port: int, overrides: list[str], resume: str | None) -> None:
+    """One rank of a whole ``python -m train train`` run (for ``torch.multiprocessing.spawn``)."""
+    import time
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    from train.commands.train import run_training
+    from train.config import load_config
+
+    run_training(load_config(None, overrides), time.perf_counter(), resume=resume)
+
+
+def spawn_run(overrides: list[str], resume: Path | None = None) -> None:
+    mp.spawn(run_worker, args=(2, free_port(), overrides, str(resume) if resume else None), nprocs=2, join=True)
+
+
+@needs_fsdp2
+def test_a_sharded_run_writes_whole_checkpoints_resumes_exactly_as_fsdp_and_as_ddp_and_exports(tmp_path: Path) -> None:
+    """2 FSDP2 ranks, a tiny Llama on packed rows: checkpoint.pt holds whole tensors (today's format); a resume from
+    the middle checkpoint as fsdp is bit-identical to the uninterrupted run, as ddp within 1e-4; the model directory
+    is exported from the checkpoint. Per-layer gradient records (rank 0 alone, which holds only shards) are off
+    under fsdp: with them on every record, a run that computed them would hang in a collective rank 1 never joins."""
+    from tests.conftest import assert_same_final_state, causal_overrides, synthetic_rows, write_wndb
+    from train.compat import load_state
+    from train.resume import list_checkpoints
+
+    wndb = write_wndb(tmp_path / "wn", synthetic_rows())
+    base = causal_overrides(wndb, tmp_path, "train.max_steps=8", "train.eval_every=8", "train.log_every=1",
+                            "train.checkpoint_every=4", "tracking.grad_stats_every=1", "dist.strategy=fsdp")
+    runs = tmp_path / "runs"
+    spawn_run(base + ["train.run_id=ref"])
+    report = json.loads((runs / "ref" / "report.json").read_text())
+    assert report["status"] == "completed" and report["env"]["world_size"] == 2
+    assert "error" not in (report["export"] or {}) and (runs / "ref" / "model").is_dir()
+    state = load_state(str(runs / "ref" / "checkpoint.pt"))
+    embed = state["model"]["inner.model.embed_tokens.weight"]
+    vocab = json.loads((runs / "ref" / "model" / "config.json").read_text())["vocab_size"]
+    assert type(embed) is torch.Tensor and embed.shape[0] == vocab  # whole, not rank 0's shard
+    assert all(type(v) is torch.Tensor for st in state["optimizer"]["state"].values() for v in st.values())
+    moments = [st["exp_avg"] for st in state["optimizer"]["state"].values()]
+    assert {m.shape for m in moments} == {v.shape for v in state["model"].values()}  # whole moments too
+
+    spawn_run(base + ["train.run_id=mid"])
+    first = list_checkpoints(runs / "mid")[0]
+    for name in ("checkpoint.pt", "report.json"):
+        (runs / "mid" / name).unlink()
+    spawn_run(base + ["train.run_id=mid"], resume=first)
+    assert_same_final_state(runs / "ref", runs / "mid")
+
+    ddp = [o for o in base if o != "dist.strategy=fsdp"] + ["dist.strategy=ddp", "train.run_id=mid"]
+    (runs / "mid" / "checkpoint.pt").unlink()
+    (runs / "mid" / "report.json").unlink()
+    spawn_run(ddp, resume=first)
+    resumed = json.loads((runs / "mid" / "report.json").read_text())
+    assert resumed["quality"]["final_train_loss"] == pytest.approx(report["quality"]["final_train_loss"], abs=1e-4)

@@ -1,0 +1,2 @@
+"""Sharding a model over the ranks of a torchrun job (``dist.strategy``); the process group itself is
+train/distributed.py's."""
