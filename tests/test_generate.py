@@ -146,6 +146,13 @@ def test_a_prompt_too_long_for_the_context_is_refused_or_cut_as_asked(monkeypatc
         source.held_out_prompts(None, 2, 0.9, 24, 8, None)
     prompts, facts = source.held_out_prompts(None, 2, 0.9, 24, 8, "left")
     assert all(len(p) == 16 for p in prompts) and facts["truncated_prompts"] == 2
+    assert facts["fewer_than_requested"] is None
+    _, facts = source.held_out_prompts(None, 5, 0.9, 24, 8, "left")  # the split has 2: said, not silently capped
+    assert facts["prompts"] == 2 and "2 of the 5 prompts asked for" in facts["fewer_than_requested"]
+    Split.ids, Split.labels = Split.ids[:1], np.array([0])
+    Split.__len__ = lambda self: 1
+    with pytest.raises(UserError, match="has 1 sample.*raise data.test_fraction"):
+        source.held_out_prompts(None, 2, 0.9, 24, 8, "left")
     assert prompts[0][-1] == Split.ids[0][math.floor(38 * 0.9) - 1]  # the end of the prompt kept
 
 

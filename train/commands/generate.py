@@ -201,6 +201,10 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     served = place(load_decoder(run_dir, cfg), device, g.precision)
     prompts, prompt_facts = held_out_prompts(cfg, g.requests, g.prompt_fraction, served.context, g.max_new_tokens,
                                              g.truncate_prompts)
+    if prompt_facts["split"] != "test" or prompt_facts["fewer_than_requested"]:
+        notice(f"bench-generate: prompts from the {prompt_facts['split']} split"
+               + (f"; {prompt_facts['fewer_than_requested']}" if prompt_facts["fewer_than_requested"] else
+                  " (the test split is empty)"))
     gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
     avail = available_paths(served.model)
     if g.path != "auto" and avail[g.path] is not None:

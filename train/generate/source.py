@@ -129,10 +129,16 @@ def held_out_prompts(cfg, n: int, fraction: float, context: Optional[int], max_n
                                 "generate.max_new_tokens")
             p, cut = (p[-room:] if truncate == "left" else p[:room]), cut + 1
         prompts.append(p)
+    empty_test = "" if split_name == "test" else " (the test split is empty)"
     if len(prompts) < 2:
-        raise UserError(f"bench-generate: the {split_name} split has {len(prompts)} sample(s); at least 2 are needed")
+        raise UserError(f"bench-generate: the {split_name} split has {len(prompts)} sample(s){empty_test}; at least 2 "
+                        "prompts are needed: raise data.test_fraction (or data.val_fraction) and train again, or give "
+                        "more data")
     lengths = [len(p) for p in prompts]
-    return prompts, {"split": split_name, "prompts": len(prompts), "prompt_tokens_mean": sum(lengths) / len(lengths),
+    short = (f"{len(prompts)} of the {n} prompts asked for (generate.requests): the {split_name} split has no more"
+             f"{empty_test}") if len(prompts) < n else None
+    return prompts, {"split": split_name, "requested": n, "prompts": len(prompts), "fewer_than_requested": short,
+                     "prompt_tokens_mean": sum(lengths) / len(lengths),
                      "prompt_tokens_max": max(lengths), "truncated_prompts": cut,
                      "rule": "prompt + completion rows: the prompt; text rows: the first "
                              f"{fraction:g} of the sample's tokens"}
