@@ -213,10 +213,6 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     first = serve(served.model, paths[0], prompts[:1], gen, 1)[0]
     cold = {"first_response_s": first.token_times[-1] - t0, "includes": "model load, prompts, the first request"}
     fresh = _fresh_process(cfg, run_dir, command, out_dir, avail, notice)
-    if "static-compile" in paths:  # compiled kernels go to (and come from) the shared compile cache
-        from train.compiling.session import setup_cache_dir
-
-        setup_cache_dir(cfg.compile.cache_dir)
     result = _measure(cfg, served.model, paths, prompts, gen, device, notice)
     return {"source": served.source, "run_dir": run_dir, **_busy(load_start, machine_load()),
             "precision": g.precision, "device": str(device),
@@ -234,6 +230,28 @@ def _busy(load_start: Optional[float], load_end: Optional[float]) -> dict[str, A
     return {"load_1min": [load_start, load_end], "busy_note": busy}
 
 
+def warm_single_batched(cfg, model, paths: list[str], prompts: list[list[int]], gen,
+                        notice: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, list], dict[str, list]]:
+    """Every path warmed up (``static-compile`` compiles each prompt bucket and batch size it will serve, in the
+    shared compile cache), then served single (closed loop) and batched (``generate.batch_size``): ``(warm-up
+    seconds per path, single timings per path, batched timings per path)``."""
+    if "static-compile" in paths:  # compiled kernels go to (and come from) the shared compile cache
+        from train.compiling.session import setup_cache_dir
+
+        setup_cache_dir(cfg.compile.cache_dir)
+    batch_size = cfg.generate.batch_size
+    warm: dict[str, Any] = {}
+    for path in paths:
+        t = time.perf_counter()
+        serve(model, path, prompts, gen, batch_size)
+        serve_single(model, path, prompts, gen)
+        warm[path] = {"warmup_s": time.perf_counter() - t}
+        notice(f"{path} warmed up in {warm[path]['warmup_s']:.1f} s")
+    single = {p: serve_single(model, p, prompts, gen) for p in paths}
+    batched = {p: serve(model, p, prompts, gen, batch_size) for p in paths}
+    return warm, single, batched
+
+
 def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device: torch.device,
              notice: Callable[[str], None]) -> dict[str, Any]:
     """Warm-up, single and batched runs of every path, the decode profile, the choice, the open-loop runs, the
@@ -242,16 +260,9 @@ def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device
     from train.perf.memory import peak_memory
 
     g = cfg.generate
-    warm: dict[str, Any] = {}
-    for path in paths:  # warm-up: static-compile compiles each prompt bucket and batch size it will serve
-        t = time.perf_counter()
-        serve(model, path, prompts, gen, g.batch_size)
-        serve_single(model, path, prompts, gen)
-        warm[path] = {"warmup_s": time.perf_counter() - t}
-        notice(f"bench-generate: {path} warmed up in {warm[path]['warmup_s']:.1f} s")
+    warm, single, batched = warm_single_batched(cfg, model, paths, prompts, gen,
+                                                lambda m: notice(f"bench-generate: {m}"))
     slo = (g.slo_ttft_ms, g.slo_tpot_ms)
-    single = {p: serve_single(model, p, prompts, gen) for p in paths}
-    batched = {p: serve(model, p, prompts, gen, g.batch_size) for p in paths}
     decode_profile = _decode_profile(model, paths, prompts[:g.profile_requests], gen)
     chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
         auto_path(cfg, model, paths, prompts, gen, device)

@@ -60,12 +60,12 @@ def energy_per_output_token(device: torch.device, run: Callable[[], int]) -> dic
     """Joules per output token of ``run()`` (which returns its output tokens), from the energy meter; null with the
     reason where the device has no counter."""
     from train.perf.energy import EnergyMeter
+    from train.perf.timer import synchronize
 
     meter = EnergyMeter(device)
     meter.start()
     tokens = run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     got = meter.stop()
     if got.get("energy_j") is None:
         return {"energy_j_per_output_token": None, "energy_unavailable_reason": got.get("energy_unavailable_reason")}

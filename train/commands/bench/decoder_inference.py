@@ -41,8 +41,8 @@ def run_decoder_inference(cfg, bundle, notice: Callable[[str], None] = print) ->
 
     Raises:
         UserError: ``bench.checkpoint`` is not a decoder's checkpoint; prompts too long for the model's context."""
-    from train.commands.generate import available_paths, choose_path, serve_single
-    from train.generate.engines import PATHS, greedy_config, serve
+    from train.commands.generate import available_paths, choose_path, warm_single_batched
+    from train.generate.engines import PATHS, greedy_config
     from train.generate.figures import summarize
     from train.generate.source import held_out_prompts
     from train.models.hf import import_transformers
@@ -54,16 +54,11 @@ def run_decoder_inference(cfg, bundle, notice: Callable[[str], None] = print) ->
     gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
     avail = available_paths(served.model)
     paths = [p for p in PATHS if avail[p] is None]
-    if "static-compile" in paths:
-        from train.compiling.session import setup_cache_dir
-
-        setup_cache_dir(cfg.compile.cache_dir)
+    _, single, batched = warm_single_batched(cfg, served.model, paths, prompts, gen, lambda _m: None)
     rows: dict[str, Any] = {}
-    for path in paths:  # warm-up first: static-compile compiles each prompt bucket and batch size it serves
-        serve(served.model, path, prompts, gen, g.batch_size)
-        serve_single(served.model, path, prompts, gen)
-        rows[path] = {"single": _row(summarize(serve_single(served.model, path, prompts, gen))),
-                      "batched": {**_row(summarize(serve(served.model, path, prompts, gen, g.batch_size))),
+    for path in paths:
+        rows[path] = {"single": _row(summarize(single[path])),
+                      "batched": {**_row(summarize(batched[path])),
                                   "batch_size": g.batch_size if path != "continuous" else None}}
         s = rows[path]["single"]
         notice(f"bench: decoder {path}: single TTFT p50 {s['ttft_ms']['p50']:.1f} ms, TPOT p50 "
