@@ -101,17 +101,19 @@ def served_from_wrapper(wrapper: nn.Module, source: str, state: Optional[dict] =
 
 
 def held_out_prompts(cfg, n: int, fraction: float, context: Optional[int], max_new_tokens: int,
-                     truncate: Optional[str]) -> tuple[list[list[int]], dict[str, Any]]:
+                     truncate: Optional[str], bundle: Any = None) -> tuple[list[list[int]], dict[str, Any]]:
     """The first ``n`` samples of the run's test split (validation when empty) as prompts: a prompt + completion
     sample's prompt, a text sample's first ``fraction`` of its tokens (at least one; its EOS never), so the prompt
-    lengths follow the data's. Returns (prompts, facts: lengths, source split, truncations).
+    lengths follow the data's. ``bundle``: the run's prepared data where the caller has it (else prepared here).
+    Returns (prompts, facts: lengths, source split, truncations).
 
     Raises:
         UserError: fewer than two prompts; a prompt that leaves no room for ``max_new_tokens`` in ``context``
             unless ``truncate`` says which end to keep."""
-    from train.data import prepare_data
+    if bundle is None:
+        from train.data import prepare_data
 
-    bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
+        bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
     split_name = "test" if len(bundle.splits["test"]) else "validation"
     split = bundle.splits[split_name]
     prompts, cut = [], 0

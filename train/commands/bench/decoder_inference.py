@@ -50,7 +50,7 @@ def run_decoder_inference(cfg, bundle, notice: Callable[[str], None] = print) ->
     g = cfg.generate
     served = _served(cfg, bundle)
     prompts, facts = held_out_prompts(cfg, max(2, cfg.bench.requests), g.prompt_fraction, served.context,
-                                      g.max_new_tokens, g.truncate_prompts)
+                                      g.max_new_tokens, g.truncate_prompts, bundle)
     gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
     avail = available_paths(served.model)
     paths = [p for p in PATHS if avail[p] is None]
