@@ -76,7 +76,8 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint`.
+    """Load a checkpoint written by :func:`save_checkpoint` (a sharded one: train/parallel/sharded_checkpoint.py's
+    ``load_whole``).
 
     Raises:
         UserError: missing, truncated/corrupt, or containing pickled objects other than tensors and

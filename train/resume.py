@@ -19,6 +19,7 @@ resumed run's parameters and losses equal an uninterrupted run's bit for bit (te
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -31,8 +32,10 @@ from train.callbacks import Callback
 from train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from train.distributed import DistContext, agreed, any_rank, gather_to_main
 from train.errors import UserError, atomic_temps, atomic_write_text, describe_temps
-from train.models.adapter import model_state
+from train.models.adapter import has_adapter, model_state
 from train.models.export import special_tokens
+from train.parallel.fsdp import is_sharded
+from train.parallel.sharded_checkpoint import SUFFIX, is_sharded_checkpoint, read_meta, save_sharded
 
 FORMAT = 1
 CHECKPOINT_DIR = "checkpoints"
@@ -43,26 +46,34 @@ def checkpoint_path(run_dir: Path, step: int) -> Path:
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Periodic checkpoints of ``run_dir``, oldest first (temporary files of an interrupted write are ignored)."""
+    """Periodic checkpoints of ``run_dir``, oldest first: ``step-*.pt`` files and (``dist.strategy=fsdp``) complete
+    ``step-*.dcp`` directories; temporary files and directories of an interrupted write are ignored."""
     d = run_dir / CHECKPOINT_DIR
-    return sorted(d.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1])) if d.is_dir() else []
+    if not d.is_dir():
+        return []
+    found = [*d.glob("step-*.pt"), *filter(is_sharded_checkpoint, d.glob(f"step-*{SUFFIX}"))]
+    return sorted(found, key=lambda p: int(p.stem.split("-")[1]))
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` periodic checkpoints, and temporary files left by a killed write."""
-    for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-    for tmp in (run_dir / CHECKPOINT_DIR).glob(".step-*.tmp"):
-        tmp.unlink(missing_ok=True)
+    for old in [*list_checkpoints(run_dir)[:-keep], *(run_dir / CHECKPOINT_DIR).glob(".step-*.tmp")]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
-def full_state(trainer, model: torch.nn.Module, bundle, cfg, ctx: DistContext) -> Optional[dict[str, Any]]:
-    """Everything needed to continue (a collective: every rank calls it); the dict on rank 0, else None."""
+def full_state(trainer, model: torch.nn.Module, bundle, cfg, ctx: DistContext,
+               tensors: bool = True) -> Optional[dict[str, Any]]:
+    """Everything needed to continue (a collective: every rank calls it); the dict on rank 0, else None.
+    ``tensors=False``: without ``model`` and ``optimizer`` (a sharded checkpoint writes those itself)."""
     ranks = gather_to_main({"rng": rng_state(), **trainer.rank_state_dict()}, ctx)
-    shared, weights = trainer.state_dict(), model_state(model)  # FSDP2 gathers shards: on every rank
+    shared = trainer.state_dict(whole_optimizer=tensors)
+    weights = {"model": model_state(model)} if tensors else {}  # FSDP2 gathers shards: on every rank
     if not ctx.is_main:
         return None
-    return {"format": FORMAT, **shared, "model": weights, "ranks": ranks,
+    return {"format": FORMAT, **shared, **weights, "ranks": ranks,
             "world_size": ctx.world_size, "spec": asdict(model.spec), "label_names": list(bundle.corpus.label_names),
             "data_fingerprint": bundle.data_fingerprint, "tokenizer_fingerprint": bundle.tokenizer_info["fingerprint"],
             "precision": trainer.policy.state(), "config": cfg.to_dict(), "torch": str(torch.__version__),
@@ -107,10 +118,23 @@ class Checkpointer(Callback):
 
     def save(self, step: int) -> Path:
         path = checkpoint_path(self.run_dir, step)
-        state = full_state(self.trainer, self.model, self.bundle, self.cfg, self.ctx)
-        write_state(path, state, self.ctx, keep=self.cfg.train.keep_checkpoints)
+        if writes_sharded(self.model):  # each rank writes its shards (train/parallel/sharded_checkpoint.py)
+            path = path.with_suffix(SUFFIX)
+            meta = full_state(self.trainer, self.model, self.bundle, self.cfg, self.ctx, tensors=False)
+            save_sharded(path, self.model, self.trainer.optimizer, meta, self.ctx)
+            agreed(lambda: prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints) if self.ctx.is_main
+                   else None, self.ctx)
+        else:
+            state = full_state(self.trainer, self.model, self.bundle, self.cfg, self.ctx)
+            write_state(path, state, self.ctx, keep=self.cfg.train.keep_checkpoints)
         self.last_path = path
         return path
+
+
+def writes_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s periodic checkpoints are sharded (DCP): its parameters are FSDP2 shards and it is not an
+    adapter run (an adapter is small: gathered into one file, as its frozen base is rebuilt from its source)."""
+    return is_sharded(model) and not has_adapter(model)
 
 
 FINAL = "checkpoint.pt"
@@ -135,7 +159,7 @@ def find_resume_checkpoint(target: str) -> tuple[Path, Path]:
         UserError: no such run, no checkpoint in it, or no config.yaml.
     """
     p = Path(target)
-    if p.is_file():
+    if p.is_file() or is_sharded_checkpoint(p):
         run_dir = p.parent.parent if p.parent.name == CHECKPOINT_DIR else p.parent
         return run_dir, p
     if not p.is_dir():
@@ -190,7 +214,7 @@ def load_resume(target: str, say=print) -> tuple[Path, dict[str, Any]]:
         UserError: as :func:`find_resume_checkpoint`, or no readable checkpoint (the newest one's error).
     """
     _, first = find_resume_checkpoint(target)
-    found = [first] if Path(target).is_file() else resume_candidates(Path(target))
+    found = [first] if first == Path(target) else resume_candidates(Path(target))
     for i, path in enumerate(found):
         try:
             return path, read_resume_state(path)
@@ -207,7 +231,7 @@ def read_resume_state(path: Path) -> dict[str, Any]:
     Raises:
         UserError: corrupt/truncated/pickled-object checkpoint, or another format.
     """
-    state = load_checkpoint(path)
+    state = read_meta(path) if path.is_dir() else load_checkpoint(path)
     if not isinstance(state, dict) or state.get("format") != FORMAT or "ranks" not in state:
         raise UserError(f"checkpoint {path} is not a resumable checkpoint of this version (format {FORMAT}); "
                         "start a new run")

@@ -313,17 +313,18 @@ class Trainer:
             record["loss_scale"] = float(self.policy.scaler.get_scale())
         return record
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, whole_optimizer: bool = True) -> dict[str, Any]:
         """The training state every rank shares: progress, optimizer, scheduler, GradScaler, evaluations.
 
         Plain values and tensors only (loadable with ``weights_only=True``). ``batches_in_epoch`` is the
         sampler position: batches of ``epoch`` the loop has consumed (not what the DataLoader prefetched). Under
-        FSDP2 the optimizer state is gathered whole (a collective: every rank calls this).
+        FSDP2 the optimizer state is gathered whole (a collective: every rank calls this); ``whole_optimizer=False``
+        leaves it out (a sharded checkpoint writes its shards itself).
         """
         scaler = self.policy.scaler
+        optimizer = {"optimizer": full_optimizer_state(self.optimizer)} if whole_optimizer else {}
         return {"step": self.stats.steps, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
-                "total_steps": self.total_steps, "optimizer": full_optimizer_state(self.optimizer),
-                "scheduler": self.scheduler.state_dict(),
+                "total_steps": self.total_steps, **optimizer, "scheduler": self.scheduler.state_dict(),
                 "grad_scaler": scaler.state_dict() if scaler is not None else None,
                 "evals": list(self.stats.evals), "final_train_loss": self.stats.final_train_loss}
 
@@ -338,7 +339,8 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` / :meth:`rank_state_dict`: the next step is ``state['step'] + 1``."""
-        load_optimizer_state(self.optimizer, state["optimizer"])  # sharded as this run holds it
+        if state.get("optimizer") is not None:  # None: loaded from a sharded checkpoint's shards already
+            load_optimizer_state(self.optimizer, state["optimizer"])  # sharded as this run holds it
         self.scheduler.load_state_dict(state["scheduler"])
         if self.policy.scaler is not None and state.get("grad_scaler") is not None:
             self.policy.scaler.load_state_dict(state["grad_scaler"])

@@ -7,9 +7,9 @@ import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
-from train.checkpoint import load_checkpoint
 from train.errors import UserError
 from train.models.export import check_target, export_model, model_from_checkpoint
+from train.parallel.sharded_checkpoint import is_sharded_checkpoint, load_any
 from train.resume import FINAL, list_checkpoints
 
 
@@ -27,17 +27,19 @@ def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = Fa
         raise UserError(f"export: {d} is not a run directory (runs/<id>/ written by python -m train train)")
     path = Path(checkpoint) if checkpoint else d / FINAL
     have = [str(p) for p in ([d / FINAL] if (d / FINAL).is_file() else []) + list_checkpoints(d)[::-1]]
-    if checkpoint and not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
+    sharded = is_sharded_checkpoint(path)
+    if checkpoint and not (path.is_file() or sharded):
+        what = "is a directory, not a checkpoint (a sharded one holds trainer.pt and .metadata)" if path.is_dir() else \
+            "does not exist"
         hint = f"this run's checkpoints: {', '.join(have[:3])}" if have else f"{d} has no checkpoint yet"
         raise UserError(f"export: --checkpoint {path} {what}; {hint}")
-    if not path.is_file():
+    if not (path.is_file() or sharded):
         hint = f"pass --checkpoint with one of {', '.join(have[:3])}" if have else \
             "the run has no checkpoint yet: let it finish, or resume it (python -m train train --resume " + str(d) + ")"
         raise UserError(f"export: {path} does not exist (no complete checkpoint); {hint}")
-    if not zipfile.is_zipfile(path):
+    if not sharded and not zipfile.is_zipfile(path):
         raise UserError(f"export: {path} is not a checkpoint (not a file written by torch.save); use the run's "
-                        "checkpoint.pt or checkpoints/step-*.pt")
+                        "checkpoint.pt, checkpoints/step-*.pt or (dist.strategy=fsdp) checkpoints/step-*.dcp")
     tokenizer = d / "tokenizer.json"
     if not tokenizer.is_file():
         raise UserError(f"export: {tokenizer} is missing (every run writes its tokenizer there): the exported model "
@@ -45,7 +47,7 @@ def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = Fa
                         "report.json names it) and export again")
     target = Path(out) if out else d / ("model-merged" if merged else "model")
     check_target(target)  # before anything is loaded: a refusal costs nothing
-    state = load_checkpoint(path)
+    state = load_any(path)
     if not isinstance(state, dict) or "spec" not in state or "model" not in state:
         raise UserError(f"export: {path} is not a complete checkpoint of this project (no model or spec); use the "
                         "run's checkpoint.pt or checkpoints/step-*.pt")

@@ -29,6 +29,7 @@ from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.adapter import load_model_state
 from train.numerics import NumericsAbort
 from train.parallel.fsdp import check_fsdp, is_sharded
+from train.parallel.sharded_checkpoint import load_sharded, load_whole
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak
 from train.report import (
@@ -190,6 +191,8 @@ def _check_resume(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir:
                            resolved.cfg.data.tokenizer_path)), ctx)
     say(f"resuming from {checkpoint.path} (step {state['step']})"
         + (f"; changed settings applied: {'; '.join(applied)}" if applied else ""), flush=True)
+    if "sharded" in state and not (resolved.cfg.dist.strategy == "fsdp" and ctx.enabled):
+        state = agreed(lambda: load_whole(checkpoint.path), ctx)  # this run holds whole tensors: read every shard
     return Checkpoint(checkpoint.path, state)
 
 
@@ -210,7 +213,7 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
     tracking = Tracking(cfg, run_dir) if ctx.is_main else None
 
     def load_weights(model: torch.nn.Module, _compiled: Any) -> None:
-        if checkpoint is not None:
+        if checkpoint is not None and "sharded" not in checkpoint.state:  # shards load after sharding
             load_model_state(model, checkpoint.state["model"], f"checkpoint {checkpoint.path}")
 
     built = build_run(cfg, resolved.bundle, device, resolved.policy, splits=("train", "validation", "test"),
@@ -235,7 +238,11 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
 def _restore_trainer(built: BuiltRun, checkpoint: Checkpoint, ctx: DistContext, say: Callable[..., None]) -> None:
     """Optimizer, scheduler, sampler position and counters from the checkpoint, then its RNG states (last)."""
     state, trainer = checkpoint.state, built.trainer
-    optimizer_state, note = optimizer_state_for(trainer.optimizer, state["optimizer"])  # this run's kernels apply
+    if "sharded" in state:  # the model's and AdamW's shards, resharded when another number of ranks wrote them
+        load_sharded(checkpoint.path, built.model, trainer.optimizer, ctx)
+        optimizer_state, note = None, None
+    else:
+        optimizer_state, note = optimizer_state_for(trainer.optimizer, state["optimizer"])  # this run's kernels apply
     trainer.load_state_dict({**state, "optimizer": optimizer_state}, state["ranks"][ctx.rank])
     written_by = state.get("torch")
     if written_by and written_by != str(torch.__version__):

@@ -84,10 +84,10 @@ def served_from_checkpoint(ckpt: str, who: str) -> Served:
 
     Raises:
         UserError: not a decoder's checkpoint, or one that does not load (``who`` begins the message)."""
-    from train.checkpoint import load_checkpoint
     from train.models.export import model_from_checkpoint
+    from train.parallel.sharded_checkpoint import load_any
 
-    state = load_checkpoint(ckpt)
+    state = load_any(ckpt)
     return served_from_wrapper(model_from_checkpoint(state, f"{who}: {ckpt}"), ckpt, state)
 
 

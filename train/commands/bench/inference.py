@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from train.checkpoint import load_checkpoint
 from train.config import RunConfig
 from train.data import DataBundle
 from train.data.buckets import assign_buckets
@@ -42,6 +41,7 @@ from train.data.packing import PackCollate, pack_rows, packed_forward
 from train.data.tokenizer import encode
 from train.errors import UserError
 from train.models.encoder import EncoderClassifier, EncoderSpec
+from train.parallel.sharded_checkpoint import load_any
 from train.perf.energy import EnergyMeter, per_unit
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import Timed, percentiles
@@ -112,7 +112,7 @@ def load_model(cfg: RunConfig, bundle: DataBundle, device: torch.device,
     if checkpoint is None:
         return (build_model(cfg, bundle).to(device), list(bundle.corpus.label_names),
                 "freshly initialised (no bench.checkpoint)")
-    state = load_checkpoint(checkpoint)
+    state = load_any(checkpoint)
     spec = state["spec"]
     if spec["vocab_size"] != bundle.vocab_size or spec["num_classes"] != bundle.num_classes:
         raise UserError(f"checkpoint {checkpoint} was trained with vocab {spec['vocab_size']} / {spec['num_classes']} "
