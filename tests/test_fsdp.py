@@ -124,8 +124,9 @@ def test_fsdp_refuses_a_clipping_method_that_needs_whole_gradients() -> None:
 def test_a_sharded_run_resumes_its_sharded_checkpoint_exactly_as_fsdp_and_as_ddp_and_exports(tmp_path: Path) -> None:
     """2 FSDP2 ranks, a tiny Llama on packed rows: the final checkpoint.pt holds whole tensors (gathered on rank 0);
     a resume from the middle (sharded, DCP) checkpoint as fsdp reads its shards and is bit-identical to the
-    uninterrupted run, as ddp it reads them whole and continues within 1e-4; the model directory is exported. Per-layer gradient records (rank 0 alone, which holds only shards) are off
-    under fsdp: with them on every record, a run that computed them would hang in a collective rank 1 never joins."""
+    uninterrupted run, as ddp it reads them whole and continues within 1e-4; the model directory is exported.
+    Per-layer gradient records (rank 0 alone, which holds only shards) are off under fsdp: with them on every
+    record, a run that computed them would hang in a collective rank 1 never joins."""
     from tests.conftest import assert_same_final_state, causal_overrides, synthetic_rows, write_wndb
     from train.compat import load_state
     from train.resume import list_checkpoints

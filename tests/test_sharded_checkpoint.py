@@ -4,6 +4,7 @@ uninterrupted 2-rank run; a set whose write was cut short is never taken for a c
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -108,3 +109,37 @@ def test_a_sharded_run_checkpoints_per_rank_and_ignores_a_set_cut_short(tmp_path
                            "--out", str(out)], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+@needs_fsdp2
+def test_a_lora_adapter_trains_sharded_as_under_ddp_resumes_exactly_and_exports(tmp_path: Path) -> None:
+    """LoRA adapters (peft) on a 2-rank fsdp run: the adapter equals the ddp run's (same ranks, same batches), its
+    checkpoints are single files holding the whole adapter (gathered: rank 0 holds only shards), a resume from the
+    middle one is bit-identical, and the model directory is peft's layout."""
+    from tests.conftest import assert_same_final_state, causal_overrides, synthetic_rows, write_wndb
+    from tests.fsdp_harness import spawn_run
+    from train.compat import load_state
+    from train.resume import list_checkpoints
+
+    wndb = write_wndb(tmp_path / "wn", synthetic_rows())
+    base = causal_overrides(wndb, tmp_path, "train.max_steps=6", "train.eval_every=6", "train.checkpoint_every=3",
+                            "model.adapter={type: lora, r: 4, alpha: 8, dropout: 0.0, targets: auto}")
+    runs = tmp_path / "runs"
+    spawn_run(base + ["dist.strategy=ddp", "train.run_id=ddp"])
+    spawn_run(base + ["dist.strategy=fsdp", "train.run_id=fsdp"])
+    ddp, fsdp = (load_state(str(runs / r / "checkpoint.pt")) for r in ("ddp", "fsdp"))
+    assert set(fsdp["model"]) == set(ddp["model"]) and all("lora_" in k for k in fsdp["model"])
+    for name, tensor in ddp["model"].items():
+        assert type(fsdp["model"][name]) is torch.Tensor, name  # whole, not a DTensor shard
+        torch.testing.assert_close(fsdp["model"][name], tensor, atol=1e-5, rtol=0, msg=name)
+    report = json.loads((runs / "fsdp" / "report.json").read_text())
+    assert report["export"]["format"] == "peft-adapter"
+    assert (runs / "fsdp" / "model" / "adapter_model.safetensors").is_file()
+
+    middle = list_checkpoints(runs / "fsdp")[0]
+    assert middle.name == "step-00000003.pt"
+    spawn_run(base + ["dist.strategy=fsdp", "train.run_id=again"])
+    for name in ("checkpoint.pt", "report.json"):
+        (runs / "again" / name).unlink()
+    spawn_run(base + ["dist.strategy=fsdp", "train.run_id=again"], resume=list_checkpoints(runs / "again")[0])
+    assert_same_final_state(runs / "fsdp", runs / "again")

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from train.compat import autocast_enabled
+from train.compat import autocast_enabled, full_tensor, is_dtensor
 from train.config.adapter import AdapterSettings
 from train.errors import UserError
 
@@ -134,9 +134,10 @@ def attach_adapter(wrapper: nn.Module, settings: AdapterSettings, model_type: st
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable part of ``model``'s state dict (the adapter's matrices and any head trained whole)."""
+    """The trainable part of ``model``'s state dict (the adapter's matrices and any head trained whole); under FSDP2
+    each gathered whole onto the CPU (a collective: every rank calls it), as a checkpoint must hold it."""
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in model.state_dict().items() if k in names}
+    return {k: full_tensor(v).cpu() if is_dtensor(v) else v for k, v in model.state_dict().items() if k in names}
 
 
 def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
