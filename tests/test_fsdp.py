@@ -161,3 +161,29 @@ def test_a_sharded_run_resumes_its_sharded_checkpoint_exactly_as_fsdp_and_as_ddp
     spawn_run(ddp, resume=first)
     resumed = json.loads((runs / "mid" / "report.json").read_text())
     assert resumed["quality"]["final_train_loss"] == pytest.approx(report["quality"]["final_train_loss"], abs=1e-4)
+
+
+@needs_fsdp2
+def test_compile_on_a_sharded_run_compiles_each_block_and_learns_as_eager(tmp_path: Path) -> None:
+    """``compile.enabled=true`` on 2 fsdp ranks: each transformer block compiled (before FSDP2 wraps it), the same
+    losses as the eager sharded run (1e-5), the graphs counted in report.json; under ddp it is refused in one line."""
+    from tests.conftest import causal_overrides, synthetic_rows, write_wndb
+
+    wndb = write_wndb(tmp_path / "wn", synthetic_rows())
+    base = causal_overrides(wndb, tmp_path, "train.max_steps=4", "train.eval_every=4", "dist.strategy=fsdp",
+                            f"compile.cache_dir={tmp_path / 'inductor'}")
+    reports = {}
+    for mode in ("false", "true"):
+        spawn_run(base + [f"compile.enabled={mode}", f"train.run_id=c{mode}"])
+        reports[mode] = json.loads((tmp_path / "runs" / f"c{mode}" / "report.json").read_text())
+    compiled = reports["true"]["compile"]
+    assert compiled["enabled"] and "each transformer block compiled" in compiled["reason"]
+    assert compiled["graphs_compiled_in_warmup"] == 0 and compiled["recompiles_after_warmup"] > 0  # no warm-up
+    assert "dist.strategy=fsdp" in compiled["warmup_unavailable_reason"]
+    assert reports["true"]["quality"]["final_train_loss"] == pytest.approx(
+        reports["false"]["quality"]["final_train_loss"], abs=1e-5)
+    assert reports["true"]["quality"]["evals"][-1]["loss"] == pytest.approx(
+        reports["false"]["quality"]["evals"][-1]["loss"], abs=1e-5)
+
+    with pytest.raises(Exception, match="compile.enabled=true under torchrun with dist.strategy=ddp"):
+        spawn_run([o for o in base if o != "dist.strategy=fsdp"] + ["compile.enabled=true", "train.run_id=ddp"])

@@ -184,15 +184,17 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
     loaders = {s: make_loader(bundle, s, cfg, train=s == "train", device=device, world_size=ctx.world_size,
                               rank=ctx.rank) for s in splits}
     compiled = None
+    sharded = ctx.enabled and cfg.dist.strategy == "fsdp"
     if compile:
         evals = [loaders[s] for s in ("validation", "test") if s in loaders]
-        compiled = start_compile(cfg, device, model, bundle.pad_to, loaders["train"], evals)
+        compiled = start_compile(cfg, device, model, bundle.pad_to, loaders["train"], evals, sharded=sharded)
     if before_wrap is not None:
         before_wrap(model, compiled)
     val = loaders.get("validation")
     has_val = val is not None and len(bundle.splits["validation"]) > 0  # none: no periodic evaluation
-    forward = compiled.forward if compiled is not None and compiled.enabled else \
-        wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode)
+    on = compiled is not None and compiled.enabled
+    forward = wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode) if not on or sharded else None
+    forward = compiled.forward if on else forward  # sharded: the compiled blocks' model, sharded in place above
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders.get("train"),
                       eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,
                       logger=logger(model) if logger is not None else None, train_model=forward)

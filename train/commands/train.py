@@ -202,9 +202,10 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
     tracking on rank 0, the checkpoint's weights (before DDP broadcasts rank 0's) and its trainer state, the decisions
     block."""
     cfg = resolved.cfg
-    if resolved.compile_enabled and ctx.enabled:
-        raise UserError("compile.enabled=true under torchrun is not supported yet: use compile.enabled=auto/false "
-                        "with NPROC > 1, or compile a single-process run")
+    if resolved.compile_enabled and ctx.enabled and cfg.dist.strategy == "ddp":
+        raise UserError("compile.enabled=true under torchrun with dist.strategy=ddp is not supported yet: use "
+                        "dist.strategy=fsdp (compiles each transformer block), compile.enabled=auto/false with "
+                        "NPROC > 1, or compile a single-process run")
     if ctx.rank:  # distinct dropout streams per rank; rank 0 keeps the single-process stream
         torch.manual_seed(cfg.train.seed + ctx.rank)
     if ctx.is_main and checkpoint is not None:  # records logged after the checkpoint, before the interruption

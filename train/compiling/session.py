@@ -229,13 +229,22 @@ class CompiledForward(nn.Module):
     (the wrapper adds no state). Each call costs two counter reads.
     """
 
-    def __init__(self, model: nn.Module, cfg: CompileConfig, monitor: RecompileMonitor) -> None:
+    def __init__(self, model: nn.Module, cfg: CompileConfig, monitor: RecompileMonitor,
+                 per_block: bool = False) -> None:
         super().__init__()
         self.model = model
         kwargs: dict[str, Any] = {"dynamic": cfg.dynamic, "fullgraph": cfg.fullgraph, "backend": cfg.backend}
         if cfg.mode != "default":
             kwargs["mode"] = cfg.mode
-        object.__setattr__(self, "compiled", torch.compile(model, **kwargs))  # not a submodule: no duplicate state
+        compiled: Any = model
+        if per_block:  # dist.strategy=fsdp: each transformer block in place, before FSDP2 wraps it (as torchtitan)
+            from train.parallel.fsdp import transformer_blocks
+
+            for block in transformer_blocks(model):
+                block.compile(**kwargs)
+        else:
+            compiled = torch.compile(model, **kwargs)
+        object.__setattr__(self, "compiled", compiled)  # not a submodule: no duplicate state
         object.__setattr__(self, "monitor", monitor)
         object.__setattr__(self, "_traceable", {})  # compat.traceable_callable's cache
 
@@ -270,10 +279,12 @@ class CompileSession:
 
     @classmethod
     def create(cls, cfg: CompileConfig, device: torch.device, model: nn.Module, pad_to: str = "bound",
-               planned_graphs: int = 0) -> "CompileSession":
+               planned_graphs: int = 0, per_block: bool = False) -> "CompileSession":
         """Resolve ``compile.enabled``; when on: set up the cache dir, the recompile limit and wrap ``model``.
 
-        ``planned_graphs`` (train + eval shapes the bucket plan will produce) sizes the default limit.
+        ``planned_graphs`` (train + eval shapes the bucket plan will produce) sizes the default limit. ``per_block``:
+        compile each transformer block in place instead of the whole model (a sharded run: FSDP2's all-gathers and
+        reduce-scatters stay outside the compiled code; ``forward`` then calls the model, sharded after this).
         """
         enabled, reason = resolve_compile(cfg, device, pad_to)
         if not enabled:
@@ -283,9 +294,10 @@ class CompileSession:
         compat.set_recompile_limit(limit)
         compat.enable_guard_failure_reporting()
         monitor = RecompileMonitor(dynamic=cfg.dynamic)
-        fwd = CompiledForward(model, cfg, monitor)
-        return cls(enabled=True, reason=reason, cfg=cfg, forward=fwd, cache=cache, monitor=monitor,
-                   recompile_limit=limit, cache_counts_start=compat.compile_cache_counts())
+        fwd = CompiledForward(model, cfg, monitor, per_block)
+        return cls(enabled=True, reason=reason + ("; each transformer block compiled (dist.strategy=fsdp)"
+                                                  if per_block else ""), cfg=cfg, forward=fwd, cache=cache,
+                   monitor=monitor, recompile_limit=limit, cache_counts_start=compat.compile_cache_counts())
 
     def loud_warnings(self) -> list[str]:
         """Lines to print (and report) when the compiled run was not what it claims."""

@@ -252,15 +252,21 @@ def warm_up(trainer: Any, model: torch.nn.Module, forward: torch.nn.Module, shap
 
 
 def start_compile(cfg: Any, device: torch.device, model: torch.nn.Module, pad_to: str, train_loader: DataLoader,
-                  eval_loaders: Iterable[DataLoader]) -> CompileSession:
+                  eval_loaders: Iterable[DataLoader], sharded: bool = False) -> CompileSession:
     """The run's :class:`CompileSession`; when compile is on, its bucket shapes are planned (and size the recompile
-    limit)."""
+    limit). ``sharded`` (a ``dist.strategy=fsdp`` run under torchrun): each transformer block is compiled, and the
+    shapes are not warmed (:func:`warm_up_for_run`)."""
     enabled, _ = resolve_compile(cfg.compile, device, pad_to)
     shapes = None
     if enabled and pad_to == "bound":
         shapes = plan_all_shapes(train_loader, eval_loaders if cfg.compile.warmup_eval else ())
-    session = CompileSession.create(cfg.compile, device, model, pad_to, planned_graphs=len(shapes or ()))
+    session = CompileSession.create(cfg.compile, device, model, pad_to, planned_graphs=len(shapes or ()),
+                                    per_block=sharded)
     session.shapes = shapes
+    if sharded:  # a warm-up step is a collective, and each rank would stop warming when its own times settle
+        session.shapes = None
+        session.warmup_skipped_reason = ("dist.strategy=fsdp: each rank compiles a shape on its first step with it "
+                                         "(counted as a recompile); warm-up steps would have to agree over ranks")
     return session
 
 
@@ -275,6 +281,8 @@ def warm_up_for_run(session: CompileSession, trainer: Any, model: torch.nn.Modul
         return None
     if not (c.warmup or force):
         session.warmup_skipped_reason = "compile.warmup=false"
+    elif session.warmup_skipped_reason:
+        pass
     elif session.shapes is None and session.enabled:
         session.warmup_skipped_reason = (f"batching.method={trainer.cfg.batching.method}: batches padded to their "
                                          "longest sample (evaluation at least): no fixed set of shapes to warm")
