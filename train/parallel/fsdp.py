@@ -67,8 +67,11 @@ def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: s
     """Shard ``model`` in place with FSDP2 (each of :func:`transformer_blocks`, then the root) over all
     ``world_size`` ranks of the initialised process group; returns ``model`` (its class now also an ``FSDPModule``).
 
-    ``mode`` is the precision policy's (``fp32``, ``bf16``, ``fp16``): a half mode gathers parameters in that dtype
-    for compute and reduces gradients in fp32 (``MixedPrecisionPolicy``); fp32 has no policy. Reductions are plain
+    ``mode`` is the precision policy's (``fp32``, ``bf16``, ``fp16``): in a half mode each block gathers its
+    parameters in that dtype for compute, its inputs cast to it, and reduces gradients in fp32
+    (``MixedPrecisionPolicy``); the root (embeddings, final norm, head) keeps fp32 parameters, as the precision
+    policy keeps them (the built-in encoder's final LayerNorm and pooling run in fp32 and refuse half weights);
+    fp32 has no policy. Reductions are plain
     sums then a division by the world size (:func:`~train.compat.force_sum_reduction`), so gradients are the mean
     over ranks, as DDP's. Build the optimizer after this: it must hold the sharded parameters.
 
@@ -81,11 +84,10 @@ def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: s
             torch.distributed.broadcast(tensor, src=0)
     mesh = init_device_mesh(device.type, (world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh}
-    if mode in HALF:
-        kwargs["mp_policy"] = mixed_precision(param_dtype=HALF[mode], reduce_dtype=torch.float32)
+    half = {"mp_policy": mixed_precision(param_dtype=HALF[mode], reduce_dtype=torch.float32)} if mode in HALF else {}
     units = [*transformer_blocks(model), model]
     for unit in units:
-        fully_shard(unit, **kwargs)
+        fully_shard(unit, **kwargs, **(half if unit is not model else {}))
     for unit in units:
         force_sum_reduction(unit)
     return model
