@@ -162,6 +162,16 @@ def test_a_sharded_run_resumes_its_sharded_checkpoint_exactly_as_fsdp_and_as_ddp
     resumed = json.loads((runs / "mid" / "report.json").read_text())
     assert resumed["quality"]["final_train_loss"] == pytest.approx(report["quality"]["final_train_loss"], abs=1e-4)
 
+    # and back: a ddp run's single-file checkpoint resumed as fsdp (its whole tensors sharded on load)
+    spawn_run([o for o in ddp if o != "train.run_id=mid"] + ["train.run_id=dmid"])
+    single = list_checkpoints(runs / "dmid")[0]
+    assert single.name == "step-00000004.pt"
+    for name in ("checkpoint.pt", "report.json"):
+        (runs / "dmid" / name).unlink()
+    spawn_run(base + ["train.run_id=dmid"], resume=single)
+    back = json.loads((runs / "dmid" / "report.json").read_text())
+    assert back["quality"]["final_train_loss"] == pytest.approx(report["quality"]["final_train_loss"], abs=1e-4)
+
 
 @needs_fsdp2
 def test_compile_on_a_sharded_run_compiles_each_block_and_learns_as_eager(tmp_path: Path) -> None:
