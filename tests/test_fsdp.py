@@ -223,3 +223,22 @@ def test_bf16_on_a_sharded_built_in_encoder_keeps_the_root_in_fp32_and_learns_as
         assert report["env"]["precision"] == "bf16"
         losses[strategy] = report["quality"]["final_train_loss"]
     assert losses["fsdp"] == pytest.approx(losses["ddp"], abs=0.05)
+
+
+@needs_fsdp2
+def test_the_numerics_guard_skips_and_aborts_every_sharded_rank_alike(tmp_path: Path) -> None:
+    """A diverging run (lr 1e36, no clipping) on 2 fsdp ranks: the norm of the whole gradient is non-finite on every
+    rank alike, so both skip the same steps and abort at the same one (no rank left waiting in a collective), and
+    report.json says which."""
+    from tests.conftest import causal_overrides, synthetic_rows, write_wndb
+
+    wndb = write_wndb(tmp_path / "wn", synthetic_rows())
+    run = causal_overrides(wndb, tmp_path, "train.max_steps=20", "train.log_every=1", "optim.lr=1e36",
+                           "optim.warmup_fraction=0", "clip.method=none", "numerics.max_bad_steps=3",
+                           "dist.strategy=fsdp", "train.run_id=diverge")
+    with pytest.raises(Exception, match="non-finite"):
+        spawn_run(run)
+    report = json.loads((tmp_path / "runs" / "diverge" / "report.json").read_text())
+    assert report["status"] == "aborted-numerics"
+    numerics = report["numerics"]
+    assert numerics["aborted"] and numerics["longest_bad_run"] == 3 and numerics["skipped_steps"] >= 3
