@@ -103,8 +103,9 @@ def run_steps(trainer, batches) -> tuple[list[float], list[float], dict]:
     return losses, norms, grads
 
 
-def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, out: str) -> None:
-    """One rank: shard the tiny Llama with the product's wrap, step on this rank's halves, write what it holds."""
+def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, out: str, offload: bool) -> None:
+    """One rank: shard the tiny Llama with the product's wrap (``offload``: FSDP2's CPUOffloadPolicy, unpinned on a
+    CPU device), step on this rank's halves, write what it holds."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                        "RANK": str(rank), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
@@ -114,7 +115,7 @@ def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, o
     ctx, device = init_distributed(torch.device("cpu"))
     try:
         model = tiny_llama()
-        wrap_model(model, ctx, device, "fsdp", "fp32")
+        wrap_model(model, ctx, device, "fsdp", "fp32", offload)
         trainer = trainer_for(model, chunked, ctx)
         losses, norms, grads = run_steps(trainer, [half_batch(rank, s, packed) for s in range(STEPS)])
         summed = torch.stack(losses)
@@ -134,11 +135,13 @@ def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, o
 
 
 @needs_fsdp2
-@pytest.mark.parametrize("packed, chunked", [(False, False), (True, True)], ids=["padded", "packed-chunked"])
-def test_two_sharded_ranks_equal_one_unsharded_process(tmp_path: Path, packed: bool, chunked: bool) -> None:
+@pytest.mark.parametrize("packed, chunked, offload", [(False, False, False), (True, True, False), (False, False, True)],
+                         ids=["padded", "packed-chunked", "padded-offload"])
+def test_two_sharded_ranks_equal_one_unsharded_process(tmp_path: Path, packed: bool, chunked: bool,
+                                                       offload: bool) -> None:
     ref = trainer_for(tiny_llama(), chunked)
     losses, norms, grads = run_steps(ref, [global_batch(s, packed) for s in range(STEPS)])
-    mp.spawn(fsdp_worker, args=(2, free_port(), packed, chunked, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(fsdp_worker, args=(2, free_port(), packed, chunked, str(tmp_path), offload), nprocs=2, join=True)
     got = torch.load(tmp_path / "fsdp.pt")
     assert got["losses"] == pytest.approx([float(x) for x in losses], abs=1e-5)
     # the pre-clip norm of the whole gradient: not a rank's shard, not scaled by the world size

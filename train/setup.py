@@ -192,7 +192,7 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
     val = loaders.get("validation")
     has_val = val is not None and len(bundle.splits["validation"]) > 0  # none: no periodic evaluation
     forward = compiled.forward if compiled is not None and compiled.enabled else \
-        wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode)
+        wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode, cfg.dist.offload)
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders.get("train"),
                       eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,
                       logger=logger(model) if logger is not None else None, train_model=forward)

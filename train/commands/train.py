@@ -79,7 +79,7 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, re
             cannot run), on every rank.
     """
     check_fsdp(cfg)  # before any rank joins the group: every rank refuses alike
-    ctx, device = init_distributed(resolve_device(cfg.train.device))
+    ctx, device = init_distributed(resolve_device(cfg.train.device), host_collectives=cfg.dist.offload)
     try:
         return _train(cfg, t_start, buckets_force, resume, ctx, device, hooks, continue_flag)
     finally:
