@@ -324,6 +324,8 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     sections["compile"] = compiled.report()
     sections["resumed_from"] = (None if run.checkpoint is None
                                 else {"checkpoint": str(run.checkpoint.path), "step": run.checkpoint.state["step"]})
+    sections["dist"] = {"strategy": cfg.dist.strategy if run.ctx.enabled else None,
+                        "offload": cfg.dist.offload and run.ctx.enabled, "auto": resolved.strategy}
     sections["model"] = model_section(cfg, built.model, trainer.optimizer, peak_memory(device))
     from train.commands.bench.training import skip_reasons  # here: the bench package's imports cost start-up
 
