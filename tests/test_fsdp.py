@@ -1,7 +1,8 @@
 """``dist.strategy=fsdp`` (FSDP2): a tiny Llama sharded over 2 Gloo ranks, each with half of a global batch, equals
 the same model unsharded in one process on the whole batch — per-step loss and pre-clip gradient norm, the clipped
-gradients, and every parameter after 3 AdamW steps — with and without packed rows and the chunked loss; and the
-refusals (torch without FSDP2, a clipping method that needs whole gradients)."""
+gradients, and every parameter after 3 AdamW steps — with and without packed rows and the chunked loss, and with
+``dist.offload`` (CPUOffloadPolicy, unpinned on a CPU device); and the refusals (torch without FSDP2, a clipping
+method that needs whole gradients)."""
 
 from __future__ import annotations
 
@@ -172,6 +173,18 @@ def test_fsdp_is_refused_in_one_line_where_torch_has_no_fsdp2(monkeypatch) -> No
     with pytest.raises(UserError, match=refusal) as err:
         fsdp.check_fsdp(load_config(None, ["dist.strategy=fsdp"]))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(fsdp2_api()[0] is not None, reason="this torch has FSDP2")
+def test_this_torch_without_fsdp2_refuses_fsdp_and_fsdp_with_offload_naming_the_torch2x_stack() -> None:
+    from train.config import load_config
+    from train.errors import UserError
+    from train.parallel.fsdp import check_fsdp
+
+    for extra in ([], ["dist.offload=true"]):
+        with pytest.raises(UserError, match=r"^dist.strategy=fsdp: torch 2\.1\.\d+ has no FSDP2 .*; use the torch2x "
+                                            r"stack, or dist.strategy=ddp$"):
+            check_fsdp(load_config(None, ["dist.strategy=fsdp", *extra]))
 
 
 @needs_fsdp2
