@@ -62,8 +62,11 @@ def choose_strategy(params: int, trainable: int, device_bytes: Optional[int], wo
     if world_size <= 1:
         return StrategyDecision(None, "a single process: no ranks to shard over (dist.strategy is ignored)", state,
                                 device_bytes)
-    what = f"training state {_size(state)} (16 bytes a parameter, {params / 1e6:.1f}M parameters"
-    what += f", {trainable / 1e6:.1f}M trainable)" if trainable != params else ")"
+    if trainable == params:
+        what = f"training state {_size(state)} (16 bytes a parameter, {params / 1e6:.1f}M parameters)"
+    else:
+        what = (f"training state {_size(state)} (4 bytes a weight, 12 more a trainable one: {params / 1e6:.1f}M "
+                f"parameters, {trainable / 1e6:.1f}M trainable)")
     if device_bytes is None:
         return StrategyDecision("ddp", f"{what}; this device's memory is unknown: ddp", state, None)
     budget = f"{HEADROOM:g} of the device's {_size(device_bytes)}"
