@@ -22,12 +22,16 @@ OUT=${OUT:-runs/gpu-check}
 WORK=${WORK:-$OUT.work}
 CONFIG=${CONFIG:-configs/gpu-bert-base.yaml}
 DRY_RUN=${DRY_RUN:-0}
-ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit,optimize,causal-lm,generate,generate-0.5b"
+ALL_STEPS="verify-gpu,bench-precision,bench,compile-default,compile-reduce-overhead,compile-run,profile,sync-audit,optimize,causal-lm,generate,generate-0.5b,fsdp,fsdp-run"
 # On a GPU the default leaves compile-default and causal-lm out: with cold caches the compile steps need ~120 s each,
 # and all ten steps' budgets would not fit one 10-minute call. STEPS=compile-default,causal-lm runs them (a second
 # call): causal-lm trains the tiny Llama of configs/causal-cpu.yaml packed, bf16, compiled, with the chunked loss.
 # generate and generate-0.5b (bench-generate on a random-init tiny Llama and on a Qwen2-0.5B-shaped one, bf16: TTFT and
 # TPOT at batch 1 and at saturation, static cache + compile through CUDA graphs) likewise: STEPS=generate,generate-0.5b.
+# fsdp and fsdp-run (dist.strategy=fsdp, torch >= 2.6) likewise: STEPS=fsdp,fsdp-run. fsdp: scripts/fsdp_memory.py, the
+# product's sharding + Trainer as ddp, fsdp and fsdp with dist.offload over min(GPUs, 2) ranks, bf16 (one GPU: a group
+# of one), per-rank bytes on the device and the host. fsdp-run: a whole torchrun run, 2 ranks, fsdp + offload; it
+# needs 2 GPUs (a one-rank torchrun is a single process, which ignores dist.strategy), and is skipped with fewer.
 GPU_STEPS="verify-gpu,bench-precision,bench,compile-reduce-overhead,compile-run,profile,sync-audit,optimize"
 if [ "${DRY_RUN:-0}" = 1 ]; then STEPS=${STEPS:-$ALL_STEPS}; else STEPS=${STEPS:-$GPU_STEPS}; fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -66,6 +70,8 @@ if [ "$DRY_RUN" = 1 ]; then
   GENERATE=(generate.requests=4 generate.max_new_tokens=4 generate.batch_size=2 generate.load_levels=0.5
             generate.fresh_process=false generate.profile_requests=1 bench.rounds=2)
   HALF_B=("model.hf_overrides={num_hidden_layers: 2, hidden_size: 64, num_attention_heads: 4, num_key_value_heads: 2, intermediate_size: 128}")
+  FSDP_NPROC=2; FSDP_MEMORY=(--device cpu --precision fp32 --layers 2 --hidden 64 --vocab 512 --rows 2 --seq 32 --steps 3)
+  FSDP_RUN=(train.max_steps=4 train.eval_every=4 train.log_every=2 compile.enabled=false)
 else
   MODE=gpu
   COMMON=(train.device=cuda train.progress=false train.overwrite=true "train.output_dir=$WORK")
@@ -80,6 +86,11 @@ else
             generate.ignore_eos=true bench.rounds=3)
   # Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV heads, MLP 4864) on the Llama architecture, random init
   HALF_B=("model.hf_overrides={num_hidden_layers: 24, hidden_size: 896, num_attention_heads: 14, num_key_value_heads: 2, intermediate_size: 4864}")
+  # CUDA_VISIBLE_DEVICES counts: torch's device count, not nvidia-smi -L's list
+  FSDP_NPROC=$("$PYTHON" -c "import torch; print(min(torch.cuda.device_count(), 2))" 2>/dev/null || echo 0)
+  FSDP_MEMORY=(--device cuda --precision bf16 --layers 4 --hidden 512 --vocab 32000 --rows 8 --seq 256 --steps 3)
+  FSDP_RUN=(train.max_steps=20 train.eval_every=20 train.log_every=10 train.precision=bf16 compile.enabled=false
+            data.vocab_size=8192 batching.max_tokens=16384)
 fi
 # bench-precision trains bert-base 4 times (fp32 without TF32 is ~22 TFLOP a step at the config's 32k tokens: ~0.4 s on
 # an H200); an 8k-token budget keeps its 4 x 120 steps and evaluations inside the step's budget.
@@ -140,6 +151,14 @@ run_step generate 150 "$PYTHON" "${M[@]}" bench-generate --config configs/causal
   "${COMMON[@]}" "${GENERATE[@]}"
 run_step generate-0.5b 200 "$PYTHON" "${M[@]}" bench-generate --config configs/causal-cpu.yaml --run-id gc-generate-05b \
   "${COMMON[@]}" "${GENERATE[@]}" "${HALF_B[@]}" generate.fresh_process=false
+# FSDP2 (torch >= 2.6): sharded steps, and a whole 2-rank run, with dist.offload (docs/scale-out.md)
+run_step fsdp 90 "$PYTHON" scripts/fsdp_memory.py --nproc "$FSDP_NPROC" "${FSDP_MEMORY[@]}" --out "$WORK/fsdp_memory.json"
+if [ "$FSDP_NPROC" -ge 2 ]; then
+  run_step fsdp-run 120 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 "${M[@]}" train \
+    --config configs/causal-cpu.yaml --run-id gc-fsdp "${COMMON[@]}" "${FSDP_RUN[@]}" dist.strategy=fsdp dist.offload=true
+else
+  case ",$STEPS," in *",fsdp-run,"*) echo "== fsdp-run: skipped: $FSDP_NPROC GPU(s); a 2-rank run needs 2" ;; esac
+fi
 
 "$PYTHON" scripts/gpu_check_report.py write "$WORK" "$OUT" "$MODE" "$ALL_STEPS" || FAILED=1
 echo "gpu-check ($MODE): $([ "$FAILED" = 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED'); see $OUT/gpu_check.md"

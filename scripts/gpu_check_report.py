@@ -20,7 +20,7 @@ NO_GPU = 77  # verify_gpu's exit code on a host without a GPU: expected in a dry
 TIMEOUT_RCS = (124, 137)
 TARGETS = "MFU >= 40% of the measured matmul peak; optimized >= 2x hf-style samples/s; compile: 0 recompiles after " \
           "warm-up, steady step >= 1.3x faster than eager; bf16/fp16 eval accuracy within 1.0 point of fp32; " \
-          "0 host syncs"
+          "0 host syncs; fsdp + offload: parameters + gradients + optimizer state on the device per rank <= 0.1x ddp's"
 
 
 def _load(path: Optional[Path]) -> Optional[dict]:
@@ -182,12 +182,45 @@ def _generate(pattern: str) -> Callable[[Path], tuple[Optional[dict], str]]:
     return get
 
 
+def _mib(x: Any) -> str:
+    return _f(x, ".1f", 1 / (1 << 20)) + " MiB"
+
+
+def _fsdp_memory(work: Path) -> tuple[Optional[dict], str]:
+    r = _load(work / "fsdp_memory.json")
+    if r is None:
+        return None, "no fsdp_memory.json"
+    gpu = r.get("device") == "cuda"
+    worst = {s: max((rank.get("on_device") if gpu else rank.get("total")) or 0 for rank in r.get(s) or [{}])
+             for s in ("ddp", "fsdp", "fsdp-offload")}
+    ratio = _f((r.get("on_device_over_ddp_per_rank") or {}).get("fsdp-offload"), ".3f")
+    return r, (f"{r.get('ranks')} rank(s) on {r.get('device')}, {r.get('precision')}, {r.get('parameters')} "
+               f"parameters; state per rank {'on the device' if gpu else 'in all (the CPU: device = host)'}: "
+               f"ddp {_mib(worst['ddp'])}, fsdp {_mib(worst['fsdp'])}, fsdp+offload {_mib(worst['fsdp-offload'])}"
+               + (f" ({ratio}x ddp's; target <= 0.1)" if gpu else "")
+               + f"; offload vs fsdp max loss difference {_f(r.get('offload_max_loss_difference'), '.2e')}")
+
+
+def _fsdp_run(work: Path) -> tuple[Optional[dict], str]:
+    run = _find(work, "gc-fsdp*")
+    r = _load(run / "report.json" if run else None)
+    if r is None:
+        return None, "no report.json"
+    env, q, d = r.get("env") or {}, r.get("quality") or {}, r.get("dist") or {}
+    out = {k: r.get(k) for k in ("status", "dist", "perf", "quality", "model", "export")}
+    return out, (f"{r.get('status')}: {env.get('world_size')} ranks ({env.get('distributed_backend')}), strategy "
+                 f"{d.get('strategy')}, offload {d.get('offload')}; final train loss "
+                 f"{_f(q.get('final_train_loss'), '.3f')}; peak memory rank 0 "
+                 f"{_mib((r.get('perf') or {}).get('peak_memory_bytes'))}")
+
+
 STEPS: dict[str, Callable[[Path], tuple[Optional[dict], str]]] = {
     "verify-gpu": _verify, "bench-precision": _precision, "bench": _bench,
     "compile-default": _compile("gc-compile-default*/bench-compile.json"),
     "compile-reduce-overhead": _compile("gc-compile-ro*/bench-compile.json"),
     "compile-run": _run, "profile": _profile, "sync-audit": _sync, "optimize": _optimize, "causal-lm": _causal,
     "generate": _generate("gc-generate/generate.json"), "generate-0.5b": _generate("gc-generate-05b/generate.json"),
+    "fsdp": _fsdp_memory, "fsdp-run": _fsdp_run,
 }
 
 
@@ -223,6 +256,7 @@ def targets(steps: dict[str, dict]) -> dict[str, Any]:
     ro = res("compile-reduce-overhead")
     run = (res("compile-run").get("report") or {}).get("compile", {})
     sync = res("sync-audit")
+    offload = (res("fsdp").get("on_device_over_ddp_per_rank") or {}).get("fsdp-offload")
 
     def ok(v: Any, cond: Callable[[Any], bool]) -> Optional[bool]:
         return None if v is None else bool(cond(v))
@@ -244,6 +278,7 @@ def targets(steps: dict[str, dict]) -> dict[str, Any]:
                                                                                     for g in v))},
         "host_syncs_in_steady_steps_eq_0": {"value": sync.get("host_syncs"),
                                             "reached": ok(sync.get("host_syncs"), lambda v: v == 0)},
+        "fsdp_offload_device_state_le_0_1x_ddp": {"value": offload, "reached": ok(offload, lambda v: v <= 0.1)},
     }
 
 

@@ -313,6 +313,8 @@ CONFIG_VALUE_CASES = [  # issue 21 #8: each once a traceback from numpy or torch
     _value_case("optim.betas=[0.9,1.5]", "optim.betas=[0.9, 1.5]", "two numbers in [0, 1)"),
     _value_case("optim.eps=-1", "optim.eps=-1.0 is out of range", "> 0"),
     _value_case("train.num_threads=-1", "train.num_threads=-1 is out of range", "≥ 1"),
+    _value_case("dist.offload=true", "dist.offload=true: CPU offload is FSDP2's, and dist.strategy=ddp",
+                "set dist.strategy=fsdp, or dist.offload=false"),
 ]
 
 

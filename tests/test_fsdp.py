@@ -1,7 +1,8 @@
 """``dist.strategy=fsdp`` (FSDP2): a tiny Llama sharded over 2 Gloo ranks, each with half of a global batch, equals
 the same model unsharded in one process on the whole batch — per-step loss and pre-clip gradient norm, the clipped
-gradients, and every parameter after 3 AdamW steps — with and without packed rows and the chunked loss; and the
-refusals (torch without FSDP2, a clipping method that needs whole gradients)."""
+gradients, and every parameter after 3 AdamW steps — with and without packed rows and the chunked loss, and with
+``dist.offload`` (CPUOffloadPolicy, unpinned on a CPU device); and the refusals (torch without FSDP2, a clipping
+method that needs whole gradients)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.fsdp_harness import (
     tiny_llama,
     trainer_for,
 )
+from train.compat import fsdp2_api
 from train.evaluation import evaluate
 
 
@@ -42,8 +44,10 @@ def run_steps(trainer, batches) -> tuple[list[float], list[float], dict]:
     return losses, norms, grads
 
 
-def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, path: str, out: str) -> None:
-    """One rank: shard the tiny Llama with the product's wrap, step on this rank's halves, write what it holds."""
+def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, path: str, out: str,
+                offload: bool) -> None:
+    """One rank: shard the tiny Llama with the product's wrap (``offload``: FSDP2's CPUOffloadPolicy, unpinned on a
+    CPU device), step on this rank's halves, write what it holds."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                        "RANK": str(rank), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
@@ -54,7 +58,7 @@ def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, p
     try:
         model = tiny_llama()
         model.set_packed_attention(path)
-        wrap_model(model, ctx, device, "fsdp", "fp32")
+        wrap_model(model, ctx, device, "fsdp", "fp32", offload)
         trainer = trainer_for(model, chunked, ctx)
         losses, norms, grads = run_steps(trainer, [half_batch(rank, s, packed) for s in range(STEPS)])
         summed = torch.stack(losses)
@@ -74,16 +78,18 @@ def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, p
 
 
 @needs_fsdp2
-@pytest.mark.parametrize("packed, chunked, path", [(False, False, "sdpa-mask"), (True, True, "sdpa-mask"),
-                                                   (True, False, "varlen"), (True, False, "eager-mask")],
-                         ids=["padded", "packed-chunked", "packed-varlen", "packed-eager-mask"])
-def test_two_sharded_ranks_equal_one_unsharded_process(tmp_path: Path, packed: bool, chunked: bool, path: str) -> None:
-    """Every packed attention path of a decoder (sdpa-mask, varlen, eager-mask) and the chunked loss."""
+@pytest.mark.parametrize("packed, chunked, path, offload", [
+    (False, False, "sdpa-mask", False), (True, True, "sdpa-mask", False), (True, False, "varlen", False),
+    (True, False, "eager-mask", False), (False, False, "sdpa-mask", True)],
+    ids=["padded", "packed-chunked", "packed-varlen", "packed-eager-mask", "padded-offload"])
+def test_two_sharded_ranks_equal_one_unsharded_process(tmp_path: Path, packed: bool, chunked: bool, path: str,
+                                                       offload: bool) -> None:
+    """Every packed attention path of a decoder (sdpa-mask, varlen, eager-mask), the chunked loss, and CPU offload."""
     unsharded = tiny_llama()
     unsharded.set_packed_attention(path)
     ref = trainer_for(unsharded, chunked)
     losses, norms, grads = run_steps(ref, [global_batch(s, packed) for s in range(STEPS)])
-    mp.spawn(fsdp_worker, args=(2, free_port(), packed, chunked, path, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(fsdp_worker, args=(2, free_port(), packed, chunked, path, str(tmp_path), offload), nprocs=2, join=True)
     got = torch.load(tmp_path / "fsdp.pt")
     assert got["losses"] == pytest.approx([float(x) for x in losses], abs=1e-5)
     # the pre-clip norm of the whole gradient: not a rank's shard, not scaled by the world size
@@ -114,6 +120,18 @@ def test_fsdp_is_refused_in_one_line_where_torch_has_no_fsdp2(monkeypatch) -> No
     with pytest.raises(UserError, match=refusal) as err:
         fsdp.check_fsdp(load_config(None, ["dist.strategy=fsdp"]))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(fsdp2_api()[0] is not None, reason="this torch has FSDP2")
+def test_this_torch_without_fsdp2_refuses_fsdp_and_fsdp_with_offload_naming_the_torch2x_stack() -> None:
+    from train.config import load_config
+    from train.errors import UserError
+    from train.parallel.fsdp import check_fsdp
+
+    for extra in ([], ["dist.offload=true"]):
+        with pytest.raises(UserError, match=r"^dist.strategy=fsdp: torch 2\.1\.\d+ has no FSDP2 .*; use the torch2x "
+                                            r"stack, or dist.strategy=ddp$"):
+            check_fsdp(load_config(None, ["dist.strategy=fsdp", *extra]))
 
 
 @needs_fsdp2

@@ -3,6 +3,7 @@ GPU is around; a failing or timed-out step is recorded and the script goes on, e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STEPS = ["verify-gpu", "bench-precision", "bench", "compile-default", "compile-reduce-overhead", "compile-run",
-         "profile", "sync-audit", "optimize", "causal-lm", "generate", "generate-0.5b"]
+         "profile", "sync-audit", "optimize", "causal-lm", "generate", "generate-0.5b", "fsdp", "fsdp-run"]
+FSDP_STEPS = ("fsdp", "fsdp-run")  # dist.strategy=fsdp: torch >= 2.6
 
 
 def run_check(tmp_path: Path, wndb: Path, python: str = sys.executable, **env: str) -> subprocess.CompletedProcess:
@@ -26,12 +28,15 @@ def run_check(tmp_path: Path, wndb: Path, python: str = sys.executable, **env: s
 
 @pytest.mark.slow
 def test_dry_run_passes_every_step_and_writes_a_small_output(tmp_path: Path, wndb: Path) -> None:
-    proc = run_check(tmp_path, wndb)
+    from train.compat import fsdp2_api
+
+    steps = [s for s in STEPS if fsdp2_api()[0] is not None or s not in FSDP_STEPS]
+    proc = run_check(tmp_path, wndb, STEPS=",".join(steps))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     out = tmp_path / "out"
     doc = json.loads((out / "gpu_check.json").read_text())
     assert doc["mode"] == "dry-run" and doc["passed"] and list(doc["steps"]) == STEPS
-    for name, step in doc["steps"].items():
+    for name, step in ((n, s) for n, s in doc["steps"].items() if n in steps):
         assert step["passed"] and step["result"] is not None, (name, step.get("error"))
         assert any(line.startswith(f"{name}: OK") for line in proc.stdout.splitlines()), name  # its one-line summary
     files = [p for p in out.rglob("*") if p.is_file()]
@@ -43,6 +48,10 @@ def test_dry_run_passes_every_step_and_writes_a_small_output(tmp_path: Path, wnd
     assert run["report"]["compile"]["recompiles_after_warmup"] == 0 and run["warmup"]["totals"]["shapes"] > 0
     assert {r["requested"] for r in steps["bench-precision"]["result"]["rows"]} >= {"fp32"}
     assert {r["name"] for r in steps["bench"]["result"]["training"]["configs"]} >= {"naive", "hf-style", "optimized"}
+    if "fsdp" in steps:  # on a CPU: no device figure (device = host), offload's losses those of plain fsdp
+        memory = steps["fsdp"]["result"]
+        assert memory["on_device_over_ddp_per_rank"] is None and memory["offload_max_loss_difference"] <= 1e-5
+        assert steps["fsdp-run"]["result"]["dist"] == {"strategy": "fsdp", "offload": True, "auto": None}
     # a rerun of some steps into the same OUT/WORK (after a failed first try on the GPU host) overwrites their runs
     again = run_check(tmp_path, wndb, STEPS="bench-precision,profile")
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-2000:]
@@ -91,3 +100,27 @@ exit 1
                            "(ModuleNotFoundError: No module named 'torch'); "
                            "install torch into it or point PYTHON at a python that has it\n")
     assert (out / "gpu_check.json").read_text() == "{}" and not (tmp_path / "work").exists()
+
+
+def test_the_fsdp_summary_reads_the_device_bytes_and_the_offload_target(tmp_path: Path) -> None:
+    """On a GPU: the worst rank's state on the device per strategy, offload's ratio to ddp's against the 0.1 target;
+    on a CPU the device figure is not claimed."""
+    spec = importlib.util.spec_from_file_location("gpu_check_report", ROOT / "scripts" / "gpu_check_report.py")
+    gcr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gcr)
+
+    def ranks(on_device: int) -> list[dict]:
+        return [{"on_device": on_device, "total": 4 << 20}, {"on_device": on_device - 1, "total": 4 << 20}]
+
+    doc = {"device": "cuda", "ranks": 2, "precision": "bf16", "parameters": 10, "ddp": ranks(4 << 20),
+           "fsdp": ranks(2 << 20), "fsdp-offload": ranks(1), "offload_max_loss_difference": 0.0,
+           "on_device_over_ddp_per_rank": {"fsdp": 0.5, "fsdp-offload": 0.0}}
+    (tmp_path / "fsdp_memory.json").write_text(json.dumps(doc))
+    _, line = gcr.STEPS["fsdp"](tmp_path)
+    assert "on the device: ddp 4.0 MiB, fsdp 2.0 MiB, fsdp+offload 0.0 MiB (0.000x ddp's; target <= 0.1)" in line
+    target = gcr.targets({"fsdp": {"result": doc}})["fsdp_offload_device_state_le_0_1x_ddp"]
+    assert target == {"value": 0.0, "reached": True}
+    cpu = {**doc, "device": "cpu", "on_device_over_ddp_per_rank": None}
+    (tmp_path / "fsdp_memory.json").write_text(json.dumps(cpu))
+    _, line = gcr.STEPS["fsdp"](tmp_path)
+    assert "in all (the CPU: device = host): ddp 4.0 MiB" in line and "target" not in line

@@ -84,11 +84,14 @@ def compile_cache_dirs(rank: int, environ: Optional[dict] = None) -> dict[str, s
     return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": os.path.join(inductor, "triton")}
 
 
-def init_distributed(device: torch.device, timeout_s: float = 1800) -> tuple[DistContext, torch.device]:
+def init_distributed(device: torch.device, timeout_s: float = 1800,
+                     host_collectives: bool = False) -> tuple[DistContext, torch.device]:
     """Join the process group torchrun described; return the context and this rank's device.
 
-    NCCL for a CUDA device (each rank uses ``cuda:LOCAL_RANK``), Gloo for CPU. Also points the
-    compile caches at a per-rank directory (see :func:`compile_cache_dirs`).
+    NCCL for a CUDA device (each rank uses ``cuda:LOCAL_RANK``), Gloo for CPU. ``host_collectives``
+    (``dist.offload``): with NCCL, Gloo beside it in the default group (``cuda:nccl,cpu:gloo``) for
+    collectives on host tensors — offloaded gradients' norm, offloaded shards gathered for a checkpoint.
+    Also points the compile caches at a per-rank directory (see :func:`compile_cache_dirs`).
 
     Raises:
         UserError: inconsistent torchrun variables, or CUDA with fewer devices than local ranks.
@@ -105,7 +108,9 @@ def init_distributed(device: torch.device, timeout_s: float = 1800) -> tuple[Dis
     backend = "nccl" if device.type == "cuda" else "gloo"
     os.environ.update(compile_cache_dirs(rank))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        both = host_collectives and backend == "nccl"
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if both else backend,
+                                timeout=timedelta(seconds=timeout_s))
     control = dist.new_group(backend="gloo") if backend == "nccl" else None
     return DistContext(world, rank, local, backend, control), device
 
@@ -117,11 +122,11 @@ def teardown(ctx: DistContext) -> None:
 
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device, strategy: str = "ddp",
-               mode: str = "fp32") -> torch.nn.Module:
+               mode: str = "fp32", offload: bool = False) -> torch.nn.Module:
     """What a training step calls: ``DistributedDataParallel`` around ``model`` (rank 0's weights are broadcast), or
     for ``strategy="fsdp"`` ``model`` itself sharded in place by FSDP2 (train/parallel/fsdp.py; ``mode``: the precision
-    policy's, for its mixed precision; rank 0's weights are broadcast first, as DDP's); the model itself when
-    single-process.
+    policy's, for its mixed precision; ``offload``: its shards kept in host memory; rank 0's weights are broadcast
+    first, as DDP's); the model itself when single-process.
 
     Raises:
         UserError: ``fsdp`` on a torch without FSDP2.
@@ -131,7 +136,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, device: torch.device, s
     if strategy == "fsdp":
         from train.parallel.fsdp import shard_model
 
-        return shard_model(model, ctx.world_size, device, mode)
+        return shard_model(model, ctx.world_size, device, mode, offload)
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)

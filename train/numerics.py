@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from train.clipping import ClipResult
+from train.compat import local_tensor
 from train.errors import RunAborted
 
 
@@ -89,7 +90,8 @@ class NumericsGuard:
             policy.step(optimizer)  # GradScaler skips on its own found_inf
         elif supports_found_inf(optimizer):
             optimizer.grad_scale = None
-            optimizer.found_inf = (~ok).float()
+            # on the parameters' device: the host's under dist.offload (a copy there; the offload's copies wait anyway)
+            optimizer.found_inf = (~ok).float().to(local_tensor(optimizer.param_groups[0]["params"][0]).device)
             try:
                 optimizer.step()
             finally:

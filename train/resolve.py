@@ -2,7 +2,8 @@
 config and the decisions block.
 
 Every ``auto`` of a run is decided here, once, in this order: the run id (the run directory's name), the precision
-(the checkpoint's on resume, else ``train.precision``), the model (built and checked for packing), the batching
+(the checkpoint's on resume, else ``train.precision``), the model (built and checked for packing), the strategy
+under torchrun (``dist.strategy=auto``: a rule of the model's size and the device's memory), the batching
 method (``batching.method=auto``: the run's own step on its batches), fast dropout (``model.fast_dropout=auto``), the
 compile switch (``compile.enabled``: a rule), the packed rows' attention path (``model.packed_attention``) and the
 chunked LM loss (``model.chunked_loss``: causal LMs; its step A/B runs on the attention path just chosen). The
@@ -29,6 +30,7 @@ from train.data.attention import AttentionChoice, apply_attention
 from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, broadcast_from_main
 from train.models.dropout import decide_fast_dropout
+from train.parallel.strategy import decide_strategy
 from train.precision import PrecisionDecision, PrecisionPolicy
 from train.setup import (
     attention_choice,
@@ -54,8 +56,7 @@ class Resolved:
     the ``bundle`` planned for ``cfg.batching``, the ``model`` built from ``cfg`` (attention path set, dropout not
     yet swapped: :func:`~train.setup.build_run` swaps it from ``model.fast_dropout``), the compile switch and its
     reason, and report.json's decision sections (``batching_auto``, ``levers.fast_dropout``, ``packed_attention``,
-    ``levers.chunked_loss``;
-    None where the decision did not arise)."""
+    ``levers.chunked_loss``, ``dist.auto``: ``strategy``; None where the decision did not arise)."""
 
     cfg: RunConfig
     policy: PrecisionPolicy
@@ -67,6 +68,7 @@ class Resolved:
     fast_dropout: dict
     attention: Optional[AttentionChoice]
     chunked_loss: dict
+    strategy: Optional[dict] = None
 
     @property
     def packed_attention(self) -> Optional[dict]:
@@ -117,6 +119,10 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
     def decided(choose: Callable[[], Any]) -> Any:
         return broadcast_from_main(choose() if ctx.is_main else None, ctx)
 
+    strategy = None  # a rule of the model and the device: config.yaml keeps what it chose, as a resume should
+    if cfg.dist.strategy == "auto":
+        strategy = decided(lambda: decide_strategy(model, device, ctx.world_size, cfg.clip.method))
+
     batching = None
     if cfg.batching.method == "auto":  # config.yaml keeps the choice, so --resume replays it
         decision = decided(lambda: choose_batching(model, policy, cfg, bundle, device,
@@ -130,6 +136,8 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
     decided_values = {"model.fast_dropout": "true" if fast_dropout["applied"] else "false"}
     if cfg.train.precision == "auto":
         decided_values["train.precision"] = policy.mode
+    if strategy is not None and strategy["chosen"] is not None:
+        decided_values["dist.strategy"] = strategy["chosen"]
     # compile.enabled=auto stays auto: a rule of the device kind and the batching, no measurement, so the same machine
     # decides the same; written as its outcome, the report's reason would say "compile.enabled=false" instead of why
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
@@ -147,7 +155,7 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
         decided_values["model.chunked_loss"] = "true" if chunked["applied"] else "false"
     cfg = cfg.with_values(decided_values).freeze()
     return Resolved(cfg, policy, bundle, model, compile_enabled, compile_reason, batching, fast_dropout, attention,
-                    chunked)
+                    chunked, strategy)
 
 
 def _decide_fast_dropout(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: DataBundle,
@@ -184,6 +192,8 @@ def decision_lines(resolved: Resolved, device_name: str) -> list[str]:
              f"  dropout    {'16-bit mask' if dropout['applied'] else 'nn.Dropout'}: {dropout['reason']}"]
     if resolved.attention is not None:
         lines.append(f"  attention  {resolved.attention.path}: {resolved.attention.reason}")
+    if resolved.strategy is not None:
+        lines.append(f"  strategy   {resolved.strategy['chosen'] or 'none'}: {resolved.strategy['reason']}")
     if cfg.model.task != "classification":
         chunked = resolved.chunked_loss
         lines.append(f"  loss       {'chunked' if chunked['applied'] else 'logits whole'}: {chunked['reason']}")

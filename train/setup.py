@@ -193,7 +193,8 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
     val = loaders.get("validation")
     has_val = val is not None and len(bundle.splits["validation"]) > 0  # none: no periodic evaluation
     on = compiled is not None and compiled.enabled
-    forward = wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode) if not on or sharded else None
+    forward = wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode, cfg.dist.offload) \
+        if not on or sharded else None
     forward = compiled.forward if on else forward  # sharded: the compiled blocks' model, sharded in place above
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders.get("train"),
                       eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,

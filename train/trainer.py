@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from train.callbacks import Callback
 from train.clipping import clip_gradients
-from train.compat import fused_adamw_supported
+from train.compat import fused_adamw_supported, local_tensor
 from train.config import RunConfig
 from train.data.batch import batch_samples, epochs, move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum
@@ -100,9 +100,10 @@ class Trainer:
                 raise RuntimeError("the training loader yields no batches")
             self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * batches_per_epoch))
         o = cfg.optim
-        fused = fused_adamw_supported(device) if o.fused is None else o.fused
-        if fused and not fused_adamw_supported(device):
-            raise UserError(f"optim.fused=true: torch {torch.__version__} has no fused AdamW on {device.type}; "
+        at = local_tensor(next(model.parameters())).device  # where AdamW steps: the host under dist.offload
+        fused = fused_adamw_supported(at) if o.fused is None else o.fused
+        if fused and not fused_adamw_supported(at):
+            raise UserError(f"optim.fused=true: torch {torch.__version__} has no fused AdamW on {at.type}; "
                             "use null")
         self.optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps,
                                            fused=fused)

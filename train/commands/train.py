@@ -80,7 +80,7 @@ def run_training(cfg: RunConfig, t_start: float, buckets_force: bool = False, re
             cannot run), on every rank.
     """
     check_fsdp(cfg)  # before any rank joins the group: every rank refuses alike
-    ctx, device = init_distributed(resolve_device(cfg.train.device))
+    ctx, device = init_distributed(resolve_device(cfg.train.device), host_collectives=cfg.dist.offload)
     try:
         return _train(cfg, t_start, buckets_force, resume, ctx, device, hooks, continue_flag)
     finally:
@@ -332,6 +332,8 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     sections["compile"] = compiled.report()
     sections["resumed_from"] = (None if run.checkpoint is None
                                 else {"checkpoint": str(run.checkpoint.path), "step": run.checkpoint.state["step"]})
+    sections["dist"] = {"strategy": cfg.dist.strategy if run.ctx.enabled else None,
+                        "offload": cfg.dist.offload and run.ctx.enabled, "auto": resolved.strategy}
     sections["model"] = model_section(cfg, built.model, trainer.optimizer, peak_memory(device))
     from train.commands.bench.training import skip_reasons  # here: the bench package's imports cost start-up
 

@@ -29,12 +29,17 @@ UNSHARDABLE_CLIPS = ("per-layer-std", "agc")  # statistics over a whole gradient
 
 
 def check_fsdp(cfg: Any) -> None:
-    """Refuse ``dist.strategy=fsdp`` where it cannot run (no-op for ``ddp``).
+    """Refuse ``dist.strategy=fsdp`` where it cannot run, and ``dist.offload`` without it (no-op for ``ddp`` and
+    ``auto``, which picks fsdp only where it can run: train/parallel/strategy.py).
 
     Raises:
-        UserError: one line: this torch has no FSDP2 (torch 2.1: the pinned ``torch21`` and ``cpu`` images), or a
-            clipping method that needs whole gradients.
+        UserError: one line: ``dist.offload=true`` with ``ddp`` or ``auto``; this torch has no FSDP2 (torch 2.1: the
+            pinned ``torch21`` and ``cpu`` images); a clipping method that needs whole gradients.
     """
+    if cfg.dist.offload and cfg.dist.strategy != "fsdp":
+        raise UserError(f"dist.offload=true: CPU offload is FSDP2's, and dist.strategy={cfg.dist.strategy} "
+                        f"{'keeps every rank whole' if cfg.dist.strategy == 'ddp' else 'may pick ddp'}; "
+                        "set dist.strategy=fsdp, or dist.offload=false")
     if cfg.dist.strategy != "fsdp":
         return
     _fsdp2()
@@ -63,7 +68,8 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: str) -> nn.Module:
+def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: str,
+                offload: bool = False) -> nn.Module:
     """Shard ``model`` in place with FSDP2 (each of :func:`transformer_blocks`, then the root) over all
     ``world_size`` ranks of the initialised process group; returns ``model`` (its class now also an ``FSDPModule``).
 
@@ -73,7 +79,10 @@ def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: s
     policy keeps them (the built-in encoder's final LayerNorm and pooling run in fp32 and refuse half weights);
     fp32 has no policy. Reductions are plain
     sums then a division by the world size (:func:`~train.compat.force_sum_reduction`), so gradients are the mean
-    over ranks, as DDP's. Build the optimizer after this: it must hold the sharded parameters.
+    over ranks, as DDP's. ``offload`` (``dist.offload``): FSDP2's ``CPUOffloadPolicy``, the shards (parameters,
+    gradients, so the optimizer's state too) kept in host memory, pinned where ``device`` is an accelerator (pinning
+    needs one: on a CPU device the policy runs unpinned and moves nothing). Build the optimizer after this: it must
+    hold the sharded parameters.
 
     Raises:
         UserError: this torch has no FSDP2.
@@ -85,6 +94,10 @@ def shard_model(model: nn.Module, world_size: int, device: torch.device, mode: s
     mesh = init_device_mesh(device.type, (world_size,))
     kwargs: dict[str, Any] = {"mesh": mesh}
     half = {"mp_policy": mixed_precision(param_dtype=HALF[mode], reduce_dtype=torch.float32)} if mode in HALF else {}
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy  # public beside fully_shard (the _fsdp2() check above)
+
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
     units = [*transformer_blocks(model), model]
     for unit in units:
         fully_shard(unit, **kwargs, **(half if unit is not model else {}))
