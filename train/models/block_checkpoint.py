@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from train.errors import UserError
 from train.parallel.fsdp import transformer_blocks
@@ -37,7 +38,7 @@ def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # the class's forward (FSDP2's subclass inherits it): the instance attribute that routes here is not it
     forward = type(block).forward.__get__(block)
     if block.training and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return forward(*args, **kwargs)
 
 
