@@ -17,14 +17,20 @@ import torch.nn.functional as F
 
 from tests.conftest import (
     CAUSAL_ATTENTION,
+    STEPS,
     assert_clean_error,
     causal_overrides,
     causal_samples,
+    global_batch,
     packed_causal_batch,
     run_cli,
+    run_steps,
+    spawn_run,
     synthetic_rows,
     tiny_causal_lm,
+    tiny_llama,
     tiny_overrides,
+    trainer_for,
     write_wndb,
 )
 from train.compat import fsdp2_api
@@ -135,8 +141,6 @@ def test_a_llama_checkpointed_has_the_same_loss_and_gradients_and_saves_less(att
 def test_the_trainer_steps_with_the_chunked_loss_on_packed_rows_are_unchanged() -> None:
     """Three AdamW steps of the product's trainer (chunked loss, packed rows, clipping): the same losses, pre-clip
     norms and first-step gradients checkpointed or not."""
-    from tests.test_fsdp import STEPS, global_batch, run_steps, tiny_llama, trainer_for
-
     def run(on: bool) -> tuple:
         model = tiny_llama()
         set_checkpoint_blocks(model, on)
@@ -200,8 +204,6 @@ def test_a_run_with_checkpointed_blocks_trains_as_without_and_says_so(tmp_path: 
 def test_two_fsdp_ranks_with_checkpointed_blocks_train_as_without(tmp_path: Path) -> None:
     """``dist.strategy=fsdp`` on 2 Gloo ranks, a tiny Llama on packed rows: checkpointing applied before
     ``fully_shard`` gives the same per-step losses as the sharded run without it."""
-    from tests.test_fsdp import spawn_run
-
     wndb = write_wndb(tmp_path / "wn", synthetic_rows())
     base = causal_overrides(wndb, tmp_path, "train.max_steps=4", "train.eval_every=4", "train.log_every=1",
                             "train.checkpoint_every=4", "dist.strategy=fsdp", "model.hf_overrides={num_hidden_layers: "
