@@ -217,3 +217,74 @@ def test_two_fsdp_ranks_with_checkpointed_blocks_train_as_without(tmp_path: Path
     assert "transformers' gradient checkpointing" in report["levers"]["checkpoint_blocks"]["reason"]
     assert len(final_losses(runs / "fsdp-True")) == 4
     assert final_losses(runs / "fsdp-True") == pytest.approx(final_losses(runs / "fsdp-False"), abs=1e-5)
+
+
+def test_optimize_proposes_block_checkpointing_only_where_memory_is_the_constraint() -> None:
+    """The memory input forced: the profile's peak against the device's memory, or an arm that ran out of memory."""
+    from train.commands.optimize.levers import CATALOGUE
+    from train.commands.optimize.proposals import TRAINING, Candidate, Evidence, LeverContext
+    from train.config import load_config
+
+    lever = next(lv for lv in CATALOGUE if lv.name == "checkpoint_blocks")
+    cfg = load_config(None, ["batching.max_tokens=4096"])
+    roomy = Evidence(step_ms=100.0, launch_share=0.2, peak_memory_bytes=40 * 2**30, memory_total_bytes=80 * 2**30)
+    full = Evidence(step_ms=100.0, launch_share=0.2, peak_memory_bytes=76 * 2**30, memory_total_bytes=80 * 2**30)
+    cuda = LeverContext(cfg=cfg, device_type="cuda")
+    why_not = lever.propose(cuda, roomy)
+    assert isinstance(why_not, str) and why_not.startswith("memory is not the constraint (peak 50.0% of device memory, "
+                                                           "no arm ran out of memory)") and "+30% step time" in why_not
+    assert "peak memory not measured on this device" in lever.propose(LeverContext(cfg=cfg, device_type="cpu"),
+                                                                       Evidence(step_ms=100.0))
+    [c] = lever.propose(cuda, full)
+    assert c.overrides == {"memory.checkpoint_blocks": True, "batching.max_tokens": 8192} and c.may_change == TRAINING
+    assert c.evidence.startswith("memory is the constraint: the profiled step's peak is 95.0% of device memory")
+    assert c.predicted == pytest.approx((1 / (0.8 + 0.2 / 2)) / 1.3)
+    refused = Candidate("token_budget", "8192", {"batching.max_tokens": 8192}, 1.2, "per-step overhead", TRAINING)
+    [c] = lever.propose(LeverContext(cfg=cfg, device_type="cpu", out_of_memory=refused), Evidence(step_ms=100.0))
+    assert c.overrides == {"batching.max_tokens": 8192, "memory.checkpoint_blocks": True}
+    assert "memory is the constraint: token_budget=8192 ran out of memory" in c.evidence
+    assert c.predicted == pytest.approx(1.2 / 1.3)
+    no_budget = lever.propose(LeverContext(cfg=load_config(None, []), device_type="cuda"), full)
+    assert isinstance(no_budget, str) and "no token budget" in no_budget and "set memory.checkpoint_blocks=true" \
+        in no_budget
+    on = LeverContext(cfg=load_config(None, ["memory.checkpoint_blocks=true"]), device_type="cuda")
+    assert lever.propose(on, full) == "already on"
+
+
+def test_the_search_hands_an_out_of_memory_arm_to_the_checkpointing_lever() -> None:
+    """An arm that runs out of memory makes memory the constraint: the next ranking proposes it again with every
+    block checkpointed, and says why."""
+    from train.commands.optimize.levers import CATALOGUE
+    from train.commands.optimize.proposals import TRAINING, Candidate, Evidence, Lever, LeverContext
+    from train.commands.optimize.search import search
+    from train.commands.optimize.settings import SearchSettings
+    from train.config import RunConfig
+
+    class OutOfMemory:
+        device = torch.device("cpu")
+
+        def context(self, settings: dict) -> LeverContext:
+            return LeverContext(cfg=RunConfig(), device_type="cpu")
+
+        def profile(self, settings: dict, index: int) -> Evidence:
+            return Evidence(step_ms=5.0)
+
+        def arm(self, name: str, settings: dict):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        def schedule(self, settings: dict) -> dict:
+            return {}
+
+    big = Lever("token_budget", "fake", "anywhere", "none", TRAINING, lambda ctx, ev: [
+        Candidate("token_budget", "8192", {"batching.max_tokens": 8192}, 1.6, "per-step overhead", TRAINING)])
+    ckpt = next(lv for lv in CATALOGUE if lv.name == "checkpoint_blocks")
+    res = search(OutOfMemory(), (big, ckpt), {}, SearchSettings(budget_s=60.0, rounds=3, window_samples=8,
+                                                                 min_gain=1.05, quality_tolerance=0.05,
+                                                                 arm_timeout_s=10.0, confirm_rounds=3),
+                 notice=lambda _m: None)
+    assert [d.candidate.lever for d in res.decisions] == ["token_budget", "checkpoint_blocks"]
+    assert all(d.reason.startswith("out of memory") for d in res.decisions)
+    again = res.decisions[1].candidate
+    assert again.overrides == {"batching.max_tokens": 8192, "memory.checkpoint_blocks": True}
+    assert "memory is the constraint: token_budget=8192 ran out of memory" in again.evidence
+    assert res.rankings[0][0]["lever"] == "token_budget" and len(res.rankings[0]) == 1  # not proposed before
