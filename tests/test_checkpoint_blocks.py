@@ -200,23 +200,25 @@ def test_a_run_with_checkpointed_blocks_trains_as_without_and_says_so(tmp_path: 
     assert len(final_losses(runs / "ck-True")) == 6
 
 
-@pytest.mark.skipif(fsdp2_api()[0] is None, reason=fsdp2_api()[1])
-def test_two_fsdp_ranks_with_checkpointed_blocks_train_as_without(tmp_path: Path) -> None:
-    """``dist.strategy=fsdp`` on 2 Gloo ranks, a tiny Llama on packed rows: checkpointing applied before
-    ``fully_shard`` gives the same per-step losses as the sharded run without it."""
+@pytest.mark.parametrize("strategy", [
+    "ddp", pytest.param("fsdp", marks=pytest.mark.skipif(fsdp2_api()[0] is None, reason=fsdp2_api()[1]))])
+def test_two_ranks_with_checkpointed_blocks_train_as_without(tmp_path: Path, strategy: str) -> None:
+    """2 Gloo ranks, a tiny Llama on packed rows: checkpointing applied before the wrap (``fully_shard`` under fsdp)
+    gives the same per-step losses as the same strategy without it."""
     wndb = write_wndb(tmp_path / "wn", synthetic_rows())
     base = causal_overrides(wndb, tmp_path, "train.max_steps=4", "train.eval_every=4", "train.log_every=1",
-                            "train.checkpoint_every=4", "dist.strategy=fsdp", "model.hf_overrides={num_hidden_layers: "
-                            "2, hidden_size: 32, num_attention_heads: 4, intermediate_size: 64}")
+                            "train.checkpoint_every=4", f"dist.strategy={strategy}",
+                            "model.hf_overrides={num_hidden_layers: 2, hidden_size: 32, num_attention_heads: 4, "
+                            "intermediate_size: 64}")
     for on in (False, True):
-        spawn_run(base + [f"memory.checkpoint_blocks={str(on).lower()}", f"train.run_id=fsdp-{on}"])
+        spawn_run(base + [f"memory.checkpoint_blocks={str(on).lower()}", f"train.run_id=r-{on}"])
     runs = tmp_path / "runs"
-    report = json.loads((runs / "fsdp-True" / "report.json").read_text())
-    assert report["status"] == "completed" and report["env"]["distributed_strategy"] == "fsdp"
+    report = json.loads((runs / "r-True" / "report.json").read_text())
+    assert report["status"] == "completed" and report["env"]["distributed_strategy"] == strategy
     assert report["levers"]["checkpoint_blocks"]["applied"] and report["levers"]["checkpoint_blocks"]["blocks"] == 2
     assert "transformers' gradient checkpointing" in report["levers"]["checkpoint_blocks"]["reason"]
-    assert len(final_losses(runs / "fsdp-True")) == 4
-    assert final_losses(runs / "fsdp-True") == pytest.approx(final_losses(runs / "fsdp-False"), abs=1e-5)
+    assert len(final_losses(runs / "r-True")) == 4
+    assert final_losses(runs / "r-True") == pytest.approx(final_losses(runs / "r-False"), abs=1e-5)
 
 
 def test_optimize_proposes_block_checkpointing_only_where_memory_is_the_constraint() -> None:
