@@ -5,7 +5,7 @@ whole tensors under ddp); the losses, and the steady step time (median of ``--st
 
     python scripts/fsdp_memory.py [--device cpu|cuda] [--nproc 2] [--precision fp32|bf16]
         [--strategies ddp,fsdp,fsdp-offload] [--layers 8] [--hidden 512] [--vocab 32000] [--rows 4] [--seq 128]
-        [--steps 5] [--out FILE]
+        [--steps 5] [--checkpoint-blocks] [--out FILE]
 
 The model: a random-init Llama (8 heads, 4 key-value heads, FFN 2.75× hidden) in the causal-LM wrapper, built
 identically on each rank; ddp wraps it in ``DistributedDataParallel``, fsdp shards it with the product's
@@ -16,6 +16,13 @@ rank steps on its own random batch (``--rows`` × ``--seq`` tokens) through the 
 CPU: Gloo, ``OMP_NUM_THREADS=1`` per rank); a single rank gets a process group of one, so fsdp and offload still
 apply. Prints (and with ``--out`` writes) one JSON object: per strategy, a record per rank; the ratios of the worst
 rank's bytes to ddp's — all bytes, and bytes on the device (null on a CPU, where device and host memory are one).
+
+``--checkpoint-blocks``: each strategy also runs with ``memory.checkpoint_blocks`` (every decoder layer recomputed in
+the backward, applied before the wrap as the product does; keys ``<strategy>+checkpoint_blocks``), and
+``saved_for_backward_bytes`` gives the bytes one rank's forward saves for the backward without and with it
+(``train.models.block_checkpoint.saved_tensor_bytes``: autograd's saved tensors, weights left out, in one process on
+one rank's batch — the activations do not depend on the strategy). Run it alone on the machine: the step times are
+only comparable between variants measured in the same invocation.
 """
 
 from __future__ import annotations
@@ -94,7 +101,18 @@ def join(rank: int, world: int, port: int, device: torch.device, offload: bool) 
     return DistContext(), device
 
 
-def worker(rank: int, world: int, strategy: str, port: int, args: argparse.Namespace, out: str) -> None:
+def saved_bytes(args: argparse.Namespace, checkpointed: bool) -> int:
+    """Bytes rank 0's forward saves for the backward (one process, no wrap)."""
+    from train.models.block_checkpoint import saved_tensor_bytes, set_checkpoint_blocks
+
+    model = build(args)
+    set_checkpoint_blocks(model, checkpointed)
+    ids = torch.randint(1, args.vocab, (args.rows, args.seq), generator=torch.Generator().manual_seed(0))
+    return saved_tensor_bytes(lambda: model(ids, torch.ones_like(ids, dtype=torch.bool)), list(model.parameters()))[0]
+
+
+def worker(rank: int, world: int, strategy: str, port: int, args: argparse.Namespace, out: str,
+           checkpointed: bool) -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)
     from train.config import load_config
@@ -106,7 +124,10 @@ def worker(rank: int, world: int, strategy: str, port: int, args: argparse.Names
     offload = strategy == "fsdp-offload"
     ctx, device = join(rank, world, port, torch.device(args.device), offload)
     try:
+        from train.models.block_checkpoint import set_checkpoint_blocks
+
         model = build(args).to(device)
+        set_checkpoint_blocks(model, checkpointed)  # before the wrap, as train/setup.py's build_run
         if strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -134,7 +155,7 @@ def worker(rank: int, world: int, strategy: str, port: int, args: argparse.Names
         result = {**state_bytes(model, trainer.optimizer, device), "losses": losses,
                   "peak_device_allocated_bytes": peak.get("peak_memory_bytes"),
                   "step_s": statistics.median(times[1:] or times)}
-        Path(out, f"{strategy}{rank}.json").write_text(json.dumps(result))
+        Path(out, f"{strategy}{'+checkpoint_blocks' if checkpointed else ''}{rank}.json").write_text(json.dumps(result))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -157,6 +178,8 @@ def main() -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--checkpoint-blocks", action="store_true", help="also run each strategy with every block "
+                   "checkpointed, and count the bytes saved for the backward with and without")
     args = p.parse_args()
     strategies = [s for s in args.strategies.split(",") if s]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -169,9 +192,15 @@ def main() -> None:
     report: dict[str, Any] = {"parameters": sum(t.numel() for t in build(args).parameters()), "device": args.device,
                               "ranks": args.nproc, "precision": args.precision}
     with tempfile.TemporaryDirectory() as out:
-        for strategy in strategies:
-            mp.spawn(worker, args=(args.nproc, strategy, free_port(), args, out), nprocs=args.nproc, join=True)
-            report[strategy] = [json.loads(Path(out, f"{strategy}{r}.json").read_text()) for r in range(args.nproc)]
+        for checkpointed in (False, True)[:1 + args.checkpoint_blocks]:
+            for strategy in strategies:
+                mp.spawn(worker, args=(args.nproc, strategy, free_port(), args, out, checkpointed), nprocs=args.nproc,
+                         join=True)
+                name = f"{strategy}{'+checkpoint_blocks' if checkpointed else ''}"
+                report[name] = [json.loads(Path(out, f"{name}{r}.json").read_text()) for r in range(args.nproc)]
+    if args.checkpoint_blocks:
+        report["saved_for_backward_bytes"] = {"plain": saved_bytes(args, False),
+                                              "checkpoint_blocks": saved_bytes(args, True)}
     report["over_ddp_per_rank"] = ratios(report, "total")
     report["on_device_over_ddp_per_rank"] = ratios(report, "on_device")
     if report["on_device_over_ddp_per_rank"] is None and args.device == "cpu":

@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
-from tests.fsdp_harness import (
-    EVAL_SHARDS,
+from tests.conftest import (
     STEPS,
     VOCAB,
+    free_port,
     global_batch,
     half_batch,
     needs_fsdp2,
+    run_steps,
     spawn_run,
     tiny_llama,
     trainer_for,
@@ -29,19 +29,7 @@ from tests.fsdp_harness import (
 from train.compat import fsdp2_api
 from train.evaluation import evaluate
 
-
-def run_steps(trainer, batches) -> tuple[list[float], list[float], dict]:
-    """Losses and pre-clip norms of a step per batch, and the (clipped) gradients of the first step."""
-    from train.compat import full_tensor
-
-    losses, norms, grads = [], [], {}
-    for i, batch in enumerate(batches):
-        rec = trainer.step(batch)
-        losses.append(rec.loss.detach())
-        norms.append(float(rec.grad_norm))
-        if i == 0:
-            grads = {n: full_tensor(p.grad).clone() for n, p in trainer.model.named_parameters()}
-    return losses, norms, grads
+EVAL_SHARDS = ([(0, 10), (1, 10)], [(0, 11)])  # (half, step) of each held-out batch, per rank
 
 
 def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, path: str, out: str,

@@ -790,8 +790,8 @@ def test_the_grid_on_the_naive_cpu_config_holds_its_112_points():
     got = grid_points(base, native_bf16=True, supports_packing=True, fused=True, cuda=False, workers=0)
     assert len(want) == 112 and got == want
     assert SETTINGS_KEYS == ("train.precision", "batching.method", "batching.pad_to", "batching.max_tokens",
-                             "model.packed_attention", "model.fast_dropout", "model.chunked_loss", "optim.fused",
-                             "data.num_workers", "train.num_threads",
+                             "model.packed_attention", "model.fast_dropout", "model.chunked_loss",
+                             "memory.checkpoint_blocks", "optim.fused", "data.num_workers", "train.num_threads",
                              "compile.enabled", "compile.mode", "optim.lr", "train.max_steps", "train.eval_every",
                              "train.checkpoint_every")
 

@@ -70,8 +70,8 @@ def test_an_unknown_lever_is_one_line_exit_2(tmp_path):
     p = _optimize(tmp_path, "optimize.levers=precision,warp-drive")
     assert p.returncode == 2
     assert p.stderr.strip() == ("error: optimize.levers: unknown lever(s) ['warp-drive']; choose from precision, "
-                                "batching, token_budget, attention, fast_dropout, chunked_loss, fused_adamw, workers, "
-                                "threads, compile, allocator")
+                                "batching, token_budget, attention, fast_dropout, chunked_loss, checkpoint_blocks, "
+                                "fused_adamw, workers, threads, compile, allocator")
     assert not (tmp_path / "runs" / "opt").exists()
 
 

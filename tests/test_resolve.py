@@ -45,7 +45,7 @@ def test_resolve_decides_every_auto_into_a_frozen_config(tiny_cfg, monkeypatch: 
         out.batching.method = "optimal"
     lines = decision_lines(resolved, "cpu")
     assert [line.split()[0] for line in lines[1:]] == ["device", "precision", "compile", "buckets", "data", "dropout",
-                                                        "attention"]
+                                                        "attention", "memory"]
 
 
 def test_resolve_keeps_explicit_settings_and_measures_nothing(tiny_cfg, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
-from tests.fsdp_harness import global_batch, half_batch, needs_fsdp2, tiny_llama, trainer_for
+from tests.conftest import free_port, global_batch, half_batch, needs_fsdp2, tiny_llama, trainer_for
 
 FIRST, THEN = 3, 3  # steps before the checkpoint, steps after it
 
@@ -76,8 +75,7 @@ def test_a_sharded_run_checkpoints_per_rank_and_ignores_a_set_cut_short(tmp_path
     """A 2-rank fsdp run writes ``step-*.dcp`` directories (trainer.pt without tensors); a set whose write was cut
     short (its temporary directory) is not a checkpoint: a resume takes the previous complete one, and the next
     checkpoint prunes the leftover; ``python -m train export --checkpoint`` reads a middle sharded checkpoint whole."""
-    from tests.conftest import causal_overrides, synthetic_rows, write_wndb
-    from tests.fsdp_harness import spawn_run
+    from tests.conftest import causal_overrides, spawn_run, synthetic_rows, write_wndb
     from train.compat import load_state
     from train.parallel.sharded_checkpoint import load_any
     from train.resume import find_resume_checkpoint, list_checkpoints, prune_checkpoints
@@ -116,8 +114,7 @@ def test_a_lora_adapter_trains_sharded_as_under_ddp_resumes_exactly_and_exports(
     """LoRA adapters (peft) on a 2-rank fsdp run: the adapter equals the ddp run's (same ranks, same batches), its
     checkpoints are single files holding the whole adapter (gathered: rank 0 holds only shards), a resume from the
     middle one is bit-identical, and the model directory is peft's layout."""
-    from tests.conftest import assert_same_final_state, causal_overrides, synthetic_rows, write_wndb
-    from tests.fsdp_harness import spawn_run
+    from tests.conftest import assert_same_final_state, causal_overrides, spawn_run, synthetic_rows, write_wndb
     from train.compat import load_state
     from train.resume import list_checkpoints
 

@@ -2,8 +2,9 @@
 config and the decisions block.
 
 Every ``auto`` of a run is decided here, once, in this order: the run id (the run directory's name), the precision
-(the checkpoint's on resume, else ``train.precision``), the model (built and checked for packing), the strategy
-under torchrun (``dist.strategy=auto``: a rule of the model's size and the device's memory), the batching
+(the checkpoint's on resume, else ``train.precision``), the model (built, checked for packing, its blocks
+checkpointed where ``memory.checkpoint_blocks`` asks: a switch, not a measurement), the strategy under torchrun
+(``dist.strategy=auto``: a rule of the model's size and the device's memory), the batching
 method (``batching.method=auto``: the run's own step on its batches), fast dropout (``model.fast_dropout=auto``), the
 compile switch (``compile.enabled``: a rule), the packed rows' attention path (``model.packed_attention``) and the
 chunked LM loss (``model.chunked_loss``: causal LMs; its step A/B runs on the attention path just chosen). The
@@ -36,6 +37,7 @@ from train.setup import (
     attention_choice,
     build_model,
     check_packing,
+    checkpoint_blocks_for,
     chunked_loss_decision,
     first_train_batch,
     probe_steps,
@@ -115,6 +117,7 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
     hf_config = (checkpoint.state if checkpoint else {}).get("spec", {}).get("hf_config")  # the checkpoint's model
     model = agreed(lambda: build_model(cfg, bundle, hf_config), ctx).to(device)
     check_packing(cfg, model)
+    checkpoint_blocks_for(cfg, model)  # first: the probes below time the step the run will take
 
     def decided(choose: Callable[[], Any]) -> Any:
         return broadcast_from_main(choose() if ctx.is_main else None, ctx)
@@ -194,6 +197,9 @@ def decision_lines(resolved: Resolved, device_name: str) -> list[str]:
         lines.append(f"  attention  {resolved.attention.path}: {resolved.attention.reason}")
     if resolved.strategy is not None:
         lines.append(f"  strategy   {resolved.strategy['chosen'] or 'none'}: {resolved.strategy['reason']}")
+    blocks = getattr(resolved.model, "checkpoint_blocks_info", None) or {"applied": False, "reason": ""}
+    lines.append(f"  memory     {'blocks checkpointed' if blocks['applied'] else 'activations kept'}: "
+                 f"{blocks['reason']}")
     if cfg.model.task != "classification":
         chunked = resolved.chunked_loss
         lines.append(f"  loss       {'chunked' if chunked['applied'] else 'logits whole'}: {chunked['reason']}")

@@ -153,7 +153,8 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
               before_wrap: Optional[Callable[[torch.nn.Module, Any], None]] = None) -> BuiltRun:
     """The one set-up of a run from a resolved config and its prepared data — what ``make train``, warm-up and every
     benchmark row build, in this order: the model (seeded with ``train.seed``, unless ``model`` is given;
-    ``model.fast_dropout=true``: its dropout modules swapped), the packed attention path and chunked loss the config
+    ``model.fast_dropout=true``: its dropout modules swapped; ``memory.checkpoint_blocks``: its blocks checkpointed,
+    before compiling and wrapping), the packed attention path and chunked loss the config
     names where the model is not yet on them (:func:`packed_attention_for`, :func:`chunked_loss_for`), a loader per
     split in ``splits`` (``train`` shuffled, rank-sharded under ``ctx``), the compile session (``compile``: the run's
     ``compile`` settings, shapes planned), ``before_wrap(model, compiled)`` (e.g. loading a checkpoint before DDP
@@ -179,6 +180,7 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
         from train.models.dropout import set_fast_dropout
 
         set_fast_dropout(model, True)
+    checkpoint_blocks_for(cfg, model)  # before the compile session and the DDP / FSDP2 wrap
     attention = packed_attention_for(cfg, model, policy, bundle, device, compile)
     chunked_loss_for(cfg, model, policy, bundle, device)
     loaders = {s: make_loader(bundle, s, cfg, train=s == "train", device=device, world_size=ctx.world_size,
@@ -260,6 +262,15 @@ def chunked_loss_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPo
     decision = chunked_loss_decision(cfg, model, policy, bundle, device)
     model.set_chunked_loss(decision["applied"])
     return decision
+
+
+def checkpoint_blocks_for(cfg: RunConfig, model: torch.nn.Module) -> dict:
+    """``memory.checkpoint_blocks`` applied to ``model`` (train/models/block_checkpoint.py; idempotent, so the resolve
+    phase's model is left as it set it): report.json's ``levers.checkpoint_blocks`` entry ``{"applied", "reason",
+    "blocks"}``. Raises UserError: asked for on a model without repeated transformer blocks."""
+    from train.models.block_checkpoint import set_checkpoint_blocks
+
+    return set_checkpoint_blocks(model, cfg.memory.checkpoint_blocks, cfg.model.source)
 
 
 def check_packing(cfg: RunConfig, model: torch.nn.Module) -> None:

@@ -23,6 +23,7 @@ from train.config.bench import (
 )
 from train.config.hf_aliases import expand_hf_alias
 from train.config.loading import DuplicateKeyError, StrictLoader, dump_config, load_config, parse_override, strict_load
+from train.config.memory import MemoryConfig
 from train.config.optimize import OptimizeConfig
 from train.config.run_config import DistConfig, RunConfig, build_config
 from train.config.sections import (
@@ -42,7 +43,7 @@ __all__ = [
     "load_config", "dump_config", "parse_override", "strict_load", "StrictLoader", "DuplicateKeyError",
     "expand_hf_alias",
     "DataConfig", "BatchingConfig", "ModelConfig", "OptimConfig", "TrainConfig", "ClipConfig", "NumericsConfig",
-    "DistConfig",
+    "DistConfig", "MemoryConfig",
     "ProfileConfig", "TrackingConfig", "CompileConfig", "OptimizeConfig",
     "BenchConfig", "BenchBatchingConfig", "BenchPrecisionConfig", "BenchCompileConfig", "BenchTrackingConfig",
     "BenchGateConfig",

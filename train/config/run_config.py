@@ -21,6 +21,7 @@ from train.config.bench import (
 )
 from train.config.dist import DistConfig
 from train.config.generate import GenerateConfig
+from train.config.memory import MemoryConfig
 from train.config.optimize import OptimizeConfig
 from train.config.sections import (
     BatchingConfig,
@@ -50,6 +51,7 @@ class RunConfig(Frozen):
     clip: ClipConfig = field(default_factory=ClipConfig)
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
@@ -151,7 +153,8 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
         return value
     if hint is Any:
         return value
-    raise UserError(f"config key {key!r}: {value!r} is not a valid {_hint_name(hint)}")
+    fix = ": set true or false" if hint is bool else ""
+    raise UserError(f"config key {key!r}: {value!r} is not a valid {_hint_name(hint)}{fix}")
 
 
 def _hint_name(hint: Any) -> str:

@@ -193,3 +193,31 @@ def packed_forward(config: Any, seq_index: torch.Tensor) -> Iterator[VarlenPlan]
             yield plan
     finally:
         _ACTIVE.pop()
+
+
+class ReplayAttention:
+    """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) around a decoder layer of the model whose
+    ``config`` this is: called as the layer's forward starts, it returns ``(nullcontext, replay)``, ``replay``
+    re-entering, for the layer's recomputation in the backward pass (``memory.checkpoint_blocks``), the attention
+    implementation and :func:`packed_forward` plan in force now — by then the packed forward's own contexts have
+    exited, and the layer would recompute through another attention than the one its forward ran. A class, not a
+    closure, so a deep copy of the model (export) copies the config it points at."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def __call__(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return contextlib.nullcontext(), _replay(self.config, self.config._attn_implementation,
+                                                 _ACTIVE[-1] if _ACTIVE else None)
+
+
+@contextlib.contextmanager
+def _replay(config: Any, name: str, plan: Optional[VarlenPlan]) -> Iterator[None]:
+    if plan is not None:
+        _ACTIVE.append(plan)
+    try:
+        with attention_implementation(config, name):
+            yield
+    finally:
+        if plan is not None:
+            _ACTIVE.pop()

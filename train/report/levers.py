@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 from train.compat import local_tensor
 from train.models import source_kind
+from train.models.block_checkpoint import OFF_REASON
 
 BUCKETED = ("optimal", "quantile", "kmeans")
 
@@ -121,6 +122,7 @@ def levers_section(cfg, model, policy, compiled, ctx, profiled: bool,
                                + ("; the Hugging Face config as JSON in spec.hf_config" if external
                                   and cfg.model.source.startswith("hf:") else "")),
         "bench": _bench_lever(cfg, bench_rows),
+        "checkpoint_blocks": getattr(model, "checkpoint_blocks_info", None) or _lever(False, OFF_REASON),
         "mfu": _lever(True, "FLOPs counted on the built-in encoder (its spec)" if not external
                       else "FLOPs counted on this model (FlopCounterMode, perf.flops_method)"),
     }

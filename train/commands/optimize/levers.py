@@ -14,7 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from train.commands.optimize.model_levers import attention_lever, chunked_loss_lever, fast_dropout_lever
+from train.commands.optimize.model_levers import (
+    attention_lever,
+    checkpoint_blocks_lever,
+    chunked_loss_lever,
+    fast_dropout_lever,
+)
 from train.commands.optimize.proposals import (
     EXACT,
     NUMERICS,
@@ -277,6 +282,11 @@ CATALOGUE: tuple[Lever, ...] = (
     Lever("chunked_loss", "model.chunked_loss: the LM head + cross-entropy over token chunks, gradients in the "
           "forward pass (the fp32 logits never whole)", "causal LMs with a linear head", "loss-stage share", NUMERICS,
           chunked_loss_lever, ("model.chunked_loss",)),
+    Lever("checkpoint_blocks", "memory.checkpoint_blocks: activations of each transformer block recomputed in the "
+          "backward (about +30% step time), with what memory refused (the candidate that ran out of memory, or twice "
+          "the token budget)", "only where memory is the constraint: an arm ran out of memory, or the profiled peak "
+          "is at 90% of device memory or more", "peak memory, out-of-memory arms", TRAINING, checkpoint_blocks_lever,
+          ("memory.checkpoint_blocks", "batching.max_tokens")),
     Lever("fused_adamw", "optim.fused: AdamW's fused kernel", "CUDA; CPU from torch 2.4", "optimizer share",
           NUMERICS, _fused_adamw, ("optim.fused",)),
     Lever("workers", "data.num_workers (and pinned memory on CUDA)", "any", "data-wait share", EXACT, _workers,

@@ -1,10 +1,22 @@
 """The levers of ``make optimize`` on the model's own kernels — the dropout mask, the LM head's loss, packed rows'
-attention path — with their values, declared once here (``optimize-grid`` crosses :data:`FAST_DROPOUT`). The
-catalogue that lists them with the others is levers.py."""
+attention path, block checkpointing (memory for time) — with their values, declared once here (``optimize-grid``
+crosses :data:`FAST_DROPOUT`). The catalogue that lists them with the others is levers.py."""
 
 from __future__ import annotations
 
-from train.commands.optimize.proposals import NUMERICS, RNG, Candidate, Evidence, LeverContext, Proposal, amdahl, pct
+from typing import Optional
+
+from train.commands.optimize.proposals import (
+    NUMERICS,
+    RNG,
+    TRAINING,
+    Candidate,
+    Evidence,
+    LeverContext,
+    Proposal,
+    amdahl,
+    pct,
+)
 from train.data.attention import ruled_out
 
 FAST_DROPOUT = ("false", "true")
@@ -77,3 +89,53 @@ def attention_lever(ctx: LeverContext, ev: Evidence) -> Proposal:
         out.append(Candidate("attention", path, {"model.packed_attention": path}, amdahl(ev.attention_share, k),
                              words, NUMERICS))
     return out or "; ".join(why_not) or f"already {cfg.model.packed_attention}"
+
+
+RECOMPUTE_COST = 1.3
+"""Step time with every block checkpointed over without: one more forward per block, a forward being about a third
+of a step (forward + backward ≈ 3 forwards). It only ranks the candidate; the A/B measures it."""
+MEMORY_BOUND = 0.9
+"""The profiled step's peak over the device's memory from which memory is the constraint (CUDA: the profile's
+``torch.cuda.max_memory_allocated`` over the device's total)."""
+
+
+def memory_constraint(ctx: LeverContext, ev: Evidence) -> Optional[str]:
+    """Why memory, not speed, limits the current best — an arm that ran out of memory, or the profiled peak at
+    :data:`MEMORY_BOUND` of the device's memory or more — or None (not seen)."""
+    if ctx.out_of_memory is not None:
+        return f"{ctx.out_of_memory.lever}={ctx.out_of_memory.value} ran out of memory"
+    if ev.peak_memory_bytes and ev.memory_total_bytes and ev.peak_memory_bytes >= MEMORY_BOUND * ev.memory_total_bytes:
+        return f"the profiled step's peak is {pct(ev.peak_memory_bytes / ev.memory_total_bytes)} of device memory"
+    return None
+
+
+def checkpoint_blocks_lever(ctx: LeverContext, ev: Evidence) -> Proposal:
+    """``memory.checkpoint_blocks=true`` only where memory is the constraint (:func:`memory_constraint`), with what
+    memory refused: the candidate that ran out of memory, else twice the token budget. Alone it only slows the step
+    (a search for speed would never keep it), so elsewhere it is a reason, never a candidate."""
+    cfg = ctx.cfg
+    if cfg.memory.checkpoint_blocks:
+        return "already on"
+    why = memory_constraint(ctx, ev)
+    cost = f"every block's forward recomputed in the backward (about +{100 * (RECOMPUTE_COST - 1):.0f}% step time)"
+    if why is None:
+        peak = (f"peak {pct(ev.peak_memory_bytes / ev.memory_total_bytes)} of device memory"
+                if ev.peak_memory_bytes and ev.memory_total_bytes else "peak memory not measured on this device")
+        return (f"memory is not the constraint ({peak}, no arm ran out of memory): {cost} would buy memory this "
+                "run does not need")
+    refused = ctx.out_of_memory
+    if refused is not None:
+        return [Candidate("checkpoint_blocks", "true", {**refused.overrides, "memory.checkpoint_blocks": True},
+                          refused.predicted / RECOMPUTE_COST, f"memory is the constraint: {why}; with {cost} it may "
+                          f"fit ({refused.evidence})", refused.may_change)]
+    budget = cfg.batching.max_tokens
+    if not budget:
+        return (f"memory is the constraint ({why}), but this config has no token budget to grow into the memory it "
+                f"frees, and alone {cost} only slows the step: set memory.checkpoint_blocks=true by hand where the "
+                "run must fit")
+    per_step = (ev.launch_share or 0) + (ev.other_share or 0) + (ev.optimizer_share or 0)
+    return [Candidate("checkpoint_blocks", "true", {"memory.checkpoint_blocks": True,
+                                                    "batching.max_tokens": 2 * budget},
+                      amdahl(per_step, 2.0) / RECOMPUTE_COST,
+                      f"memory is the constraint: {why}; with {cost} twice the tokens per step may fit ({budget} -> "
+                      f"{2 * budget}: per-step overhead {pct(per_step)} of the step spread over them)", TRAINING)]

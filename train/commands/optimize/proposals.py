@@ -73,6 +73,9 @@ class LeverContext:
     planned_steps: Optional[int] = None
     batch_shapes: int = 1
     base_budget: Optional[int] = None  # the baseline's token budget (bounds the token-budget lever)
+    out_of_memory: Optional["Candidate"] = None
+    """The latest candidate whose arm ran out of memory (the search fills it from its decisions; a test forces it):
+    with the profile's peak near the device's memory, what says memory, not speed, is the constraint."""
     batching_costs: dict[str, Any] = field(default_factory=dict)
     """``"current"`` and each value of :data:`~train.commands.optimize.levers.BATCHING` → its
     :class:`~train.data.layout_cost.LayoutCost` on this data; empty: the batching lever falls back to the padding

@@ -106,6 +106,10 @@ def search(backend: Backend, levers: tuple[Lever, ...], baseline: dict[str, Any]
             return res
         while True:
             ctx = backend.context(res.best)
+            oom = [d.candidate for d in res.decisions if d.reason.startswith("out of memory")
+                   and d.candidate.lever != "checkpoint_blocks"]
+            if oom:  # memory, not speed, refused it: what the block-checkpointing lever proposes from
+                ctx = dataclasses.replace(ctx, out_of_memory=oom[-1])
             cands, skipped = propose(levers, ctx, ev, s.min_gain)
             cands = [with_schedule(backend, ctx, res.best, c) for c in cands]
             res.not_applicable = skipped  # for the current best (an earlier reason may no longer hold)
