@@ -513,6 +513,23 @@ def run_steps(trainer, batches) -> tuple[list[float], list[float], dict]:
     return losses, norms, grads
 
 
+def sharded_rank(rank: int, world: int, port: int, path: str = "sdpa-mask", chunked: bool = False,
+                 offload: bool = False) -> tuple:
+    """One of ``world`` spawned Gloo ranks (``OMP``-like: one thread): its process group, the tiny Llama (packed
+    attention ``path``) sharded by the product's wrap, and a Trainer on it: ``(ctx, device, model, trainer)``.
+    The caller tears the group down (``train.distributed.teardown``)."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+                       "RANK": str(rank), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    from train.distributed import init_distributed, wrap_model
+
+    ctx, device = init_distributed(torch.device("cpu"))
+    model = tiny_llama()
+    model.set_packed_attention(path)
+    wrap_model(model, ctx, device, "fsdp", "fp32", offload)
+    return ctx, device, model, trainer_for(model, chunked, ctx)
+
+
 def run_worker(rank: int, world: int, port: int, overrides: list[str], resume: str | None) -> None:
     """One rank of a whole ``python -m train train`` run (for ``torch.multiprocessing.spawn``)."""
     import time

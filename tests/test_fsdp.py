@@ -7,7 +7,6 @@ method that needs whole gradients)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from tests.conftest import (
     half_batch,
     needs_fsdp2,
     run_steps,
+    sharded_rank,
     spawn_run,
     tiny_llama,
     trainer_for,
@@ -36,18 +36,11 @@ def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, p
                 offload: bool) -> None:
     """One rank: shard the tiny Llama with the product's wrap (``offload``: FSDP2's CPUOffloadPolicy, unpinned on a
     CPU device), step on this rank's halves, write what it holds."""
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-                       "RANK": str(rank), "LOCAL_RANK": str(rank)})
-    torch.set_num_threads(1)
     from train.compat import full_tensor, local_tensor
-    from train.distributed import init_distributed, teardown, wrap_model
+    from train.distributed import teardown
 
-    ctx, device = init_distributed(torch.device("cpu"))
+    ctx, device, model, trainer = sharded_rank(rank, world, port, path, chunked, offload)
     try:
-        model = tiny_llama()
-        model.set_packed_attention(path)
-        wrap_model(model, ctx, device, "fsdp", "fp32", offload)
-        trainer = trainer_for(model, chunked, ctx)
         losses, norms, grads = run_steps(trainer, [half_batch(rank, s, packed) for s in range(STEPS)])
         summed = torch.stack(losses)
         torch.distributed.all_reduce(summed)  # the global batch's loss: the mean of the halves' (equal target counts)

@@ -5,7 +5,6 @@ uninterrupted 2-rank run; a set whose write was cut short is never taken for a c
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port, global_batch, half_batch, needs_fsdp2, tiny_llama, trainer_for
+from tests.conftest import free_port, global_batch, half_batch, needs_fsdp2, sharded_rank, tiny_llama, trainer_for
 
 FIRST, THEN = 3, 3  # steps before the checkpoint, steps after it
 
@@ -23,17 +22,11 @@ FIRST, THEN = 3, 3  # steps before the checkpoint, steps after it
 def reshard_worker(rank: int, world: int, port: int, out: str) -> None:
     """One of 2 ranks: 3 steps on this rank's halves, a sharded checkpoint, 3 more steps; rank 0 writes the global
     batch's losses of the last 3."""
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-                       "RANK": str(rank), "LOCAL_RANK": str(rank)})
-    torch.set_num_threads(1)
-    from train.distributed import init_distributed, teardown, wrap_model
+    from train.distributed import teardown
     from train.parallel.sharded_checkpoint import save_sharded
 
-    ctx, device = init_distributed(torch.device("cpu"))
+    ctx, _, model, trainer = sharded_rank(rank, world, port)
     try:
-        model = tiny_llama()
-        wrap_model(model, ctx, device, "fsdp", "fp32")
-        trainer = trainer_for(model, chunked=False, ctx=ctx)
         for step in range(FIRST):
             trainer.step(half_batch(rank, step, packed=True))
         meta = {"scheduler": trainer.scheduler.state_dict()} if ctx.is_main else None
