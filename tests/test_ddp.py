@@ -115,6 +115,7 @@ def test_signal_on_one_rank_then_resume_is_bit_identical(wndb: Path, tmp_path: P
     part = spawn_ddp(tmp_path / "part", overrides + ["train.run_id=b"], signal_rank=1, signal_step=9)
     for r in part:  # the signal reached rank 1 only; both ranks stopped after the same step
         assert r["report"]["status"] == "interrupted" and r["report"]["interrupted"]["step"] == 9
+        assert r["report"]["interrupted"]["resume_command"].startswith("make train NPROC=2 ARGS=")
     with pytest.raises(UserError, match="written by 2 processes, this run has 1"):
         run_training(load_config(None, overrides + ["train.run_id=b"]), 0.0, resume=str(tmp_path / "runs" / "b"))
     resumed = spawn_ddp(tmp_path / "resumed", overrides + ["train.run_id=b"], resume=str(tmp_path / "runs" / "b"))

@@ -6,6 +6,7 @@ Writes ``runs/<run-id>/``: ``config.yaml`` (the resolved config, written once), 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -203,9 +204,8 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
     block."""
     cfg = resolved.cfg
     if resolved.compile_enabled and ctx.enabled and cfg.dist.strategy == "ddp":
-        raise UserError("compile.enabled=true under torchrun with dist.strategy=ddp is not supported yet: use "
-                        "dist.strategy=fsdp (compiles each transformer block), compile.enabled=auto/false with "
-                        "NPROC > 1, or compile a single-process run")
+        raise UserError("compile.enabled=true under torchrun with dist.strategy=ddp is not supported yet: use dist."
+                        "strategy=fsdp (compiles each block), compile.enabled=auto/false, or a single process")
     if ctx.rank:  # distinct dropout streams per rank; rank 0 keeps the single-process stream
         torch.manual_seed(cfg.train.seed + ctx.rank)
     if ctx.is_main and checkpoint is not None:  # records logged after the checkpoint, before the interruption
@@ -267,9 +267,11 @@ def _interruption(run: Run, shutdown: ShutdownRequest, checkpointer: Checkpointe
     signal came in the last step or the final evaluation), the abandoned evaluation."""
     trainer = run.built.trainer
     stopped, last = trainer.stopped_at, checkpointer.last_path
+    world, local = run.ctx.world_size, int(os.environ.get("LOCAL_WORLD_SIZE") or run.ctx.world_size)  # per node
+    nproc = "" if world == 1 else f"NPROC={local} " + (f"NNODES={world // local} " if world > local else "")
     out = {"signal": shutdown.signal_name, "step": stopped or trainer.stats.steps,
            "total_steps": trainer.total_steps, "checkpoint": str(last if stopped else run.run_dir / "checkpoint.pt"),
-           "resume_command": f"make train ARGS=\"--resume {run.run_dir}\""}
+           "resume_command": f"make train {nproc}ARGS=\"--resume {run.run_dir}\""}
     abandoned = trainer.stats.abandoned_eval or (None if stopped else "final evaluation")
     return {**out, **({"evaluation_abandoned": abandoned} if abandoned else {})}
 
