@@ -97,9 +97,10 @@ else
 TORCHRUN_ARGS := --nnodes=$(NNODES) --node_rank=$(NODE_RANK) --nproc_per_node=$(NPROC) \
 	--master_addr=$(MASTER_ADDR) --master_port=$(MASTER_PORT)
 endif
-# `python -m train` (one process) or `torchrun … -m train`, locally (.venv) or in the image (LAUNCH_IN_IMAGE).
-LAUNCH := $(if $(TORCHRUN_ARGS),$(VENV)/bin/torchrun $(TORCHRUN_ARGS) -m train,$(PY) -m train)
-LAUNCH_IN_IMAGE := $(if $(TORCHRUN_ARGS),torchrun $(TORCHRUN_ARGS) -m train,python -m train)
+# `python -m train` (one process) or torchrun through train/tools/launch.py (torchrun's arguments; a bad input keeps
+# its exit 2 and one line, a SIGTERM its clean stop), locally (.venv) or in the image (LAUNCH_IN_IMAGE).
+LAUNCH := $(if $(TORCHRUN_ARGS),$(PY) -m train.tools.launch $(TORCHRUN_ARGS) -m train,$(PY) -m train)
+LAUNCH_IN_IMAGE := $(if $(TORCHRUN_ARGS),python -m train.tools.launch $(TORCHRUN_ARGS) -m train,python -m train)
 
 
 .DEFAULT_GOAL := help

@@ -103,7 +103,8 @@ def test_make_train_nproc_launches_torchrun() -> None:
         return out.strip().splitlines()[-1]
 
     assert dry("train").startswith(".venv/bin/python -m train train")
-    assert dry("train", "NPROC=2").startswith(".venv/bin/torchrun --standalone --nproc_per_node=2 -m train train")
+    assert dry("train", "NPROC=2").startswith(".venv/bin/python -m train.tools.launch --standalone --nproc_per_node=2 "
+                                              "-m train train")
     multi = dry("smoke", "NNODES=2", "NODE_RANK=1", "MASTER_ADDR=10.0.0.1")
     assert "--nnodes=2 --node_rank=1" in multi and "--master_addr=10.0.0.1" in multi
 
