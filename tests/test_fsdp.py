@@ -54,6 +54,7 @@ def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, p
             torch.save({"losses": mean, "norms": norms, "grads": grads, "params": params, "eval": held_out},
                        Path(out) / "fsdp.pt")
         Path(out, f"shares{rank}.json").write_text(json.dumps(shares))
+        torch.distributed.barrier()  # no rank tears its group down while the other still uses it
     finally:
         teardown(ctx)
 

@@ -36,6 +36,7 @@ def reshard_worker(rank: int, world: int, port: int, out: str) -> None:
         torch.distributed.all_reduce(losses)
         if rank == 0:
             torch.save((losses / world).tolist(), Path(out) / "continued.pt")
+        torch.distributed.barrier()  # no rank tears its group down while the other still uses it (a gloo abort once)
     finally:
         teardown(ctx)
 
