@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from train.callbacks import Callback
+from train.perf.timer import synchronize
 from train.profiling.ranges import ProfilerRanges, null_ranges
 
 REPORTS = {"kernels": ("cuda_gpu_kern_sum", "gpukernsum"), "memcpy": ("cuda_gpu_mem_time_sum", "gpumemtimesum")}
@@ -132,7 +133,7 @@ class NsysCapture(Callback):
         if step + 1 == self.first_step:
             self._begin()
         if step == self.last_step:
-            torch.cuda.synchronize()
+            synchronize(self._trainer.device)  # the nsys capture stops after the last step's kernels
             torch.cuda.profiler.stop()
             self._trainer.set_ranges(null_ranges)
             self._trainer.remove_callback(self)
