@@ -194,10 +194,12 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
         before_wrap(model, compiled)
     val = loaders.get("validation")
     has_val = val is not None and len(bundle.splits["validation"]) > 0  # none: no periodic evaluation
-    on = compiled is not None and compiled.enabled
-    forward = wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode, cfg.dist.offload) \
-        if not on or sharded else None
-    forward = compiled.forward if on else forward  # sharded: the compiled blocks' model, sharded in place above
+    if compiled is not None and compiled.enabled:
+        if sharded:  # FSDP2 shards in place the model whose blocks were compiled; the session still counts graphs
+            wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode, cfg.dist.offload)
+        forward = compiled.forward
+    else:
+        forward = wrap_model(model, ctx, device, cfg.dist.strategy, policy.mode, cfg.dist.offload)
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders.get("train"),
                       eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,
                       logger=logger(model) if logger is not None else None, train_model=forward)
