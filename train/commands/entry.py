@@ -212,6 +212,17 @@ def cmd_compare(args: argparse.Namespace, t_start: float) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace, t_start: float) -> int:
+    from train.models.pretrained import MODELS, install_all
+
+    dirs = install_all(args.cache_dir, args.names or None)
+    for name, d in dirs.items():
+        m = MODELS[name]
+        print(f"{name} ({m.title}, {m.note}): model.source=hf:{d}"
+              + (" model.task=causal-lm" if m.task == "causal-lm" else ""), flush=True)
+    return 0
+
+
 def cmd_wandb_sync(args: argparse.Namespace, t_start: float) -> int:
     from train.tracking.sync import sync
 
