@@ -181,6 +181,27 @@ def test_num_labels_mismatch_resizes_the_head_when_asked(tiny_cfg, tmp_path, cap
                        saved.bert.embeddings.word_embeddings.weight)  # the body keeps its weights
 
 
+def test_a_headless_bert_model_directory_gets_a_new_head_without_a_refusal(tiny_cfg, tmp_path, capsys) -> None:
+    """A ``BertModel`` save (all-MiniLM-L6-v2's layout: no head, config num_labels 2) is not a label mismatch."""
+    cfg0 = tiny_cfg()
+    bundle0 = prepare_data(cfg0, None)
+    d = tmp_path / "minilm-like"
+    config = transformers.BertConfig(vocab_size=bundle0.vocab_size, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64, pad_token_id=bundle0.pad_id,
+                                     max_position_embeddings=64)
+    torch.manual_seed(1)
+    body = transformers.BertModel(config)
+    body.save_pretrained(d)
+    (d / "tokenizer.json").write_text(Path(bundle0.tokenizer_info["path"]).read_text())
+    assert json.loads((d / "config.json").read_text())["architectures"] == ["BertModel"]
+    cfg = tiny_cfg(f"model.source=hf:{d}")  # num_labels_mismatch left at its default (refuse)
+    bundle = prepare_data(cfg, None)
+    model = build_model(cfg, bundle)
+    assert "has no sequence-classification head" in capsys.readouterr().err
+    assert model.inner.classifier.out_features == bundle.num_classes
+    assert torch.equal(model.inner.bert.embeddings.word_embeddings.weight, body.embeddings.word_embeddings.weight)
+
+
 def test_custom_python_model_trains(tiny_cfg, tmp_path, monkeypatch) -> None:
     (tmp_path / "my_models.py").write_text(CUSTOM)
     monkeypatch.syspath_prepend(str(tmp_path))

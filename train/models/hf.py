@@ -4,7 +4,8 @@
 ``local_files_only=True``; ``hf:<model_type>`` builds ``AutoConfig.for_model(model_type, …)`` sized by
 ``model.preset`` (:data:`PRESET_KEYS` maps the preset's sizes to the architecture's own key names) and
 ``model.hf_overrides``, randomly initialised from torch's RNG. ``num_labels`` must equal the data's classes, or
-``model.num_labels_mismatch=resize`` re-initialises the head with a notice.
+``model.num_labels_mismatch=resize`` re-initialises the head with a notice; a directory whose weights have no
+classification head (:func:`headless`: a ``BertModel``) gets a new one for the data's classes, with a notice.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def _check_fits(cfg, bundle, config) -> None:
                         "(AutoModelForSequenceClassification does not support it); use an encoder such as bert, "
                         "distilbert or roberta")
     n = bundle.num_classes
+    if headless(config) and config.num_labels != n:  # a BertModel directory: the head is new anyway (said at load)
+        config.num_labels = n
     if config.num_labels != n:
         if cfg.model.num_labels_mismatch != "resize":
             raise UserError(f"model.source={src}: the model has num_labels={config.num_labels} but the data has {n} "
@@ -117,6 +120,15 @@ def _check_fits(cfg, bundle, config) -> None:
     if positions is not None and max(bundle.bounds) + offset > positions:
         raise UserError(f"model.source={src}: max_position_embeddings={positions} is below the longest batch "
                         f"({max(bundle.bounds)} tokens{f' + offset {offset}' if offset else ''}); lower data.max_len")
+
+
+def headless(config) -> bool:
+    """Whether a model directory's config says its weights carry no sequence-classification head: its
+    ``architectures`` (what ``save_pretrained`` recorded) name no ``…ForSequenceClassification`` class (a
+    ``BertModel`` such as all-MiniLM-L6-v2, or a masked-LM checkpoint). Its ``num_labels`` (2 by default) then
+    means nothing, and the head is built for the data's classes."""
+    archs = list(getattr(config, "architectures", None) or [])
+    return bool(archs) and not any(a.endswith("ForSequenceClassification") for a in archs)
 
 
 def _weight_file(d: Path) -> Path:
