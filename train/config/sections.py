@@ -29,6 +29,12 @@ class DataConfig(Frozen):
     text (every token trained) or a prompt + completion."""
     completion_field: str = "completion"
     """``model.task=causal-lm``: column/key of a row's completion (its tokens and the EOS after it are the targets)."""
+    messages_field: str = "messages"
+    """``model.task=causal-lm``: key of a chat row's conversation (TRL's ``[{"role", "content"}, ...]``), rendered with
+    the model's chat template, the final assistant turn the target (train/data/chat.py)."""
+    wordnet_format: str = allowed("text", choices=("text", "chat"))
+    """``data.source=wordnet`` with ``model.task=causal-lm``: ``text`` (each gloss a text row) or ``chat`` (each synset
+    a conversation: the user's ``Define <word>.``, the gloss as the assistant's answer; needs a chat template)."""
     num_classes: Optional[int] = allowed(None, ge=2)
     """For int labels: the number of classes (labels outside ``[0, num_classes)`` are an error).
     Default: max label + 1."""

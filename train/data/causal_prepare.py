@@ -31,6 +31,7 @@ import train.data.cache as cache  # the modules themselves: train/data/__init__.
 import train.data.prepare as prepare
 from train.config import RunConfig
 from train.data.causal_rows import lm_row_locations, scan_lm_source
+from train.data.chat import template_bytes
 from train.data.causal_tokenizer import BPE_VERSION, ROLE_FILES, Roles, load_or_train_lm
 from train.data.data_policy import DropLog, drop_line, facts, long_text_line, nothing_left, refusal
 from train.data.sources import SPLITS
@@ -66,8 +67,11 @@ def lm_cache_parts(cfg: RunConfig) -> dict[str, Any]:
     for name in ROLE_FILES if d is not None else ():
         if (d / name).is_file():
             h.update(name.encode() + b"\0" + (d / name).read_bytes() + b"\0")
+    tok_dir = Path(cfg.data.tokenizer_path).expanduser().parent if cfg.data.tokenizer_path else None
+    h.update(template_bytes(tok_dir))  # chat rows are rendered with it
     parts: dict[str, Any] = {"task": "causal-lm", "lm_format": LM_FORMAT, "text_field": cfg.data.text_field,
                              "prompt_field": cfg.data.prompt_field, "completion_field": cfg.data.completion_field,
+                             "messages_field": cfg.data.messages_field, "wordnet_format": cfg.data.wordnet_format,
                              "roles": h.hexdigest()[:16], "label_field": None, "num_classes": None,
                              "on_bad_row": cfg.data.on_bad_row, "long_text": cfg.data.long_text}
     if cfg.data.tokenizer_path is None:

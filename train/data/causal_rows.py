@@ -1,6 +1,8 @@
 """Rows for ``model.task=causal-lm``: the same sources as classification (WordNet, JSONL, CSV, Parquet, Hugging Face
-datasets), each row a ``text`` (every token after the first is a target) or a ``prompt`` + ``completion`` (the loss
-on the completion's tokens and the EOS after it only); ``data.source=wordnet`` gives each synset's gloss as a text row.
+datasets), each row a ``text`` (every token after the first is a target), a ``prompt`` + ``completion`` (the loss
+on the completion's tokens and the EOS after it only) or a chat row's ``messages`` (rendered with the model's chat
+template into a prompt + completion: train/data/chat.py); ``data.source=wordnet`` gives each synset's gloss as a text
+row, or with ``data.wordnet_format=chat`` as the answer to ``Define <word>.``.
 
 A row is kept compact through preparation as one string, ``prompt + completion`` (a text row: its text, an empty
 prompt), and the prompt's length in characters (the scan's ``labels``); train/data/causal_prepare.py tokenizes the two
@@ -19,6 +21,7 @@ import numpy as np
 
 import train.data.wordnet as wordnet  # the module itself, not the package: no package <-> submodule import loop
 from train.config import DataConfig
+from train.data.chat import chat_template_for
 from train.data.data_policy import DropLog, nothing_left, refusal
 from train.data.readers import FILE_TYPES, csv_records, hf_records, jsonl_records, parquet_columns, source_rows
 from train.data.sources import Scan, split_rows, stable_fraction
@@ -30,9 +33,9 @@ completion. The cause (a key of :data:`train.data.data_policy.WHY`) is None for 
 
 
 def fields_fix(cfg: DataConfig) -> str:
-    return (f"model.task=causal-lm reads text rows ({cfg.text_field!r}) or prompt + completion rows "
-            f"({cfg.prompt_field!r} + {cfg.completion_field!r}): set data.text_field, or data.prompt_field and "
-            "data.completion_field, to the right names")
+    return (f"model.task=causal-lm reads text rows ({cfg.text_field!r}), prompt + completion rows "
+            f"({cfg.prompt_field!r} + {cfg.completion_field!r}) or chat rows ({cfg.messages_field!r}): set "
+            "data.text_field, data.prompt_field and data.completion_field, or data.messages_field to the right names")
 
 
 def lm_row(record: dict, cfg: DataConfig, loc: str, blank_is_missing: bool = False) -> tuple[str, str, Optional[str]]:
@@ -51,6 +54,11 @@ def lm_row(record: dict, cfg: DataConfig, loc: str, blank_is_missing: bool = Fal
 
     tf, pf, cf = cfg.text_field, cfg.prompt_field, cfg.completion_field
     pair, text = given(pf) or given(cf), given(tf)
+    if given(cfg.messages_field):
+        if pair or text:
+            raise UserError(f"{loc}: both a conversation ({cfg.messages_field!r}) and a text or prompt/completion; give "
+                            "a row one of them")
+        return chat_template_for(cfg.tokenizer_path).split(record[cfg.messages_field], loc)
     if pair and text:
         raise UserError(f"{loc}: both a text ({tf!r}) and a prompt/completion ({pf!r}, {cf!r}); give a row one "
                         "or the other")
@@ -84,9 +92,22 @@ def row_key(prompt: str, completion: str) -> str:
 
 def _wordnet_rows(cfg: DataConfig) -> Iterator[LMRow]:
     root = wordnet.find_wordnet_dir(cfg.wordnet_dir)
+    chat = chat_template_for(cfg.tokenizer_path) if cfg.wordnet_format == "chat" else None
     for s in wordnet.iter_synsets(root):
-        if s.gloss.strip():
-            yield f"{s.pos}:{s.offset}", "", s.gloss, f"{root} synset {s.pos}:{s.offset:08d}", None
+        if not s.gloss.strip():
+            continue
+        loc = f"{root} synset {s.pos}:{s.offset:08d}"
+        if chat is None:
+            yield f"{s.pos}:{s.offset}", "", s.gloss, loc, None
+            continue
+        prompt, completion, cause = chat.split(wordnet_chat(s), loc)
+        yield f"{s.pos}:{s.offset}", prompt, completion, loc, cause
+
+
+def wordnet_chat(s: wordnet.Synset) -> list[dict[str, str]]:
+    """A synset as a conversation: the user asks ``Define <its first word>.``, the assistant answers the gloss."""
+    word = s.lemmas[0].replace("_", " ") if s.lemmas else ""
+    return [{"role": "user", "content": f"Define {word}."}, {"role": "assistant", "content": s.gloss.strip()}]
 
 
 def _forms_check(cfg: DataConfig, where: str) -> Callable[[list[str]], None]:

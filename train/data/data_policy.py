@@ -24,6 +24,8 @@ WHY = {
     "no_completion_fits": "no completion token fits after the prompt in data.max_len",
     "no_target": "no token to train on",
     "no_target_at_pack_len": "no completion token fits after the prompt in batching.pack_len",
+    "no_assistant_turn": "a conversation without an assistant turn",
+    "unknown_role": "a message role other than system, user and assistant",
 }
 """Drop cause → what it says in a message (and ``report.json`` ``data.dropped_rows`` keys)."""
 SHOWN = 3
