@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
+from train.callbacks import Callback
 from train.data.batch import move, packed_inputs
 from train.distributed import DistContext, all_reduce_sum, any_rank
 from train.parallel.fsdp import EXHAUSTED, idle_forward, is_sharded, lockstep, reshard
 from train.precision import PrecisionPolicy
 from train.shutdown import pause_point, requested_signal, stop_requested
 from train.tasks import Task, task_for
+
+
+class EvaluateBefore(Callback):
+    """The held-out figures of the model as it starts, before the first step of a fresh run (a pretrained base before
+    fine-tuning: what the run improved on). Recorded as the evaluation at step 0 (``stats.evals``, metrics.jsonl,
+    report.json ``quality.eval_*_before``) and said on the console; a resumed run (its loop starts later) skips it."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer, self.done = trainer, False
+
+    def on_step_start(self, step: int) -> None:
+        if not self.done and step == 1:
+            self.trainer.evaluate_now(0, SimpleNamespace(disable=True))
+        self.done = True
+
+
+def eval_before_wanted(cfg: Any) -> bool:
+    """``train.eval_before`` resolved: null (auto) evaluates first where the weights are pretrained (``hf:<dir>``
+    with a weights file), not a random init, whose figures say nothing."""
+    if cfg.train.eval_before is not None:
+        return bool(cfg.train.eval_before)
+    from train.models.external import has_pretrained_weights
+
+    return has_pretrained_weights(cfg.model.source)
 
 
 class EvaluationAbandoned(Exception):

@@ -32,6 +32,7 @@ from train.data.batching_auto import apply_batching, choose_batching
 from train.distributed import DistContext, agreed, broadcast_from_main
 from train.models.dropout import decide_fast_dropout
 from train.parallel.strategy import decide_strategy
+from train.perf.probe_budget import ProbeBudget
 from train.precision import PrecisionDecision, PrecisionPolicy
 from train.setup import (
     attention_choice,
@@ -71,6 +72,10 @@ class Resolved:
     attention: Optional[AttentionChoice]
     chunked_loss: dict
     strategy: Optional[dict] = None
+    probes_line: Optional[str] = None
+    """The decisions block's ``probes`` line: the time the auto probes took, their allowance, what they measured."""
+    probes: Optional[dict] = None
+    """report.json ``perf.probes`` (train/perf/probe_budget.py)."""
 
     @property
     def packed_attention(self) -> Optional[dict]:
@@ -144,21 +149,22 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
     # compile.enabled=auto stays auto: a rule of the device kind and the batching, no measurement, so the same machine
     # decides the same; written as its outcome, the report's reason would say "compile.enabled=false" instead of why
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
+    budget = ProbeBudget(cfg.train.probe_budget, cfg.train.max_steps, device, say)
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
-        attention = decided(lambda: attention_choice(cfg, model, policy, bundle, device, compile_enabled))
+        attention = decided(lambda: attention_choice(cfg, model, policy, bundle, device, compile_enabled, budget))
         apply_attention(model, attention, device)
         if hasattr(model, "set_packed_attention"):  # a resume replays the path (the paths differ in rounding)
             decided_values["model.packed_attention"] = attention.path
     # after the attention path: its A/B times the step the run will take
-    chunked = decided(lambda: chunked_loss_decision(cfg, model, policy, bundle, device))
+    chunked = decided(lambda: chunked_loss_decision(cfg, model, policy, bundle, device, budget))
     if chunked["applied"]:
         model.set_chunked_loss(True)
     if cfg.model.task == "causal-lm":  # a classifier's config keeps its value (nothing to chunk)
         decided_values["model.chunked_loss"] = "true" if chunked["applied"] else "false"
     cfg = cfg.with_values(decided_values).freeze()
     return Resolved(cfg, policy, bundle, model, compile_enabled, compile_reason, batching, fast_dropout, attention,
-                    chunked, strategy)
+                    chunked, strategy, budget.line() if ctx.is_main else None, budget.report())
 
 
 def _decide_fast_dropout(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: DataBundle,
@@ -169,6 +175,26 @@ def _decide_fast_dropout(cfg: RunConfig, model: torch.nn.Module, policy: Precisi
     return decide_fast_dropout(model, cfg.model.fast_dropout, policy.mode, cfg.data.cache_dir,
                                lambda: first_train_batch(cfg, bundle, device), device,
                                lambda: probe_steps(cfg, model, policy, device))
+
+
+PRETRAINED_LR = {"full": 1e-4, "adapter": 1e-3}
+"""The highest peak learning rate the fine-tuning recipes of pretrained models commonly use (full fine-tuning;
+a LoRA adapter): above it the optimizer line warns."""
+
+
+def optimizer_line(cfg: RunConfig) -> str:
+    """The decisions block's optimizer line: the recipe the config gives (AdamW, peak lr, warm-up, linear decay), and
+    a warning where a pretrained base gets a learning rate of a from-scratch recipe."""
+    from train.models.external import has_pretrained_weights
+
+    o = cfg.optim
+    line = (f"AdamW lr {o.lr:g} (optim.lr), {o.warmup_fraction:g} of the steps warming up, then linear decay to 0, "
+            f"weight decay {o.weight_decay:g}")
+    kind = "adapter" if cfg.model.adapter else "full"
+    if has_pretrained_weights(cfg.model.source) and o.lr > PRETRAINED_LR[kind]:
+        line += (f"; warning: a pretrained base {'with an adapter ' if kind == 'adapter' else ''}usually fine-tunes "
+                 f"at lr <= {PRETRAINED_LR[kind]:g}: lr {o.lr:g} (a from-scratch rate) may undo what it learned")
+    return line
 
 
 def decision_lines(resolved: Resolved, device_name: str) -> list[str]:
@@ -203,4 +229,7 @@ def decision_lines(resolved: Resolved, device_name: str) -> list[str]:
     if cfg.model.task != "classification":
         chunked = resolved.chunked_loss
         lines.append(f"  loss       {'chunked' if chunked['applied'] else 'logits whole'}: {chunked['reason']}")
+    lines.append(f"  optimizer  {optimizer_line(cfg)}")
+    if resolved.probes_line:
+        lines.append(f"  probes     {resolved.probes_line}")
     return lines

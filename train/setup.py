@@ -23,6 +23,7 @@ import torch
 
 from train.config import RunConfig, dump_config
 from train.errors import UserError, atomic_write_text
+from train.evaluation import EvaluateBefore, eval_before_wanted
 from train.models.encoder import EncoderClassifier, resolve_spec
 from train.precision import PrecisionPolicy
 from train.tools.cores import usable_cores
@@ -203,22 +204,24 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
     trainer = Trainer(cfg=cfg, model=model, policy=policy, device=device, train_loader=loaders.get("train"),
                       eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,
                       logger=logger(model) if logger is not None else None, train_model=forward)
+    if has_val and eval_before_wanted(cfg):
+        trainer.add_callback(EvaluateBefore(trainer))
     return BuiltRun(cfg, device, policy, bundle, model, loaders, trainer, compiled, attention)
 
 
 def attention_choice(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
-                     device: torch.device, compiled: bool) -> Any:
+                     device: torch.device, compiled: bool, budget: Any = None) -> Any:
     """``model.packed_attention`` decided for this run (:func:`train.data.attention.choose_packed_attention`, its
     probe the run's own step), without applying it: the resolve phase's decision, and :func:`packed_attention_for`'s.
     Raises UserError (one line: the key, why, the fix) for a path this model has not or that cannot run here."""
     from train.data.attention import choose_packed_attention
 
     return choose_packed_attention(model, policy, cfg, bundle, device, compiled,
-                                   lambda: probe_steps(cfg, model, policy, device))
+                                   lambda: probe_steps(cfg, model, policy, device), budget=budget)
 
 
 def chunked_loss_decision(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
-                          device: torch.device) -> dict:
+                          device: torch.device, budget: Any = None) -> dict:
     """``model.chunked_loss`` decided for this run (:func:`train.tasks.chunked_loss.decide_chunked_loss`: ``auto``
     times the run's own step both ways on its first training batch, cached), without applying it: the resolve
     phase's decision, and :func:`chunked_loss_for`'s. Raises UserError as that does."""
@@ -226,7 +229,7 @@ def chunked_loss_decision(cfg: RunConfig, model: torch.nn.Module, policy: Precis
 
     return decide_chunked_loss(cfg.model.chunked_loss, cfg.model.task, model, policy.mode, device,
                                cache_dir=cfg.data.cache_dir, batch=lambda: first_train_batch(cfg, bundle, device),
-                               probe=lambda: probe_steps(cfg, model, policy, device))
+                               probe=lambda: probe_steps(cfg, model, policy, device), budget=budget)
 
 
 def first_train_batch(cfg: RunConfig, bundle: Any, device: torch.device) -> dict:

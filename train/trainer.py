@@ -242,7 +242,7 @@ class Trainer:
             if step % self.cfg.train.log_every == 0 or step == self.total_steps:
                 self._log(step, bar)
             if self.eval_loader is not None and (step % self.cfg.train.eval_every == 0 or step == self.total_steps):
-                self._evaluate(step, bar)
+                self.evaluate_now(step, bar)
             bar.update(1)
             stop = False
             for cb in tuple(self.callbacks):  # every callback sees every step; one may remove itself
@@ -272,8 +272,8 @@ class Trainer:
                         pad=f"{100 * (1 - record['token_efficiency']):.0f}%")
         self.reset_window()
 
-    def _evaluate(self, step: int, bar: Any) -> None:
-        """Evaluate on ``eval_loader``; a signal during it abandons it (said, recorded in ``stats.abandoned_eval``)."""
+    def evaluate_now(self, step: int, bar: Any) -> None:
+        """Evaluate on ``eval_loader`` at ``step`` (0: before the first); a signal abandons it (``stats``, said)."""
         try:
             result = evaluate(self.model, self.eval_loader, self.policy, self.num_classes, self.device, self.dist,
                               phase="periodic evaluation", task=self.task)

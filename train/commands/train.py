@@ -328,7 +328,7 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     env = {**collect_env(device), **resolved.policy.report(), "num_threads": torch.get_num_threads(),
            "world_size": run.ctx.world_size, "distributed_backend": run.ctx.backend,
            "distributed_strategy": cfg.dist.strategy if run.ctx.enabled else None}
-    sections = {"numerics": trainer.guard.report(), "clip": clip_report(cfg)}
+    sections = {"numerics": trainer.guard.report(), "clip": clip_report(cfg), "probes": resolved.probes}
     if run.tracking is not None:
         sections["tracking"] = run.tracking.report()
     sections["compile"] = compiled.report()

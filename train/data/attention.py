@@ -46,11 +46,14 @@ from train.data.causal_collate import pack_collate_for
 from train.data.loaders import pack_layout
 from train.data.packing import pack_rows
 from train.errors import UserError
+from train.perf.probe_budget import ProbeBudget
 from train.perf.switch_ab import switch_ab
 from train.precision import PrecisionPolicy
 from train.tools import decisions
 from train.tools.env import machine_load
 
+PROBE_REPEATS = 3
+"""Timed rounds per path in the attention probe (after one untimed step each)."""
 ALT_MARGIN = 1.0
 """``auto`` picks another path when the ``sdpa-mask`` step takes ≥ this × its step (ties go to the other
 path: flex and varlen compute fewer scores)."""
@@ -114,7 +117,7 @@ def probe_batch(cfg: RunConfig, bundle: DataBundle) -> dict:
 
 def measure_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
                   fns: Optional[tuple[Callable, Callable]], alts: tuple[str, ...] = ("flex",),
-                  repeats: int = 3) -> dict[str, Any]:
+                  repeats: int = PROBE_REPEATS) -> dict[str, Any]:
     """Median ms of the run's training step (``step(batch)``: a probe trainer's :meth:`~train.trainer.Trainer.step`,
     restored by its caller) on the packed ``batch`` with ``sdpa-mask`` and with each path of ``alts`` (``flex``, with
     its ``fns``; ``varlen``; ``eager-mask``), through the one A/B primitive (one untimed step each, then ``repeats``
@@ -167,11 +170,13 @@ def alternatives(model: Optional[torch.nn.Module], device: torch.device,
 def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg: RunConfig, bundle: DataBundle,
                             device: torch.device, compiled: bool,
                             probe: Optional[Callable[[], ContextManager[Callable[[dict], Any]]]] = None,
-                            measure: Optional[Callable[..., dict[str, Any]]] = None) -> AttentionChoice:
+                            measure: Optional[Callable[..., dict[str, Any]]] = None,
+                            budget: Optional[ProbeBudget] = None) -> AttentionChoice:
     """Resolve ``model.packed_attention`` for this packed run (module docstring); ``compiled``: the run's compile
     is on. ``probe()``: a context manager giving the run's training step for a measurement and restoring the model
     after it (:func:`train.setup.probe_steps`; needed only where a measurement runs). ``measure``:
-    :func:`measure_paths` when None (tests force its result).
+    :func:`measure_paths` when None (tests force its result). ``budget``: the run's probe allowance
+    (train/perf/probe_budget.py); a measurement past it is not run, and the path is sdpa-mask by rule.
 
     Raises:
         UserError: a path this model has not (``flex`` on a decoder, ``varlen`` on the encoder, either on a
@@ -222,7 +227,11 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
                                compiled and cached["path"] == "flex", cached["measurement"], path)
     load = machine_load()
     with probe() as step:
-        m = (measure or measure_paths)(model, step, batch, device, fns, runnable)
+        skip = budget.check("model.packed_attention", (len(runnable) + 1) * (1 + PROBE_REPEATS), step, batch) \
+            if budget is not None else None
+        m = None if skip else (measure or measure_paths)(model, step, batch, device, fns, runnable)
+    if skip or m is None:
+        return AttentionChoice("sdpa-mask", requested, f"auto: {skip}: sdpa-mask", "rule")
     speedup = {a: m["sdpa-mask"] / m[a] for a in runnable}
     best = max(runnable, key=speedup.__getitem__)
     chosen = best if speedup[best] >= ALT_MARGIN else "sdpa-mask"

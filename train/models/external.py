@@ -114,6 +114,17 @@ def _convert_tokenizer(source: str, d: Path, cache_dir: Optional[str]) -> str:
     return str(out)
 
 
+def has_pretrained_weights(source: str) -> bool:
+    """Whether ``model.source`` starts from trained weights: a ``hf:<dir>`` holding a weights file (not a config
+    alone, not ``hf:<model_type>``, not the built-in encoder: those are a random init)."""
+    from train.models.hf import WEIGHT_FILES
+
+    if not source.startswith("hf:") or source_kind(source) != "hf-dir":
+        return False
+    d = Path(source[3:]).expanduser()
+    return any((d / f).is_file() for f in WEIGHT_FILES)
+
+
 def model_supports_packing(source: str, task: str = "classification") -> bool:
     """Whether the model ``model.source`` names can run packed rows (per-sample positions, block-diagonal mask),
     as far as is known without building it: the built-in encoder; a Hugging Face architecture with a known head

@@ -152,6 +152,8 @@ def _quality(r: ReportInputs) -> dict[str, Any]:
         quality.update({"eval_perplexity": final_eval.get("perplexity"), "eval_target_tokens": final_eval.get(
             "target_tokens"), "test_loss": test_eval.get("loss"), "test_perplexity": test_eval.get("perplexity"),
             "test_majority_class_accuracy": None, "eval_macro_f1": None, "test_macro_f1": None})
+    before = next((e for e in r.stats.evals if e.get("step") == 0), None)  # train.eval_before: the base's figures
+    quality.update({f"eval_{k}_before": (before or {}).get(k) for k in ("loss", "accuracy", "perplexity")})
     train_samples = len(r.bundle.splits["train"])
     for name, split, result in (("eval", "validation", final_eval), ("test", "test", test_eval)):
         if result and result.get("accuracy") is None:

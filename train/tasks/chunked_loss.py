@@ -18,10 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from train.perf.probe_budget import ProbeBudget
 
 IGNORE_INDEX = -100
 """A target that is not trained (``F.cross_entropy``'s default ``ignore_index``)."""
@@ -107,6 +110,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, targets: 
     return FusedLinearCrossEntropy.apply(flat, head.weight, head.bias, t, n, compute_dtype)
 
 
+PROBE_ROUNDS = 5
+"""Paired rounds of the chunked-loss probe (after one untimed step each way)."""
 CHUNKED_MARGIN = 1.05
 """``auto`` keeps the chunked loss unless the run's training step measures slower with it: its paired interval
 wholly below 1.0, or its median step more than this × the unchunked one (within 5 % the two are a tie on a shared
@@ -115,7 +120,7 @@ DECISION_FORMAT = 3  # 2: chunks of at least next_pow2(hidden) rows; 3: the shar
 
 
 def measure_step_paths(model: torch.nn.Module, step: Callable[[dict], Any], batch: dict, device: torch.device,
-                       rounds: int = 5) -> dict[str, Any]:
+                       rounds: int = PROBE_ROUNDS) -> dict[str, Any]:
     """Median ms of the run's whole training step (``step(batch)``: a probe trainer's
     :meth:`~train.trainer.Trainer.step`, restored by its caller) on one real training ``batch`` with the logits
     whole and with the chunked loss, through the one A/B primitive (one untimed step each, then ``rounds`` rotated
@@ -139,13 +144,15 @@ def measure_step_paths(model: torch.nn.Module, step: Callable[[dict], Any], batc
 def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, precision: str, device: torch.device, *,
                         cache_dir: Optional[str] = None, batch: Optional[Callable[[], dict]] = None,
                         probe: Optional[Callable[[], ContextManager[Callable[[dict], Any]]]] = None,
-                        measure: Optional[Callable[..., dict[str, Any]]] = None) -> dict[str, Any]:
+                        measure: Optional[Callable[..., dict[str, Any]]] = None,
+                        budget: Optional["ProbeBudget"] = None) -> dict[str, Any]:
     """Resolve ``model.chunked_loss`` (``auto`` | ``true`` | ``false``) for a run (the model is left as it is: the
     caller sets it when ``applied``): report.json's ``levers.chunked_loss`` — ``applied``, ``requested``,
     ``reason``, ``source`` (requested | rule | measured | cached) and, when measured or cached, ``measurement``
     (:func:`measure_step_paths`). ``auto`` times the run's training step both ways on ``batch()`` (one real training
     batch, asked for only when measuring) through ``probe()`` (a context giving the run's step and restoring the
-    model after it; :func:`train.setup.probe_steps`); ``measure`` replaces :func:`measure_step_paths` (tests).
+    model after it; :func:`train.setup.probe_steps`); ``measure`` replaces :func:`measure_step_paths` (tests);
+    ``budget``: the run's probe allowance (train/perf/probe_budget.py): a measurement past it is not run (unchunked).
     Measured decisions are cached under ``cache_dir/decisions/`` like the other ``auto`` probes; a busy machine
     measures but does not cache.
 
@@ -187,7 +194,10 @@ def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, preci
         return out(cached["applied"], cached["reason"], "cached", cached["measurement"])
     load = machine_load()
     with probe() as step:
-        m = (measure or measure_step_paths)(model, step, sample, device)
+        skip = budget.check("model.chunked_loss", 2 * (1 + PROBE_ROUNDS), step, sample) if budget is not None else None
+        m = None if skip else (measure or measure_step_paths)(model, step, sample, device)
+    if skip or m is None:
+        return out(False, f"auto: {skip}: unchunked (the logits whole, as transformers computes them)", "rule")
     low, high = m["speedup_interval"]
     slower = high is not None and high < 1.0
     applied = not slower and m["chunked"] <= CHUNKED_MARGIN * m["unchunked"]
