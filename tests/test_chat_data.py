@@ -103,8 +103,8 @@ def test_a_row_with_messages_and_a_text_is_refused(tmp_path: Path) -> None:
 
 
 def test_wordnet_as_chat_asks_for_the_definition(tmp_path: Path, wndb: Path) -> None:
-    from train.data.causal_rows import lm_rows_for
     from train.config import DataConfig
+    from train.data.causal_rows import lm_rows_for
 
     path = chat_model_dir(tmp_path / "m")
     rows = list(lm_rows_for(DataConfig(wordnet_dir=str(wndb), wordnet_format="chat", tokenizer_path=str(path)))[1])

@@ -31,8 +31,8 @@ import train.data.cache as cache  # the modules themselves: train/data/__init__.
 import train.data.prepare as prepare
 from train.config import RunConfig
 from train.data.causal_rows import lm_row_locations, scan_lm_source
-from train.data.chat import template_bytes
 from train.data.causal_tokenizer import BPE_VERSION, ROLE_FILES, Roles, load_or_train_lm
+from train.data.chat import template_bytes
 from train.data.data_policy import DropLog, drop_line, facts, long_text_line, nothing_left, refusal
 from train.data.sources import SPLITS
 from train.data.tokenizer import unk_id

@@ -56,8 +56,8 @@ def lm_row(record: dict, cfg: DataConfig, loc: str, blank_is_missing: bool = Fal
     pair, text = given(pf) or given(cf), given(tf)
     if given(cfg.messages_field):
         if pair or text:
-            raise UserError(f"{loc}: both a conversation ({cfg.messages_field!r}) and a text or prompt/completion; give "
-                            "a row one of them")
+            raise UserError(f"{loc}: both a conversation ({cfg.messages_field!r}) and a text or prompt/completion; "
+                            "give a row one of them")
         return chat_template_for(cfg.tokenizer_path).split(record[cfg.messages_field], loc)
     if pair and text:
         raise UserError(f"{loc}: both a text ({tf!r}) and a prompt/completion ({pf!r}, {cf!r}); give a row one "

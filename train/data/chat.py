@@ -91,7 +91,8 @@ def chat_template_for(tokenizer_path: Optional[str]) -> ChatTemplate:
         UserError: no tokenizer path (the project's own BPE has no template) or the directory has no template.
     """
     if not tokenizer_path:
-        raise UserError(no_template("the tokenizer trained on the data (no data.tokenizer_path / model.source=hf:<dir>)"))
+        raise UserError(no_template("the tokenizer trained on the data (no data.tokenizer_path or "
+                                    "model.source=hf:<dir>)"))
     return ChatTemplate(Path(tokenizer_path).expanduser().parent)
 
 

@@ -23,10 +23,11 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from train.errors import UserError, atomic_write_text, honour_umask
 

@@ -5,14 +5,15 @@ An ``auto`` decision that is not cached measures full training steps of the run'
 model on a 2-core CPU a step takes seconds, so on a 30-step run the probes took longer than the training. The budget
 lets the probes spend at most ``train.probe_budget`` (a fraction) of the run's projected training time, ``max_steps``
 × the seconds of one step (the second of two on the first probe's batch, inside its restoring context: the run's
-state is untouched). A probe that would pass it is not run: its decision takes the rule's default and says so, and the console
-says what is measured while it is.
+state is untouched). A probe that would pass it is not run: its decision takes the rule's default and says so, and
+the console says what is measured while it is.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
