@@ -113,3 +113,61 @@ def test_wordnet_as_chat_asks_for_the_definition(tmp_path: Path, wndb: Path) -> 
     for (key, prompt, completion, _loc, cause), (key2, _p, gloss, _l, _c) in zip(rows, text_rows):
         assert key == key2 and cause is None and completion == gloss.strip()  # the same split, the gloss answered
         assert prompt.startswith("<|im_start|>user\nDefine ") and prompt.endswith("<|im_start|>assistant\n")
+
+
+def pretrained_chat_llama(d: Path) -> Path:
+    """A tiny Llama saved with save_pretrained beside a ChatML tokenizer: a "pretrained" chat model directory."""
+    import transformers
+
+    path = chat_model_dir(d)
+    vocab = Tokenizer.from_file(str(path)).get_vocab_size()
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+                                      eos_token_id=1, pad_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_a_chat_run_on_a_pretrained_dir_reports_before_and_after_and_exports_for_publishing(
+        tmp_path: Path, wndb: Path, adapter: bool) -> None:
+    import time
+
+    from train.commands.train import run_training
+    from train.config import load_config
+
+    d = pretrained_chat_llama(tmp_path / "chat-llama")
+    src = write_jsonl(tmp_path / "chat.jsonl", [conversation(f"{a} {b}", f"the answer {a}") for a in WORDS
+                                                for b in WORDS])
+    lora = ["model.adapter={type: lora, r: 4, alpha: 8, dropout: 0.0, targets: auto}"] if adapter else []
+    cfg = load_config(None, ["model.task=causal-lm", f"model.source=hf:{d}", f"data.source={src}",
+                             f"data.cache_dir={tmp_path / 'cache'}", "data.max_len=40", "data.val_fraction=0.2",
+                             "data.max_eval_samples=16", "batching.method=packed",
+                             "batching.max_tokens=160", "model.packed_attention=sdpa-mask", "model.chunked_loss=false",
+                             "train.max_steps=3", "train.eval_every=3", "train.progress=false", "train.run_id=chat",
+                             f"train.output_dir={tmp_path / 'runs'}", "train.precision=fp32", *lora])
+    report = run_training(cfg, time.perf_counter())
+    q = report["quality"]
+    assert q["eval_loss_before"] is not None and q["eval_loss"] is not None  # the base evaluated before step 1
+    assert report["quality"]["evals"][0]["step"] == 0
+    for when in ("before", "after"):
+        answers = q["answers"][when]["answers"]
+        assert answers and all(a["prompt"].rstrip().endswith("<|im_start|> assistant") for a in answers)  # words
+        assert all(a["reference"].startswith("the answer") for a in answers)
+    out = Path(report["export"]["path"])
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    assert tc["model_max_length"] == 256  # the model's own, not data.max_len
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    rendered = tok.apply_chat_template([{"role": "user", "content": "what is two"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")  # the chat template travels with the export
+    card = (out / "README.md").read_text()
+    assert f"{q['eval_loss_before']:.4f} → {q['eval_loss']:.4f}" in card and "config.yaml" in card
+    if adapter:
+        base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert base == str(d) and report["export"]["base"] == str(d)  # as given, here tmp_path's absolute path
+    else:
+        assert report["export"]["dtype"] == "fp32"

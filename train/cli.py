@@ -133,6 +133,8 @@ def _args_export(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merged", action="store_true",
                    help="an adapter run: merge_and_unload into a plain model directory (default out: model-merged)")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/model)")
+    p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
+                   help="the weights' dtype (default: the base model's own, fp32 for a random init)")
 
 
 def _args_bench_generate(p: argparse.ArgumentParser) -> None:

@@ -20,15 +20,31 @@ from train.tasks import Task, task_for
 class EvaluateBefore(Callback):
     """The held-out figures of the model as it starts, before the first step of a fresh run (a pretrained base before
     fine-tuning: what the run improved on). Recorded as the evaluation at step 0 (``stats.evals``, metrics.jsonl,
-    report.json ``quality.eval_*_before``) and said on the console; a resumed run (its loop starts later) skips it."""
+    report.json ``quality.eval_*_before``) and said on the console; a resumed run (its loop starts later) skips it.
+    A causal LM also answers three fixed prompts before the first step and after the last (``stats.answers``:
+    train/generate/answers.py; one process only: a sharded model's generate would need every rank)."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer, self.done = trainer, False
+    def __init__(self, trainer: Any, bundle: Any) -> None:
+        self.trainer, self.bundle, self.done = trainer, bundle, False
+        self.answers = getattr(bundle, "task", None) == "causal-lm"
+
+    def _answer(self, when: str) -> None:
+        from train.generate.answers import answer_prompts
+
+        t = self.trainer
+        t.stats.answers[when] = {"answers": None, "unavailable_reason": "a multi-process run"} if t.dist.enabled \
+            else answer_prompts(t.model, self.bundle, t.device, t.policy.blocks_autocast)
 
     def on_step_start(self, step: int) -> None:
         if not self.done and step == 1:
             self.trainer.evaluate_now(0, SimpleNamespace(disable=True))
+            if self.answers:
+                self._answer("before")
         self.done = True
+
+    def on_fit_end(self, stats: Any) -> None:
+        if self.answers and "before" in stats.answers and self.trainer.stopped_at is None:
+            self._answer("after")
 
 
 def eval_before_wanted(cfg: Any) -> bool:

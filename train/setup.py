@@ -205,7 +205,7 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
                       eval_loader=val if has_val else None, num_classes=bundle.num_classes, dist_ctx=ctx,
                       logger=logger(model) if logger is not None else None, train_model=forward)
     if has_val and eval_before_wanted(cfg):
-        trainer.add_callback(EvaluateBefore(trainer))
+        trainer.add_callback(EvaluateBefore(trainer, bundle))
     return BuiltRun(cfg, device, policy, bundle, model, loaders, trainer, compiled, attention)
 
 

@@ -31,6 +31,7 @@ class TrainStats:
     first_step_end: Optional[float] = None  # time.perf_counter() at the end of step 1
     evals: list = field(default_factory=list)
     abandoned_eval: Optional[str] = None  # what a signal cut short ("periodic evaluation at step N")
+    answers: dict = field(default_factory=dict)  # causal LM: fixed prompts answered "before" / "after" (evaluation.py)
 
     def add(self, rec: "StepRecord", steady: bool) -> None:
         """Count one step (``steady``: not this process's first, cold step)."""

@@ -192,7 +192,7 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
 def cmd_export(args: argparse.Namespace, t_start: float) -> int:
     from train.commands.export import export_run
 
-    block = export_run(args.run_dir, args.checkpoint, args.merged, args.out)
+    block = export_run(args.run_dir, args.checkpoint, args.merged, args.out, args.dtype)
     print(f"exported {block['format']} to {block['path']}: {', '.join(block['files'])}"
           + (f" (base: {block['base']})" if block.get("base") else ""), flush=True)
     return 0

@@ -14,9 +14,11 @@ from train.resume import FINAL, list_checkpoints
 
 
 def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = False,
-               out: Optional[str] = None) -> dict[str, Any]:
+               out: Optional[str] = None, dtype: Optional[str] = None, report: Optional[dict] = None) -> dict[str, Any]:
     """Export ``run_dir``'s model to ``out`` (default ``<run_dir>/model``; ``<run_dir>/model-merged`` with
-    ``merged``). Returns the export block (train.models.export.export_model).
+    ``merged``) in ``dtype`` (``fp32`` | ``bf16`` | ``fp16``; None: the base's own). ``report``: the run's
+    report.json for the model card (None: read from ``run_dir``). Returns the export block
+    (train.models.export.export_model).
 
     Raises:
         UserError: no such directory, no complete checkpoint (the final one missing and none given: the periodic
@@ -56,7 +58,11 @@ def export_run(run_dir: str, checkpoint: Optional[str] = None, merged: bool = Fa
         raise UserError(f"export --merged: {path} is a full fine-tuning run (no model.adapter): there is nothing to "
                         "merge; run without --merged")
     ids = state.get("special_tokens") or _ids_from_config(model)
-    return export_model(model, target, tokenizer, ids, merged=merged)
+    if report is None and (d / "report.json").is_file():
+        import json
+
+        report = json.loads((d / "report.json").read_text(encoding="utf-8"))
+    return export_model(model, target, tokenizer, ids, merged=merged, dtype=dtype, report=report)
 
 
 def _ids_from_config(model: Any) -> dict[str, Optional[int]]:

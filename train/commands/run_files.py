@@ -46,15 +46,16 @@ def write_run_files(resolved: Resolved, run_dir: Path, ctx: DistContext) -> None
 
 
 def export_at_end(model: torch.nn.Module, run_dir: Path, bundle: Any, say: Callable[..., None],
-                  completed: bool = True) -> Optional[dict]:
+                  report: Optional[dict] = None) -> Optional[dict]:
     """``runs/<id>/model/`` for a model from transformers (rank 0, after the final checkpoint of a completed run):
     report.json's ``export`` block, or None for the built-in encoder and ``python:`` models (nothing in the
     ecosystem's format to write) and for an interrupted run. An adapter run exports from its final checkpoint
     (train/commands/export.py): the base is rebuilt in fp32 as its fingerprint names it, not taken from the live
     model, whose frozen base a bf16 run holds rounded to bf16; so does an FSDP2-sharded run (its rank 0 holds shards
     only). A failed export is one line on stderr and ``{"error": …}``: the trained state is in checkpoint.pt, and
-    ``python -m train export`` can write it again."""
-    if getattr(model, "kind", None) != "hf" or not completed:
+    ``python -m train export`` can write it again. ``report``: the run's report.json (not yet on disk), for the
+    model card; a report of an interrupted run exports nothing."""
+    if getattr(model, "kind", None) != "hf" or (report or {}).get("status") == "interrupted":
         return None
     from train.commands.export import export_run
     from train.models.adapter import has_adapter
@@ -62,8 +63,8 @@ def export_at_end(model: torch.nn.Module, run_dir: Path, bundle: Any, say: Calla
     from train.parallel.fsdp import is_sharded
 
     try:
-        block = export_run(str(run_dir)) if has_adapter(model) or is_sharded(model) else \
-            export_model(model, run_dir / "model", run_dir / "tokenizer.json", special_tokens(bundle))
+        block = export_run(str(run_dir), report=report) if has_adapter(model) or is_sharded(model) else \
+            export_model(model, run_dir / "model", run_dir / "tokenizer.json", special_tokens(bundle), report=report)
     except Exception as exc:  # noqa: BLE001 - the run is trained and checkpointed: its report must still be written
         why = str(exc) if isinstance(exc, (UserError, OSError)) else f"{type(exc).__name__}: {exc}"
         print(f"warning: the model was not exported ({why.splitlines()[0] if why else type(exc).__name__}); python -m "

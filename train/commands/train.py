@@ -355,6 +355,6 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
     if run.ctx.is_main:
         for line in compiled.loud_warnings():
             print(line, file=sys.stderr, flush=True)
-        report["export"] = export_at_end(built.model, run.run_dir, resolved.bundle, run.say, interrupted is None)
+        report["export"] = export_at_end(built.model, run.run_dir, resolved.bundle, run.say, report)
         atomic_write_text(run.run_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report

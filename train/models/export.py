@@ -94,12 +94,41 @@ def special_tokens(bundle: Any) -> dict[str, Optional[int]]:
             "pad_id": getattr(bundle, "pad_id", None)}
 
 
+def source_files(source: str, inner: nn.Module) -> dict[str, Any]:
+    """What the export keeps of the source model: its chat template, its own ``model_max_length`` (the source
+    tokenizer's, else the config's ``max_position_embeddings``; never the run's ``data.max_len``) and its dtype
+    (``fp32`` | ``bf16`` | ``fp16``: config.json's ``torch_dtype`` / ``dtype``; fp32 for a random init)."""
+    import json
+
+    from train.data.chat import TEMPLATE_FILES
+    from train.models.external import source_kind
+
+    d = Path(source[3:]).expanduser() if source.startswith("hf:") and source_kind(source) == "hf-dir" else None
+
+    def read(name: str) -> dict:
+        try:
+            return json.loads((d / name).read_text(encoding="utf-8")) if d is not None else {}
+        except (OSError, ValueError):
+            return {}
+
+    tc, config = read("tokenizer_config.json"), read("config.json")
+    template = (d / TEMPLATE_FILES[0]).read_text(encoding="utf-8") if d is not None and \
+        (d / TEMPLATE_FILES[0]).is_file() else tc.get("chat_template")
+    positions = getattr(getattr(inner, "config", None), "max_position_embeddings", None)
+    own = tc.get("model_max_length")
+    max_length = int(own) if isinstance(own, (int, float)) and own < 10**9 else positions
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
+        str(config.get("torch_dtype") or config.get("dtype") or "float32"), "fp32")
+    return {"chat_template": template, "model_max_length": max_length, "dtype": dtype}
+
+
 def save_tokenizer(tokenizer_json: Path, out: Path, ids: dict[str, Optional[int]], max_len: int,
-                   causal: bool = False) -> None:
+                   causal: bool = False, chat_template: Optional[str] = None) -> None:
     """``tokenizer_json`` (the run's tokenizers file) as a transformers fast tokenizer in ``out``, with its roles:
     bos / eos / pad from ``ids`` (a causal LM's; pad = EOS where the tokenizer has no pad token), and the
-    WordPiece specials where the vocabulary has them; ``model_max_length`` = ``max_len``; a decoder's pads on the
-    left (``generate`` continues each row from its last token)."""
+    WordPiece specials where the vocabulary has them; ``model_max_length`` = ``max_len`` (the model's own); the
+    source's ``chat_template``; a decoder's pads on the left (``generate`` continues each row from its last
+    token)."""
     from tokenizers import Tokenizer
 
     from train.models.hf import import_transformers
@@ -114,6 +143,8 @@ def save_tokenizer(tokenizer_json: Path, out: Path, ids: dict[str, Optional[int]
             roles[f"{role}_token"] = backend.id_to_token(int(i))
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=max_len,
                                       padding_side="left" if causal else "right", **roles)
+    if chat_template:
+        fast.chat_template = chat_template
     fast.save_pretrained(str(out))
 
 
@@ -134,11 +165,14 @@ def _save_plain(inner: nn.Module, out: Path, ids: dict[str, Optional[int]], caus
 
 
 def export_model(wrapper: nn.Module, out: Path, tokenizer_json: Optional[Path], ids: dict[str, Optional[int]],
-                 merged: bool = False) -> dict[str, Any]:
+                 merged: bool = False, dtype: Optional[str] = None, report: Optional[dict] = None) -> dict[str, Any]:
     """Write ``wrapper``'s transformers model (an :class:`~train.models.wrap.ExternalClassifier` or
-    :class:`~train.models.causal.ExternalCausalLM` of a ``hf:`` source, fp32 weights) to ``out`` (module docstring).
-    The live model is not changed: an adapter is unloaded or merged on a copy. Returns report.json's ``export``
-    block: ``path``, ``format`` (``transformers``, ``peft-adapter`` or ``merged``), ``files``, ``base``.
+    :class:`~train.models.causal.ExternalCausalLM` of a ``hf:`` source) to ``out`` (module docstring) in ``dtype``
+    (``fp32`` | ``bf16`` | ``fp16``; None: the base's own, :func:`source_files`; an adapter's own weights stay fp32),
+    with the source's chat template and ``model_max_length`` and a model card (``README.md``,
+    train/models/model_card.py, from ``report``). The live model is not changed: an adapter is unloaded or merged
+    on a copy, a cast is made on a copy. Returns report.json's ``export`` block: ``path``, ``format``
+    (``transformers``, ``peft-adapter`` or ``merged``), ``files``, ``base`` (as the run gave it), ``dtype``.
 
     Raises:
         UserError: the model does not come from transformers (``python:`` or the built-in encoder).
@@ -150,27 +184,44 @@ def export_model(wrapper: nn.Module, out: Path, tokenizer_json: Optional[Path], 
     causal = getattr(wrapper.spec, "task", "classification") == "causal-lm"
     peft_model = getattr(wrapper, "peft_model", None)
     base: Optional[str] = None
+    keep = source_files(wrapper.spec.source, inner)
+    dtype = dtype or keep["dtype"]
     with atomic_dir(out) as tmp:
         if peft_model is None:
             fmt = "transformers"
-            _save_plain(inner, tmp, ids, causal)
+            _save_plain(_cast(inner, dtype), tmp, ids, causal)
         elif merged:
             fmt = "merged"
-            _save_plain(_fp32_copy(peft_model).merge_and_unload(), tmp, ids, causal)
+            _save_plain(_cast(_fp32_copy(peft_model).merge_and_unload(), dtype), tmp, ids, causal)
         else:
             fmt = "peft-adapter"
-            base = _base_path(wrapper.spec.source)
+            # the base as the run gave it (a relative path or a hub id), never this machine's absolute path
+            base = wrapper.spec.source[3:] if _base_path(wrapper.spec.source) else None
             if base is None:  # a random-init base exists nowhere else: it travels with the adapter
-                base = str(out.absolute() / "base")
-                _save_plain(_fp32_copy(peft_model).unload(), tmp / "base", ids, causal)
+                base = str(out / "base")
+                _save_plain(_cast(_fp32_copy(peft_model).unload(), dtype), tmp / "base", ids, causal)
             peft_model.peft_config["default"].base_model_name_or_path = base
             with warnings.catch_warnings():  # peft looks for the base's config at ``base``, written by the rename
                 warnings.simplefilter("ignore")
                 peft_model.save_pretrained(str(tmp))
         if tokenizer_json is not None and Path(tokenizer_json).is_file():
-            save_tokenizer(Path(tokenizer_json), tmp, ids, int(wrapper.spec.max_len), causal)
+            save_tokenizer(Path(tokenizer_json), tmp, ids, int(keep["model_max_length"] or wrapper.spec.max_len),
+                           causal, keep["chat_template"])
+        from train.models.model_card import card_text
+
+        (tmp / "README.md").write_text(card_text(wrapper.spec.source, fmt, dtype, report), encoding="utf-8")
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and p.name != MARKER)
-    return {"path": str(out), "format": fmt, "files": files, "base": base}
+    return {"path": str(out), "format": fmt, "files": files, "base": base, "dtype": dtype}
+
+
+def _cast(model: nn.Module, dtype: str) -> nn.Module:
+    """``model`` itself in fp32, else a copy in ``dtype`` (the live model keeps its fp32 weights)."""
+    import torch
+
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    if all(p.dtype == want for p in model.parameters()):
+        return model
+    return copy.deepcopy(model).to(want)
 
 
 def _fp32_copy(peft_model: nn.Module) -> nn.Module:

@@ -154,6 +154,8 @@ def _quality(r: ReportInputs) -> dict[str, Any]:
             "test_majority_class_accuracy": None, "eval_macro_f1": None, "test_macro_f1": None})
     before = next((e for e in r.stats.evals if e.get("step") == 0), None)  # train.eval_before: the base's figures
     quality.update({f"eval_{k}_before": (before or {}).get(k) for k in ("loss", "accuracy", "perplexity")})
+    if cfg.model.task == "causal-lm":
+        quality["answers"] = r.stats.answers or None  # fixed prompts before / after (train/generate/answers.py)
     train_samples = len(r.bundle.splits["train"])
     for name, split, result in (("eval", "validation", final_eval), ("test", "test", test_eval)):
         if result and result.get("accuracy") is None:

@@ -24,8 +24,11 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                    f"{f(q['test_majority_class_accuracy'], '.4f')}), test macro-F1 {f(q['test_macro_f1'], '.4f')}, "
                    f"eval accuracy {f(q['eval_accuracy'], '.4f')}")
         tokens = f"{f(p['throughput_tokens_per_s'], '.0f')} tokens/s"
+    if q.get("eval_loss_before") is not None:  # train.eval_before: what the run improved on
+        quality += f"; held-out loss {f(q['eval_loss_before'], '.4f')} before training → {f(q['eval_loss'], '.4f')}"
     return [
         quality,
+        *_answer_lines(q.get("answers")),
         f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, {tokens}; "
         f"step p50 {f(p['step_time_ms']['p50'], '.1f')} ms, p99 {f(p['step_time_ms']['p99'], '.1f')} ms; "
         f"first step after {f(p['time_to_first_step_s'], '.1f')} s; "
@@ -36,6 +39,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         *_compile_line(report.get("compile")),
         f"report: {os.path.join(report['run_dir'], 'report.json')}",
     ]
+
+
+def _answer_lines(answers: Optional[dict]) -> list[str]:
+    """A causal LM's fixed prompts, the answer before → after (train/generate/answers.py), one line each."""
+    before, after = ((answers or {}).get(k) or {} for k in ("before", "after"))
+    pairs = zip(before.get("answers") or [], after.get("answers") or [])
+    return [f"answer {i}: {b['answer'].strip()[:60]!r} → {a['answer'].strip()[:60]!r} (reference "
+            f"{a['reference'].strip()[:40]!r})" for i, (b, a) in enumerate(pairs, 1)]
 
 
 def _compile_line(c: Optional[dict]) -> list[str]:
