@@ -22,6 +22,16 @@ def base_title(source: str) -> str:
     return str(meta.get("title") or (source[3:] if source.startswith("hf:") else source))
 
 
+def base_note(source: str) -> str:
+    """``; <note>`` of a model installed by ``make models`` (e.g. that SmolLM2 is the dequantized Q4_1 file)."""
+    d = Path(source[3:]).expanduser() if source.startswith("hf:") else None
+    try:
+        note = json.loads((d / "deep-model-perf.json").read_text(encoding="utf-8")).get("note") if d else None
+    except (OSError, ValueError):
+        note = None
+    return f"; {note}" if note else ""
+
+
 def _num(value: Any, fmt: str = ".4f") -> str:
     return "n/a" if value is None else format(value, fmt)
 
@@ -39,7 +49,7 @@ def card_text(source: str, fmt: str, dtype: str, report: Optional[dict]) -> str:
     measure = "loss per target token" if causal else "loss per sample"
     after = q.get("eval_loss")
     rows = [
-        ("base model", f"`{base}` (model.source `{source}`)"),
+        ("base model", f"`{base}` (model.source `{source}`{base_note(source)})"),
         ("format", f"{fmt}, {dtype} weights"),
         ("data", f"{data.get('source', 'n/a')}: {data.get('train_samples', 'n/a')} training samples"),
         ("trained", f"{perf.get('steps', 'n/a')} optimizer steps, {perf.get('train_samples_seen', 'n/a')} samples"),
@@ -51,6 +61,7 @@ def card_text(source: str, fmt: str, dtype: str, report: Optional[dict]) -> str:
     ]
     run_dir = report.get("run_dir") or "runs/<id>"
     lines = [*head, f"# {base}, fine-tuned ({report.get('run_id', '')})", "",
-             f"Fine-tuned from {base} with deep-model-perf; every figure is from the run's report.json.", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), "",
+             f"Fine-tuned from {base} with deep-model-perf; every figure is from the run's report.json.", "",
+             "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), "",
              "Reproduce:", "", "```sh", f"python -m train train --config {run_dir}/config.yaml", "```", ""]
     return "\n".join(lines)
