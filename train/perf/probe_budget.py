@@ -22,11 +22,12 @@ from train.perf.timer import Timed
 
 class ProbeBudget:
     """The probes' allowance for one run: ``fraction`` × ``total_steps`` × one step's seconds (None: unlimited;
-    ``total_steps`` None: an epoch-bound run, unlimited too). ``say``: where the progress lines go."""
+    ``total_steps`` None: an epoch-bound run, unlimited too). ``say``: where the progress lines go; ``clock``: the
+    step timer's clock (seconds)."""
 
     def __init__(self, fraction: Optional[float], total_steps: Optional[int], device: torch.device,
-                 say: Callable[..., None] = print) -> None:
-        self.fraction, self.total_steps, self.device, self.say = fraction, total_steps, device, say
+                 say: Callable[..., None] = print, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.fraction, self.total_steps, self.device, self.say, self.clock = fraction, total_steps, device, say, clock
         self.step_s: Optional[float] = None
         self.planned_s = 0.0
         self.started = time.perf_counter()
@@ -47,7 +48,7 @@ class ProbeBudget:
         clause for the decision's reason). The first check of a limited budget times ``step(batch)`` (twice)."""
         if self.limited and self.step_s is None:  # the second of two steps: the first pays one-time set-up
             for _ in range(2):
-                with Timed(self.device) as t:
+                with Timed(self.device, self.clock) as t:
                     step(batch)
             self.step_s = t.ms / 1e3
         cost = None if self.step_s is None else steps * self.step_s
