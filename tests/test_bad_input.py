@@ -258,6 +258,12 @@ def hf_model_dir_missing(wndb, tmp):
     return [f"model.source=hf:{tmp / 'no-such-model'}"], ["no such directory", "never downloaded"]
 
 
+def hf_hub_id_offline(wndb, tmp):
+    pytest.importorskip("transformers")
+    return ["model.source=hf:HuggingFaceTB/SmolLM2-135M-Instruct"], ["no such directory", "looks like a hub id",
+                                                                      "make models"]
+
+
 def hf_config_without_classification_head(wndb, tmp):
     d = _hf_dir(tmp, model_type="vit", architectures=["ViTModel"])
     return [f"model.source=hf:{d}"], ["architecture 'vit' has no sequence-classification head"]
@@ -325,7 +331,8 @@ CASES: list[Case] = [missing_data, empty_data, malformed_jsonl, malformed_csv_ro
                      batch_larger_than_token_budget, unwritable_run_dir, disk_full_on_checkpoint_write,
                      sparse_integer_labels, one_sample_dataset, config_yaml_in_latin1, bucket_json_with_string_bounds,
                      bucket_json_with_float_bounds, run_id_that_exists, disk_full_reported_as_runtime_error,
-                     hf_model_dir_missing, hf_config_without_classification_head, hf_num_labels_mismatch,
+                     hf_model_dir_missing, hf_hub_id_offline, hf_config_without_classification_head,
+                     hf_num_labels_mismatch,
                      hf_weights_that_do_not_match_the_config, python_model_that_does_not_import,
                      python_model_whose_forward_does_not_fit, data_source_is_a_directory, csv_float_labels,
                      run_id_outside_the_output_dir, packed_model_that_cannot_pack, resume_an_hf_model_as_builtin,

