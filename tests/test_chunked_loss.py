@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from train.config import load_config
 from train.errors import UserError
 from train.models.causal_probe import probe_causal_packing, probe_loss_head
+from train.perf.probe_budget import ProbeBudget
 from train.tasks import task_for
 from train.tasks.base import LossHead
 from train.tasks.chunked_loss import (
@@ -223,3 +224,30 @@ def test_step_flops_count_attention_and_the_head_whatever_the_kernel_and_the_los
     layers, dims = _tiny(kind, "eager").attention_dims
     assert (layers, dims) == (2, 64)
     assert counts["eager", False] > 2 * 12 * 16 * 16 * dims * layers  # attention and more
+
+
+def five_second_steps():
+    """A clock under which every timed step takes 5 s (a 135M model on 2 cores)."""
+    import itertools
+
+    ticks = itertools.count()
+    return lambda: next(ticks) * 5.0
+
+
+def test_the_chunked_loss_decision_takes_the_rule_when_the_budget_says_no() -> None:
+    import contextlib
+
+    model = _tiny("llama", ATTENTION[0])
+    measure = _measure(9.0)  # would be kept chunked if it were measured
+
+    def decide(total_steps: int) -> dict:
+        budget = ProbeBudget(0.1, total_steps, torch.device("cpu"), lambda *a, **k: None, clock=five_second_steps())
+        return decide_chunked_loss("auto", "causal-lm", model, "fp32", torch.device("cpu"),
+                                   batch=lambda: _packed_batch(_samples()),
+                                   probe=lambda: contextlib.nullcontext(lambda b: None), measure=measure, budget=budget)
+
+    out = decide(30)  # 30 steps of 5 s: 15 s for the probes, 12 steps (60 s) asked
+    assert (out["applied"], out["source"], measure.calls) == (False, "rule", [])
+    assert "not measured" in out["reason"] and out["reason"].endswith("as transformers computes them)")
+    roomy = decide(10_000)
+    assert roomy["source"] == "measured" and roomy["applied"] and len(measure.calls) == 1

@@ -3,15 +3,12 @@ duration is forced through the clock (no test asserts what depends on the machin
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
 import torch
 
-from tests.test_chunked_loss import ATTENTION, _measure, _packed_batch, _samples, _tiny
 from train.perf.probe_budget import ProbeBudget
-from train.tasks.chunked_loss import decide_chunked_loss
 
 CPU = torch.device("cpu")
 
@@ -43,17 +40,3 @@ def test_no_budget_for_an_epoch_bound_run_or_a_null_fraction() -> None:
     for b in (budget(0.1, None), budget(None, 30)):
         assert b.check("model.chunked_loss", 12, ran.append, {}) is None
     assert ran == []  # nothing timed where there is no limit
-
-
-def test_the_chunked_loss_decision_takes_the_rule_when_the_budget_says_no() -> None:
-    model = _tiny("llama", ATTENTION[0])
-    measure = _measure(9.0)  # would be kept chunked if it were measured
-    out = decide_chunked_loss("auto", "causal-lm", model, "fp32", CPU, batch=lambda: _packed_batch(_samples()),
-                              probe=lambda: contextlib.nullcontext(lambda b: None), measure=measure,
-                              budget=budget(0.1, 30))
-    assert (out["applied"], out["source"], measure.calls) == (False, "rule", [])
-    assert "not measured" in out["reason"] and out["reason"].endswith("as transformers computes them)")
-    roomy = decide_chunked_loss("auto", "causal-lm", model, "fp32", CPU, batch=lambda: _packed_batch(_samples()),
-                                probe=lambda: contextlib.nullcontext(lambda b: None), measure=measure,
-                                budget=budget(0.1, 10_000))
-    assert roomy["source"] == "measured" and roomy["applied"] and len(measure.calls) == 1

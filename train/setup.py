@@ -151,7 +151,7 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
               splits: tuple[str, ...] = ("train",), model: Optional[torch.nn.Module] = None,
               hf_config: Optional[str] = None, ctx: Any = None, compile: bool = False,
               logger: Optional[Callable[[torch.nn.Module], Any]] = None,
-              before_wrap: Optional[Callable[[torch.nn.Module, Any], None]] = None) -> BuiltRun:
+              before_wrap: Optional[Callable[[torch.nn.Module, Any], None]] = None, budget: Any = None) -> BuiltRun:
     """The one set-up of a run from a resolved config and its prepared data — what ``make train``, warm-up and every
     benchmark row build, in this order: the model (seeded with ``train.seed``, unless ``model`` is given;
     ``model.fast_dropout=true``: its dropout modules swapped; ``memory.checkpoint_blocks``: its blocks checkpointed,
@@ -182,8 +182,8 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
 
         set_fast_dropout(model, True)
     checkpoint_blocks_for(cfg, model)  # before the compile session and the DDP / FSDP2 wrap
-    attention = packed_attention_for(cfg, model, policy, bundle, device, compile)
-    chunked_loss_for(cfg, model, policy, bundle, device)
+    attention = packed_attention_for(cfg, model, policy, bundle, device, compile, budget)
+    chunked_loss_for(cfg, model, policy, bundle, device, budget)
     loaders = {s: make_loader(bundle, s, cfg, train=s == "train", device=device, world_size=ctx.world_size,
                               rank=ctx.rank) for s in splits}
     compiled = None
@@ -232,6 +232,18 @@ def chunked_loss_decision(cfg: RunConfig, model: torch.nn.Module, policy: Precis
                                probe=lambda: probe_steps(cfg, model, policy, device), budget=budget)
 
 
+def projected_steps(cfg: RunConfig, bundle: Any, device: torch.device) -> int:
+    """The optimizer steps a run will take: ``train.max_steps``, else ``train.epochs`` × the training loader's batches
+    (a loader of its own, as :func:`first_train_batch`): what ``train.probe_budget`` is a share of."""
+    import math
+
+    from train.data import make_loader
+
+    if cfg.train.max_steps is not None:
+        return int(cfg.train.max_steps)
+    return max(1, math.ceil(cfg.train.epochs * len(make_loader(bundle, "train", cfg, train=True, device=device))))
+
+
 def first_train_batch(cfg: RunConfig, bundle: Any, device: torch.device) -> dict:
     """The first batch of a training loader of its own (the run's loaders are built later, from the resolved
     config): what the ``auto`` probes that time one real batch measure on."""
@@ -241,7 +253,7 @@ def first_train_batch(cfg: RunConfig, bundle: Any, device: torch.device) -> dict
 
 
 def packed_attention_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
-                         device: torch.device, compiled: bool) -> Any:
+                         device: torch.device, compiled: bool, budget: Any = None) -> Any:
     """Put packed rows on ``cfg.model.packed_attention``'s path where nothing has: a bench row or optimize arm that
     switches packing on keeps the user's ``auto``, decided here as the resolve phase decides it
     (:func:`attention_choice`, cached); an explicit path is checked and applied. The ``AttentionChoice``, or None
@@ -251,20 +263,20 @@ def packed_attention_for(cfg: RunConfig, model: torch.nn.Module, policy: Precisi
     if cfg.batching.method != "packed" or not hasattr(model, "set_packed_attention") \
             or cfg.model.packed_attention == getattr(model, "packed_attention", None):
         return None
-    choice = attention_choice(cfg, model, policy, bundle, device, compiled)
+    choice = attention_choice(cfg, model, policy, bundle, device, compiled, budget)
     apply_attention(model, choice, device)
     return choice
 
 
 def chunked_loss_for(cfg: RunConfig, model: torch.nn.Module, policy: PrecisionPolicy, bundle: Any,
-                     device: torch.device) -> Optional[dict]:
+                     device: torch.device, budget: Any = None) -> Optional[dict]:
     """Set a causal LM's ``model.chunked_loss`` where nothing has (a bench row, an optimize arm or a bench-vs-hf side
     that asks for it) as the resolve phase decides it (:func:`chunked_loss_decision`). Its result, or None (model
     untouched): not a causal LM, or already as asked."""
     if cfg.model.task != "causal-lm" or not hasattr(model, "set_chunked_loss") \
             or cfg.model.chunked_loss == ("true" if model.chunked_loss else "false"):
         return None
-    decision = chunked_loss_decision(cfg, model, policy, bundle, device)
+    decision = chunked_loss_decision(cfg, model, policy, bundle, device, budget)
     model.set_chunked_loss(decision["applied"])
     return decision
 

@@ -21,9 +21,9 @@ from train.perf.timer import Timed
 
 
 class ProbeBudget:
-    """The probes' allowance for one run: ``fraction`` × ``total_steps`` × one step's seconds (None: unlimited;
-    ``total_steps`` None: an epoch-bound run, unlimited too). ``say``: where the progress lines go; ``clock``: the
-    step timer's clock (seconds)."""
+    """The probes' allowance for one run: ``fraction`` × ``total_steps`` (train/setup.py ``projected_steps``) × one
+    step's seconds (``fraction`` or ``total_steps`` None: unlimited). ``say``: where the progress lines go;
+    ``clock``: the step timer's clock (seconds)."""
 
     def __init__(self, fraction: Optional[float], total_steps: Optional[int], device: torch.device,
                  say: Callable[..., None] = print, clock: Callable[[], float] = time.perf_counter) -> None:

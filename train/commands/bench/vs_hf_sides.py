@@ -154,8 +154,12 @@ def figures(t0: float, ends: list[float], counts: list[tuple[int, int]]) -> dict
 
 def our_run(cfg: RunConfig, bundle, device, policy) -> tuple[dict[str, Any], torch.nn.Module]:
     """One run of this project's trainer (the config as given: the optimized settings), built by the one set-up."""
-    t0 = time.perf_counter()
-    run = build_run(cfg, bundle, device, policy)
+    from train.perf.probe_budget import ProbeBudget
+    from train.setup import projected_steps
+
+    t0 = time.perf_counter()  # a user's run: its auto probes within train.probe_budget, as make train's
+    budget = ProbeBudget(cfg.train.probe_budget, projected_steps(cfg, bundle, device), device, lambda *a, **k: None)
+    run = build_run(cfg, bundle, device, policy, budget=budget)
     ends = StepEnds()
     run.trainer.add_callback(ends)
     stats = run.trainer.fit()
