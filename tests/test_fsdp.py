@@ -79,7 +79,10 @@ def test_two_sharded_ranks_equal_one_unsharded_process(tmp_path: Path, packed: b
     for name, grad in grads.items():  # the mean over ranks, clipped by the full norm
         torch.testing.assert_close(got["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
     for name, param in ref.model.named_parameters():
-        torch.testing.assert_close(got["params"][name], param.detach(), atol=1e-5, rtol=0, msg=name)
+        # AdamW divides by sqrt(v): where a gradient is near zero, a last-bit difference of the sharded reduction
+        # moves a weight by a visible fraction of lr (1.2e-5 seen on an AVX2-only CPU, one element of 2048)
+        torch.testing.assert_close(got["params"][name], param.detach(), atol=5e-5, rtol=0,
+                                   msg=lambda m, n=name: f"{n}: {m}")
     everything = [half_batch(h, st, packed) for shard in EVAL_SHARDS for h, st in shard]
     single = evaluate(ref.model, everything, ref.policy, VOCAB, torch.device("cpu"))
     assert got["eval"]["loss"] == pytest.approx(single["loss"], abs=1e-4) and single["loss"] is not None
