@@ -150,7 +150,7 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
     # compile.enabled=auto stays auto: a rule of the device kind and the batching, no measurement, so the same machine
     # decides the same; written as its outcome, the report's reason would say "compile.enabled=false" instead of why
     compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
-    budget = ProbeBudget(cfg.train.probe_budget, projected_steps(cfg, bundle, device), device, say)
+    budget = ProbeBudget(cfg.train.probe_budget, projected_steps(cfg, bundle, device), say)
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known
         attention = decided(lambda: attention_choice(cfg, model, policy, bundle, device, compile_enabled, budget))

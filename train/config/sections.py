@@ -279,9 +279,9 @@ class TrainConfig(Frozen):
     """Evaluate on the validation split before the first step (report.json ``quality.eval_loss_before``, …): true,
     false, or null (auto): yes where the model starts from pretrained weights (``hf:<dir>`` with a weights file)."""
     probe_budget: Optional[float] = allowed(0.1, gt=0, le=1)
-    """The share of the run's projected training time (``max_steps`` × one step, timed once) that the ``auto``
-    probes (attention path, chunked loss) may spend measuring; a probe past it is not run and its decision takes the
-    rule's default, said in the decisions block. null: no limit (so does an epoch-bound run)."""
+    """The share of the run's projected training steps (``max_steps``, or ``epochs`` × the loader's batches) that the
+    ``auto`` probes (attention path, chunked loss) may spend as probe steps; a probe past it is not run and its
+    decision takes the rule's default, said in the decisions block. null: no limit."""
     seed: int = allowed(0, ge=0, le=2**32 - 1)
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N``."""

@@ -226,12 +226,12 @@ def choose_packed_attention(model: torch.nn.Module, policy: PrecisionPolicy, cfg
         return AttentionChoice(cached["path"], requested, cached["reason"], "cached",
                                compiled and cached["path"] == "flex", cached["measurement"], path)
     load = machine_load()
-    with probe() as step:
-        skip = budget.check("model.packed_attention", (len(runnable) + 1) * (1 + PROBE_REPEATS), step, batch) \
-            if budget is not None else None
-        m = None if skip else (measure or measure_paths)(model, step, batch, device, fns, runnable)
-    if skip or m is None:
+    skip = budget.check("model.packed_attention", (len(runnable) + 1) * (1 + PROBE_REPEATS)) \
+        if budget is not None else None
+    if skip:
         return AttentionChoice("sdpa-mask", requested, f"auto: {skip}: sdpa-mask", "rule")
+    with probe() as step:
+        m = (measure or measure_paths)(model, step, batch, device, fns, runnable)
     speedup = {a: m["sdpa-mask"] / m[a] for a in runnable}
     best = max(runnable, key=speedup.__getitem__)
     chosen = best if speedup[best] >= ALT_MARGIN else "sdpa-mask"

@@ -56,12 +56,18 @@ def model_dir_tokenizer(source: str, cache_dir: Optional[str] = None) -> Optiona
     embeddings keep their token ids. A directory without tokenizer files gives None.
 
     Raises:
-        UserError: the directory has tokenizer files that cannot be converted to a fast tokenizer (unknown class,
-            no fast version, no vocabulary beyond the special tokens).
+        UserError: no such directory (with how to get one, for a hub id); the directory has tokenizer files that
+            cannot be converted to a fast tokenizer (unknown class, no fast version, no vocabulary beyond the special
+            tokens).
     """
     if not source.startswith("hf:") or source_kind(source) != "hf-dir":
         return None
     d = Path(source[3:]).expanduser()
+    if not d.exists():  # said here, while the config is read: before data preparation needs the tokenizer
+        from train.models.hf import hub_hint
+
+        raise UserError(f"model.source={source}: no such directory {d} (a Hugging Face model directory with "
+                        f"config.json; models are never downloaded at run time){hub_hint(source[3:])}")
     tok = d / "tokenizer.json"
     if tok.is_file():
         return str(tok)

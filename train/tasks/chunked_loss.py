@@ -193,11 +193,11 @@ def decide_chunked_loss(requested: str, task: str, model: torch.nn.Module, preci
     if cached is not None:
         return out(cached["applied"], cached["reason"], "cached", cached["measurement"])
     load = machine_load()
-    with probe() as step:
-        skip = budget.check("model.chunked_loss", 2 * (1 + PROBE_ROUNDS), step, sample) if budget is not None else None
-        m = None if skip else (measure or measure_step_paths)(model, step, sample, device)
-    if skip or m is None:
+    skip = budget.check("model.chunked_loss", 2 * (1 + PROBE_ROUNDS)) if budget is not None else None
+    if skip:
         return out(False, f"auto: {skip}: unchunked (the logits whole, as transformers computes them)", "rule")
+    with probe() as step:
+        m = (measure or measure_step_paths)(model, step, sample, device)
     low, high = m["speedup_interval"]
     slower = high is not None and high < 1.0
     applied = not slower and m["chunked"] <= CHUNKED_MARGIN * m["unchunked"]

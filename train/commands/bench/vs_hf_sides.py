@@ -158,7 +158,7 @@ def our_run(cfg: RunConfig, bundle, device, policy) -> tuple[dict[str, Any], tor
     from train.setup import projected_steps
 
     t0 = time.perf_counter()  # a user's run: its auto probes within train.probe_budget, as make train's
-    budget = ProbeBudget(cfg.train.probe_budget, projected_steps(cfg, bundle, device), device, lambda *a, **k: None)
+    budget = ProbeBudget(cfg.train.probe_budget, projected_steps(cfg, bundle, device), lambda *a, **k: None)
     run = build_run(cfg, bundle, device, policy, budget=budget)
     ends = StepEnds()
     run.trainer.add_callback(ends)
