@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tests.conftest import WORDS, assert_clean_error, run_cli, write_jsonl
 from tests.conftest import causal_cfg as cfg_for
+from train.compat import hf_attn_implementation
 from train.data.causal_collate import IGNORE_INDEX
 from train.errors import UserError
 
@@ -125,7 +126,8 @@ def pretrained_chat_llama(d: Path) -> Path:
                                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
                                       eos_token_id=1, pad_token_id=2, tie_word_embeddings=True)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(d)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=hf_attn_implementation())
+    model.save_pretrained(d)
     return d
 
 

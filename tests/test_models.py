@@ -190,7 +190,7 @@ def test_a_headless_bert_model_directory_gets_a_new_head_without_a_refusal(tiny_
                                      num_attention_heads=2, intermediate_size=64, pad_token_id=bundle0.pad_id,
                                      max_position_embeddings=64)
     torch.manual_seed(1)
-    body = transformers.BertModel(config)
+    body = transformers.AutoModel.from_config(config, attn_implementation=hf_attn_implementation())
     body.save_pretrained(d)
     (d / "tokenizer.json").write_text(Path(bundle0.tokenizer_info["path"]).read_text())
     assert json.loads((d / "config.json").read_text())["architectures"] == ["BertModel"]

