@@ -232,13 +232,9 @@ def _fp32_copy(peft_model: nn.Module) -> nn.Module:
 
 def _base_path(source: str) -> Optional[str]:
     """The directory of an ``hf:<dir>`` source that has weights (the adapter's base), else None."""
-    from train.models.external import source_kind
-    from train.models.hf import WEIGHT_FILES
+    from train.models.external import has_pretrained_weights
 
-    if source_kind(source) != "hf-dir":
-        return None
-    d = Path(source[3:]).expanduser()
-    return str(d.absolute()) if any((d / f).is_file() for f in WEIGHT_FILES) else None
+    return str(Path(source[3:]).expanduser().absolute()) if has_pretrained_weights(source) else None
 
 
 def model_from_checkpoint(state: dict[str, Any], where: str) -> nn.Module:

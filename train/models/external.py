@@ -64,10 +64,9 @@ def model_dir_tokenizer(source: str, cache_dir: Optional[str] = None) -> Optiona
         return None
     d = Path(source[3:]).expanduser()
     if not d.exists():  # said here, while the config is read: before data preparation needs the tokenizer
-        from train.models.hf import hub_hint
+        from train.models.hf import missing_dir
 
-        raise UserError(f"model.source={source}: no such directory {d} (a Hugging Face model directory with "
-                        f"config.json; models are never downloaded at run time){hub_hint(source[3:])}")
+        raise missing_dir(source, d)
     tok = d / "tokenizer.json"
     if tok.is_file():
         return str(tok)

@@ -46,6 +46,12 @@ def import_transformers():
     return transformers
 
 
+def missing_dir(src: str, d: Path) -> UserError:
+    """The refusal of a ``model.source=hf:<dir>`` whose directory ``d`` does not exist (with :func:`hub_hint`)."""
+    return UserError(f"model.source={src}: no such directory {d} (a Hugging Face model directory with config.json; "
+                     f"models are never downloaded at run time){hub_hint(src[3:])}")
+
+
 def hub_hint(rest: str) -> str:
     """For a ``model.source=hf:<org>/<name>`` that is not a directory (a hub id): how to get a local copy."""
     if rest.count("/") != 1 or rest.startswith((".", "/", "~")):
@@ -74,8 +80,7 @@ def hf_model_config(cfg, bundle, kind: str, hf_config: Optional[str]):
     if kind == "hf-dir":
         d = Path(src[3:]).expanduser()
         if not d.is_dir():
-            raise UserError(f"model.source={src}: no such directory {d} (a Hugging Face model directory with "
-                            f"config.json; models are never downloaded at run time){hub_hint(src[3:])}")
+            raise missing_dir(src, d)
         if not (d / "config.json").is_file():
             raise UserError(f"model.source={src}: {d / 'config.json'} is missing (save the model with "
                             "save_pretrained, or use hf:<model_type> for a random init)")

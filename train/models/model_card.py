@@ -11,25 +11,21 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-def base_title(source: str) -> str:
-    """What a ``model.source`` was fine-tuned from: a model installed by ``make models`` by its hub name (its
-    ``deep-model-perf.json``), else the source as the user gave it."""
-    d = Path(source[3:]).expanduser() if source.startswith("hf:") else None
+def installed_meta(source: str) -> dict:
+    """The ``deep-model-perf.json`` of a model installed by ``make models`` (title, note, wheel), else {}."""
+    from train.models.pretrained import MARKER
+
+    if not source.startswith("hf:"):
+        return {}
     try:
-        meta = json.loads((d / "deep-model-perf.json").read_text(encoding="utf-8")) if d is not None else {}
+        return json.loads((Path(source[3:]).expanduser() / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        meta = {}
+        return {}
+
+
+def base_title(source: str, meta: dict) -> str:
+    """What ``source`` was fine-tuned from: an installed model by its hub name, else the source as given."""
     return str(meta.get("title") or (source[3:] if source.startswith("hf:") else source))
-
-
-def base_note(source: str) -> str:
-    """``; <note>`` of a model installed by ``make models`` (e.g. that SmolLM2 is the dequantized Q4_1 file)."""
-    d = Path(source[3:]).expanduser() if source.startswith("hf:") else None
-    try:
-        note = json.loads((d / "deep-model-perf.json").read_text(encoding="utf-8")).get("note") if d else None
-    except (OSError, ValueError):
-        note = None
-    return f"; {note}" if note else ""
 
 
 def _num(value: Any, fmt: str = ".4f") -> str:
@@ -39,7 +35,8 @@ def _num(value: Any, fmt: str = ".4f") -> str:
 def card_text(source: str, fmt: str, dtype: str, report: Optional[dict]) -> str:
     """The card's Markdown for a model exported as ``fmt`` (``transformers``, ``peft-adapter``, ``merged``) in
     ``dtype``, fine-tuned from ``source``, by the run whose report.json is ``report`` (None: the card says so)."""
-    base = base_title(source)
+    meta = installed_meta(source)
+    base = base_title(source, meta)
     library = "peft" if fmt == "peft-adapter" else "transformers"
     head = ["---", f"base_model: {base}", f"library_name: {library}", "tags:", "- deep-model-perf", "---", ""]
     if not report:
@@ -49,7 +46,7 @@ def card_text(source: str, fmt: str, dtype: str, report: Optional[dict]) -> str:
     measure = "loss per target token" if causal else "loss per sample"
     after = q.get("eval_loss")
     rows = [
-        ("base model", f"`{base}` (model.source `{source}`{base_note(source)})"),
+        ("base model", f"`{base}` (model.source `{source}`{'; ' + meta['note'] if meta.get('note') else ''})"),
         ("format", f"{fmt}, {dtype} weights"),
         ("data", f"{data.get('source', 'n/a')}: {data.get('train_samples', 'n/a')} training samples"),
         ("trained", f"{perf.get('steps', 'n/a')} optimizer steps, {perf.get('train_samples_seen', 'n/a')} samples"),
