@@ -30,11 +30,37 @@ def test_wrong_type_and_invalid_value() -> None:
         load_config(None, ["max_steps"])
 
 
-def test_config_files_in_repo_load_and_roundtrip(tmp_path: Path) -> None:
-    for path in Path("configs").glob("*.yaml"):
-        cfg = load_config(str(path))
+def test_config_files_in_repo_load_and_roundtrip(tmp_path: Path, monkeypatch) -> None:
+    """Every shipped config loads and round-trips, on a fresh clone too: the configs of the real models
+    (``model.source=hf:.cache/.../models/<name>``) are read from a copy of the repository's configs in a directory
+    where a stand-in of each model directory (its tokenizer.json) exists, so the test needs no ``make models``."""
+    import shutil
+
+    configs = sorted(Path("configs").resolve().glob("*.yaml"))
+    monkeypatch.chdir(tmp_path)
+    from train.models.pretrained import MODELS
+    for name in MODELS:
+        d = Path(".cache/deep-model-perf/models") / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        (d / "tokenizer.json").write_text("{}")
+    assert configs
+    real = 0
+    for path in configs:
+        local = tmp_path / path.name
+        shutil.copy(path, local)
+        cfg = load_config(str(local))
+        real += cfg.model.source.startswith("hf:.cache/deep-model-perf/models/")
         (tmp_path / "c.yaml").write_text(dump_config(cfg))
         assert load_config(str(tmp_path / "c.yaml")) == cfg
+    assert real >= 3  # the SmolLM2 and MiniLM configs were read, not skipped
+
+
+def test_a_shipped_real_model_config_on_a_fresh_clone_says_make_models(tmp_path: Path, monkeypatch) -> None:
+    cfg = Path("configs/smollm2-lora-cpu.yaml").resolve()
+    monkeypatch.chdir(tmp_path)  # no .cache/deep-model-perf/models here
+    with pytest.raises(UserError, match=r"no such directory .*smollm2-135m-instruct: run `make models` first"):
+        load_config(str(cfg))
 
 
 def test_yaml_errors_name_the_file_and_line(tmp_path: Path) -> None:

