@@ -122,7 +122,7 @@ run_step() {
 
 M=(-m train)
 # bench rows: naive, hf-style, optimized, and the packed / bring-your-own-model rows where this checkout has them
-BENCH_CONFIGS=${BENCH_CONFIGS:-$("$PYTHON" -c "from train.commands.bench.training import CONFIGS as C
+BENCH_CONFIGS=${BENCH_CONFIGS:-$("$PYTHON" -c "from train.bench.rows import CONFIGS as C
 print(','.join(['naive', 'hf-style', 'optimized'] + [n for n in C if 'packed' in n or n.startswith('byo')]))" 2>/dev/null \
   || echo naive,hf-style,optimized)}
 run_step verify-gpu 15 "$PYTHON" -m train.tools.verify_gpu --json "$WORK/verify_gpu.json"

@@ -203,8 +203,8 @@ def metrics(run_dir: Path) -> list[dict]:
 def resume_from_first_checkpoint(cfg, run_dir: Path) -> tuple[dict, Path]:
     """Train ``cfg`` (which writes periodic checkpoints into ``run_dir``), remove its final checkpoint and report,
     and resume it from its first periodic checkpoint: (the resumed run's report, that checkpoint)."""
-    from train.commands.train import run_training
     from train.resume import list_checkpoints
+    from train.run.training import run_training
 
     run_training(cfg, time.perf_counter())
     first = list_checkpoints(run_dir)[0]
@@ -293,9 +293,9 @@ def ddp_worker(rank: int, world: int, port: int, overrides: list[str], out_dir: 
     """
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                        "RANK": str(rank), "LOCAL_RANK": str(rank)})
-    from train.commands.train import run_training
     from train.config import load_config
     from train.data.collate import TokenDataset
+    from train.run.training import run_training
 
     seen: list[tuple[int, int]] = []
     original = TokenDataset.__getitem__
@@ -536,8 +536,8 @@ def run_worker(rank: int, world: int, port: int, overrides: list[str], resume: s
 
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                        "RANK": str(rank), "LOCAL_RANK": str(rank)})
-    from train.commands.train import run_training
     from train.config import load_config
+    from train.run.training import run_training
 
     run_training(load_config(None, overrides), time.perf_counter(), resume=resume)
 

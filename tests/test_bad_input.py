@@ -402,7 +402,7 @@ def test_packed_samples_longer_than_pack_len_are_truncated_counted_and_said(tiny
     """Issue 15: a sample longer than ``batching.pack_len`` is cut to it and counted, never silently dropped."""
     import time
 
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     report = run_training(tiny_cfg("batching.method=packed", "batching.pack_len=8", "train.max_steps=4"),
                           time.perf_counter())

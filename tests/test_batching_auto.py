@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from train.commands.train import run_training
 from train.data import batching_auto, prepare_data
 from train.data.batching_auto import apply_batching, choose_batching, measure_layouts
 from train.precision import PrecisionPolicy
+from train.run.training import run_training
 from train.setup import build_model, probe_steps
 
 

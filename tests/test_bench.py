@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from train.commands.bench import run_bench_suite
-from train.commands.bench.training import CONFIGS
+from train.bench.rows import CONFIGS
+from train.bench.suite import run_bench_suite
 
 ROW_KEYS = {"name", "samples_per_s", "tokens_per_s", "time_to_first_step_s", "step_time_ms", "peak_memory_bytes",
             "energy_j_per_sample", "mfu", "mfu_vs_measured_peak", "samples_per_s_vs_naive", "samples_per_s_vs_hf-style"}
@@ -39,7 +39,7 @@ def test_tiny_bench_writes_every_key(tiny_cfg) -> None:
 def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
     import time
 
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     report = run_training(tiny_cfg("train.max_steps=40", "train.run_id=ck"), time.perf_counter())
     cfg = tiny_cfg("train.run_id=benchck", "bench.configs=naive", "bench.warmup_steps=1", "bench.rounds=1",
@@ -53,7 +53,7 @@ def test_inference_from_a_trained_checkpoint(tiny_cfg) -> None:
 def test_open_loop_load_counts_queueing_and_batches_dynamically() -> None:
     import time as _time
 
-    from train.commands.bench.inference import open_loop
+    from train.bench.inference import open_loop
 
     calls: list[int] = []
 
@@ -88,7 +88,7 @@ def _inference_setup(tiny_cfg):
 def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
     import torch
 
-    from train.commands.bench.inference import Classifier
+    from train.bench.inference import Classifier
 
     cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
     clf = Classifier(model, tok, bundle, bundle.corpus.label_names, policy, torch.device("cpu"), cfg.data.max_len,
@@ -108,7 +108,7 @@ def test_batched_inference_groups_requests_by_bucket(tiny_cfg) -> None:
 def test_packed_inference_is_one_forward_per_call_with_the_same_answers(tiny_cfg) -> None:
     import torch
 
-    from train.commands.bench.inference import Classifier
+    from train.bench.inference import Classifier
 
     cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
     cpu = torch.device("cpu")
@@ -133,7 +133,7 @@ def test_packed_inference_is_one_forward_per_call_with_the_same_answers(tiny_cfg
 def test_packed_inference_is_refused_for_a_model_that_cannot_pack(tiny_cfg) -> None:
     import torch
 
-    from train.commands.bench.inference import Classifier
+    from train.bench.inference import Classifier
     from train.errors import UserError
 
     cfg, bundle, tok, model, policy = _inference_setup(tiny_cfg)
@@ -147,10 +147,10 @@ def test_packed_inference_is_refused_for_a_model_that_cannot_pack(tiny_cfg) -> N
 
 def test_a_decoder_bench_has_decoder_inference_rows(wndb, tmp_path, monkeypatch) -> None:
     from tests.conftest import tiny_overrides
+    from train.config import load_config
 
     # compile's first graphs take minutes on a CPU: the rows of the paths that run here, static-compile left out
-    from train.commands import generate
-    from train.config import load_config
+    from train.generate import serving as generate
     real = generate.available_paths
     monkeypatch.setattr(generate, "available_paths",
                         lambda m: {**real(m), "static-compile": "left out of this test (compile time)"})

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import assert_clean_error, run_cli
-from train.commands.bench.batching import Method, build_methods, epoch_stats, run_batching_bench, summarize
+from train.bench.batching import Method, build_methods, epoch_stats, run_batching_bench, summarize
 from train.config.bench import BenchBatchingConfig
 from train.data.buckets import fit_boundaries, token_efficiency
 from train.data.grouping import length_grouped_batches, length_grouped_indices

@@ -1,4 +1,4 @@
-"""The performance regression gate (train/commands/bench/gate.py): the comparison rules, and end to end on fixture
+"""The performance regression gate (train/bench/gate.py): the comparison rules, and end to end on fixture
 data a deliberate regression (``optimized`` forced to pad every batch to ``data.max_len``) fails the gate with exit
 code 1."""
 
@@ -9,9 +9,9 @@ import json
 import pytest
 
 from tests.conftest import tiny_overrides
+from train.bench import training
+from train.bench.gate import changes, compare, figures
 from train.cli import main
-from train.commands.bench import training
-from train.commands.bench.gate import changes, compare, figures
 
 
 def _row(name: str, sps: float, eff: float = 0.9, shapes: int = 3) -> dict:

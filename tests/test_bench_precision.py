@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.commands.bench.precision_modes import run_precision_bench
+from train.bench.precision_modes import run_precision_bench
 
 
 def test_bench_precision_small(tiny_cfg) -> None:

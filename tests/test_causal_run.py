@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import assert_same_final_state, causal_overrides, resume_from_first_checkpoint, tiny_overrides
-from train.commands.train import run_training
 from train.config import load_config
 from train.errors import UserError
+from train.run.training import run_training
 
 
 @pytest.fixture(scope="module")

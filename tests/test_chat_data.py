@@ -136,8 +136,8 @@ def test_a_chat_run_on_a_pretrained_dir_reports_before_and_after_and_exports_for
         tmp_path: Path, wndb: Path, adapter: bool) -> None:
     import time
 
-    from train.commands.train import run_training
     from train.config import load_config
+    from train.run.training import run_training
 
     d = pretrained_chat_llama(tmp_path / "chat-llama")
     src = write_jsonl(tmp_path / "chat.jsonl", [conversation(f"{a} {b}", f"the answer {a}") for a in WORDS

@@ -179,8 +179,8 @@ def final_losses(run_dir: Path) -> list[float]:
 
 
 def test_a_run_with_checkpointed_blocks_trains_as_without_and_says_so(tmp_path: Path, capsys) -> None:
-    from train.commands.train import run_training
     from train.config import load_config
+    from train.run.training import run_training
 
     wndb = write_wndb(tmp_path / "wn", synthetic_rows())
     reports = {}
@@ -223,9 +223,9 @@ def test_two_ranks_with_checkpointed_blocks_train_as_without(tmp_path: Path, str
 
 def test_optimize_proposes_block_checkpointing_only_where_memory_is_the_constraint() -> None:
     """The memory input forced: the profile's peak against the device's memory, or an arm that ran out of memory."""
-    from train.commands.optimize.levers import CATALOGUE
-    from train.commands.optimize.proposals import TRAINING, Candidate, Evidence, LeverContext
     from train.config import load_config
+    from train.optimize.levers import CATALOGUE
+    from train.optimize.proposals import TRAINING, Candidate, Evidence, LeverContext
 
     lever = next(lv for lv in CATALOGUE if lv.name == "checkpoint_blocks")
     cfg = load_config(None, ["batching.max_tokens=4096"])
@@ -256,11 +256,11 @@ def test_optimize_proposes_block_checkpointing_only_where_memory_is_the_constrai
 def test_the_search_hands_an_out_of_memory_arm_to_the_checkpointing_lever() -> None:
     """An arm that runs out of memory makes memory the constraint: the next ranking proposes it again with every
     block checkpointed, and says why."""
-    from train.commands.optimize.levers import CATALOGUE
-    from train.commands.optimize.proposals import TRAINING, Candidate, Evidence, Lever, LeverContext
-    from train.commands.optimize.search import search
-    from train.commands.optimize.settings import SearchSettings
     from train.config import RunConfig
+    from train.optimize.levers import CATALOGUE
+    from train.optimize.proposals import TRAINING, Candidate, Evidence, Lever, LeverContext
+    from train.optimize.search import search
+    from train.optimize.settings import SearchSettings
 
     class OutOfMemory:
         device = torch.device("cpu")

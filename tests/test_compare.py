@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from train.cli import main
-from train.commands.train import run_training
+from train.run.training import run_training
 
 
 def test_compare_two_runs_writes_table_and_plot(tiny_cfg, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -145,7 +145,7 @@ def test_stability_detector_stops_exactly_at_first_stable_window(times: list[flo
 def test_bench_compile_children_get_the_repository_root_on_their_path() -> None:
     # the children's PYTHONPATH once pointed at train/commands, whose profile.py shadowed the standard library's
     # profile module: torch._dynamo's `import cProfile` then failed in every bench-compile child
-    from train.commands.bench import compilation
+    from train.bench import compilation
 
     assert (compilation.ROOT / "train" / "__init__.py").is_file()
     assert not (compilation.ROOT / "profile.py").exists()

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.commands.train import run_training
 from train.compiling.warmup import start_compile, warm_up_for_run
 from train.data import make_loader, prepare_data
 from train.precision import PrecisionPolicy
+from train.run.training import run_training
 from train.setup import build_model, seed_everything
 from train.trainer import Trainer
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import write_jsonl
-from train.commands.train import run_training
 from train.data import prepare_splits
 from train.data.cache import Ragged, Texts, source_fingerprint
 from train.data.tokenizer import train_wordpiece
 from train.errors import UserError
 from train.resume import list_checkpoints
+from train.run.training import run_training
 
 
 def assert_same(a, b) -> None:

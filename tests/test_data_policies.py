@@ -163,7 +163,7 @@ def test_long_text_split_is_refused_for_a_classifier() -> None:
 # -- 5: report.json ------------------------------------------------------------------------------------------------
 
 def test_report_json_counts_every_drop_and_cut_by_cause(tmp_path: Path) -> None:
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     rows = bad_rows() + [LONG]
     src = write_jsonl(tmp_path / "d.jsonl", rows)

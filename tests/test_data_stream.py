@@ -273,7 +273,7 @@ def test_a_label_beyond_int64_is_an_error_not_a_traceback(tiny_cfg, tmp_path: Pa
 
 
 def test_unk_only_words_are_counted_and_reported(tiny_cfg, tmp_path: Path) -> None:
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     long_word = "q" * 5000  # once silently one [UNK]
     rows = [{"text": f"word {i % 7} and more words here" + (f" {long_word}" if i % 10 == 0 else ""),

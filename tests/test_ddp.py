@@ -14,7 +14,6 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.conftest import ddp_worker, free_port, tiny_overrides
-from train.commands.train import run_training
 from train.compat import load_state
 from train.config import load_config
 from train.data import make_loader, prepare_data
@@ -22,6 +21,7 @@ from train.distributed import compile_cache_dirs
 from train.errors import UserError
 from train.evaluation import evaluate
 from train.precision import PrecisionPolicy
+from train.run.training import run_training
 from train.setup import build_model
 
 ROOT = Path(__file__).resolve().parent.parent

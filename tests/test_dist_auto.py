@@ -85,9 +85,9 @@ def auto_worker(rank: int, port: int, overrides: list[str]) -> None:
     """One rank of a run whose device is forced to hold 1 KiB: the training state cannot fit it."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
                        "LOCAL_RANK": str(rank)})
-    from train.commands.train import run_training
     from train.config import load_config
     from train.parallel import strategy
+    from train.run.training import run_training
 
     strategy.device_memory_bytes = lambda *_a, **_k: 1024
     run_training(load_config(None, overrides), time.perf_counter())

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from tests.conftest import assert_same_final_state, tiny_overrides
-from train.commands.train import run_training
 from train.config import load_config
 from train.models.dropout import FastDropout, decide_fast_dropout, keep_mask, quantized_p, set_fast_dropout, unswappable
 from train.resume import list_checkpoints
+from train.run.training import run_training
 
 CPU = torch.device("cpu")
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from train.commands.train import run_training
 from train.compat import load_state
+from train.run.training import run_training
 
 REQUIRED = {
     "quality": ["eval_accuracy", "eval_macro_f1", "final_train_loss", "test_accuracy"],

@@ -216,7 +216,7 @@ def lora_run(tmp_path_factory) -> tuple[Path, list[str], dict]:
     """(root, overrides, report) of an uninterrupted 8-step LoRA run ``root/runs/ref`` (a tiny Llama, packed rows).
     The attention path and the chunked loss are pinned: ``auto`` measures, and two runs on a busy machine may choose
     differently (the chunked loss with a frozen head: no weight gradient)."""
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     root = tmp_path_factory.mktemp("lora")
     wndb = write_wndb(root / "wn", synthetic_rows())
@@ -273,7 +273,7 @@ def test_an_adapter_run_resumes_from_a_middle_checkpoint_bit_identically(lora_ru
                                     "model.adapter={type: lora, r: 8, alpha: 8, dropout: 0.0, targets: auto}",
                                     "model.adapter={type: lora, r: 4, alpha: 8, dropout: 0.0, targets: [q_proj]}"])
 def test_resuming_an_adapter_run_otherwise_is_refused_in_one_line(lora_run, change) -> None:
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     root, overrides, _ = lora_run
     with pytest.raises(UserError, match=r"cannot change mid-run.*model.adapter"):
@@ -369,7 +369,7 @@ def test_bench_vs_hf_with_an_adapter_trains_the_same_adapter_on_every_side(tmp_p
     """configs/bench-vs-hf-lora.yaml: the HF Trainer gets peft's PeftModel (padded and padding-free), this project
     its own adapter run and all levers; every side trains the adapter alone, the same number of parameters."""
     pytest.importorskip("accelerate")
-    from train.commands.bench.vs_hf import run_bench_vs_hf
+    from train.bench.vs_hf import run_bench_vs_hf
 
     root = Path(__file__).resolve().parent.parent
     wndb = write_wndb(tmp_path / "wn", synthetic_rows())
@@ -451,7 +451,7 @@ def test_a_bf16_adapter_run_exports_the_fp32_base_its_fingerprint_names(lora_run
     rebuilds from the checkpoint: the fp32 tensors the fingerprint hashed, not the live bf16 ones upcast."""
     from safetensors.torch import load_file
 
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     root, overrides, _ = lora_run
     over = [o for o in overrides if not o.startswith(("train.max_steps", "train.eval_every"))]

@@ -113,16 +113,16 @@ def test_a_utf8_bom_is_not_part_of_the_first_field(kind: str, tmp_path: Path) ->
 
 def test_sigterm_during_data_preparation_is_one_line_and_leaves_no_run_directory(wndb, tmp_path, monkeypatch,
                                                                                  capsys) -> None:
-    import train.commands.ranks
+    import train.run.ranks
 
-    real = train.commands.ranks.prepare_data
+    real = train.run.ranks.prepare_data
 
     def prepare_then_signal(*args, **kwargs):
         bundle = real(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)  # as if the scheduler preempted the job while the data was prepared
         return bundle
 
-    monkeypatch.setattr(train.commands.ranks, "prepare_data", prepare_then_signal)
+    monkeypatch.setattr(train.run.ranks, "prepare_data", prepare_then_signal)
     code = _train(wndb, tmp_path, "train.run_id=sig")
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGTERM, err

@@ -1,4 +1,4 @@
-"""``bench-generate`` (train/generate/, train/commands/generate.py): the figures' definitions on hand-made timestamps,
+"""``bench-generate`` (train/generate/, train/bench/generate.py): the figures' definitions on hand-made timestamps,
 the precomputed Poisson schedule, greedy outputs token-identical across serving paths and padding, EOS ending a
 request, and bad input."""
 
@@ -62,8 +62,8 @@ PROMPTS = [[1, 5, 6, 7], [1, 9, 10], [1, 11, 12, 13, 14, 15, 16], [1, 30, 31]]
 
 
 def test_greedy_outputs_are_token_identical_across_paths_padding_and_batching() -> None:
-    from train.commands.generate import available_paths
     from train.generate.engines import PATHS, continuous, generate_batch, greedy_config
+    from train.generate.serving import available_paths
 
     model = _tiny_llama()
     gen = greedy_config(transformers, 6, 2, 0, ignore_eos=True)
@@ -266,7 +266,7 @@ def test_generate_precision_places_the_served_model_in_that_dtype_and_unknown_on
 
 def test_the_auto_path_is_measured_once_per_machine_and_workload_and_not_cached_when_busy(tmp_path,
                                                                                           monkeypatch) -> None:
-    from train.commands import generate
+    from train.generate import serving as generate
 
     cfg = load_config(None, [f"data.cache_dir={tmp_path}", "generate.max_new_tokens=4"])
     model = _tiny_llama()

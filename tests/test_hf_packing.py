@@ -56,7 +56,7 @@ def test_packed_logits_equal_unpacked_per_architecture(kind) -> None:
 
 
 def test_an_hf_model_trains_packed_rows_with_high_token_efficiency(tiny_cfg) -> None:
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     over = ["model.source=hf:bert", "model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, "
             "num_attention_heads: 2, intermediate_size: 64}"]

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from tests.conftest import assert_same_final_state
-from train.commands.train import run_training
 from train.compat import hf_attn_implementation, load_state
 from train.config import load_config
 from train.data import prepare_data
 from train.errors import UserError
 from train.models import model_supports_packing
 from train.resume import list_checkpoints
+from train.run.training import run_training
 from train.setup import build_model, seed_everything
 
 transformers = pytest.importorskip("transformers")
@@ -257,7 +257,7 @@ def test_hf_flag_names_map_to_project_keys_with_one_notice_each(capsys) -> None:
 
 
 def test_importing_train_does_not_import_transformers() -> None:
-    code = ("import sys, train.cli, train.commands.train, train.config, train.models; "
+    code = ("import sys, train.cli, train.run.training, train.config, train.models; "
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -266,7 +266,7 @@ def test_importing_train_does_not_import_transformers() -> None:
 def test_bench_vs_hf_runs_both_sides_on_equal_samples(wndb, tmp_path) -> None:
     pytest.importorskip("accelerate")
     from tests.conftest import tiny_overrides
-    from train.commands.bench.vs_hf import run_bench_vs_hf
+    from train.bench.vs_hf import run_bench_vs_hf
 
     cfg = load_config(str(ROOT / "configs" / "bench-vs-hf.yaml"), tiny_overrides(
         wndb, tmp_path, *hf_overrides("bert"), "data.max_samples=null", "batching.max_tokens=128",
@@ -292,7 +292,7 @@ def test_bench_vs_hf_on_a_causal_lm_runs_both_hf_configurations_warm_and_cold(wn
     the headline against the faster HF configuration; the cold comparison in fresh processes."""
     pytest.importorskip("accelerate")
     from tests.conftest import tiny_overrides
-    from train.commands.bench.vs_hf import HF_PADDING_FREE, run_bench_vs_hf
+    from train.bench.vs_hf import HF_PADDING_FREE, run_bench_vs_hf
 
     cfg = load_config(str(ROOT / "configs" / "bench-vs-hf-causal.yaml"), tiny_overrides(
         wndb, tmp_path, "data.max_samples=null", "batching.max_tokens=128", "train.max_steps=null", "bench.rounds=1",
@@ -413,7 +413,7 @@ def test_a_python_model_is_probed_at_the_longest_length(tiny_cfg, tmp_path, monk
 
 
 def test_bench_skips_rows_the_model_cannot_run_and_says_why(tiny_cfg, capsys) -> None:
-    from train.commands.bench import run_bench_suite
+    from train.bench.suite import run_bench_suite
 
     quick = ("bench.warmup_steps=1", "bench.rounds=1", "bench.window=1", "bench.skip_inference=true")
     cfg = tiny_cfg(*hf_overrides("albert"), "bench.configs=optimized,optimized-packed", "train.run_id=b", *quick)
@@ -429,7 +429,7 @@ def test_bench_skips_rows_the_model_cannot_run_and_says_why(tiny_cfg, capsys) ->
 
 
 def test_precision_flags_false_do_not_override_the_other_and_both_true_is_refused(tiny_cfg) -> None:
-    from train.commands.bench.training import arm_config
+    from train.bench.training import arm_config
     from train.config.hf_aliases import expand_hf_alias
 
     assert load_config(None, ["bf16=true", "fp16=false"]).train.precision == "bf16"
@@ -452,7 +452,7 @@ def test_precision_flags_false_do_not_override_the_other_and_both_true_is_refuse
 def test_lever_reasons_print_null_not_none(tiny_cfg) -> None:
     from types import SimpleNamespace
 
-    from train.commands.bench.training import skip_reasons
+    from train.bench.training import skip_reasons
     from train.report.levers import levers_section
 
     cfg = tiny_cfg("batching.max_tokens=null")

@@ -12,11 +12,11 @@ import torch
 
 from tests.conftest import CPU, HostReads, batch, small_trainer
 from train.clipping import ClipResult
-from train.commands.train import run_training
 from train.compat import fused_adamw_supported, make_grad_scaler
 from train.models.encoder import EncoderClassifier
 from train.numerics import NumericsAbort, NumericsGuard
 from train.precision import PrecisionPolicy
+from train.run.training import run_training
 
 
 @pytest.mark.skipif(not fused_adamw_supported(CPU), reason="no fused CPU AdamW in this torch (< 2.4)")

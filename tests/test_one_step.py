@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from train.bench.rows import CONFIGS
+from train.bench.training import arm_config, build_arm, run_training_bench
 from train.callbacks import Callback
-from train.commands.bench.training import CONFIGS, arm_config, build_arm, run_training_bench
-from train.commands.train import run_training
 from train.data import prepare_data
 from train.precision import PrecisionPolicy
+from train.run.training import run_training
 
 CPU = torch.device("cpu")
 
@@ -82,7 +83,7 @@ def test_every_auto_row_runs_one_precision_even_when_the_probe_changes_its_mind(
     monkeypatch.setattr(PrecisionPolicy, "for_config", staticmethod(flaky))
     cfg = tiny_cfg("train.run_id=flaky", "bench.warmup_steps=1", "bench.rounds=1", "bench.window=1",
                    "bench.skip_inference=true", "bench.configs=naive,naive+precision-auto,hf-style,optimized")
-    from train.commands.bench import run_bench_suite
+    from train.bench.suite import run_bench_suite
 
     out = run_bench_suite(cfg)
     rows = {r["name"]: r for r in out["training"]["configs"]}

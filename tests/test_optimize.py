@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from train.commands.optimize.arms import ArmTimeout, failure_reason, time_limit
-from train.commands.optimize.deadline import Deadline, budget_reason, overshoot_allowed
-from train.commands.optimize.judging import amortise, quality_verdict
-from train.commands.optimize.levers import CATALOGUE
-from train.commands.optimize.outputs import write_outputs
-from train.commands.optimize.proposals import EXACT, NUMERICS, Candidate, Evidence, Lever, LeverContext, amdahl
-from train.commands.optimize.search import search
-from train.commands.optimize.settings import SearchSettings
 from train.config import RunConfig, load_config
+from train.optimize.arms import ArmTimeout, failure_reason, time_limit
+from train.optimize.deadline import Deadline, budget_reason, overshoot_allowed
+from train.optimize.judging import amortise, quality_verdict
+from train.optimize.levers import CATALOGUE
+from train.optimize.outputs import write_outputs
+from train.optimize.proposals import EXACT, NUMERICS, Candidate, Evidence, Lever, LeverContext, amdahl
+from train.optimize.search import search
+from train.optimize.settings import SearchSettings
 from train.perf.ab import Ratio
 
 BASE_MS = 6.0
@@ -310,7 +310,7 @@ def test_the_baselines_profile_and_the_set_up_count_against_the_budget():
 
 
 def test_an_ab_that_cannot_finish_its_rounds_is_cut_short_and_judged_on_what_it_has():
-    from train.commands.optimize.pairs import measure_pair
+    from train.optimize.pairs import measure_pair
 
     clock = SimClock()
     backend = SimBackend(clock, step_s=1.0, build_s=0.0, quality_s=0.0)  # windows of 3 s
@@ -335,8 +335,8 @@ def test_an_ab_that_cannot_finish_its_rounds_is_cut_short_and_judged_on_what_it_
 def test_a_warm_up_stops_at_the_deadline():
     """Warm-up steps are untimed but not free: none starts once the deadline has passed (OutOfTime), and the search
     records the A/B as not measured, for the budget."""
-    from train.commands.optimize.deadline import OutOfTime
-    from train.commands.optimize.pairs import measure_pair
+    from train.optimize.deadline import OutOfTime
+    from train.optimize.pairs import measure_pair
 
     clock = SimClock()
     backend = SimBackend(clock, step_s=1.0, build_s=0.0, quality_s=0.0)
@@ -488,8 +488,8 @@ def test_the_chunked_loss_lever_is_offered_to_causal_lms_ranked_by_the_loss_stag
 
 
 def test_the_attention_lever_offers_packed_rows_the_other_paths_ranked_by_the_attention_share():
-    from train.commands.optimize.command import baseline_settings
     from train.data.layout_cost import LayoutCost
+    from train.optimize.command import baseline_settings
 
     lever = next(lv for lv in CATALOGUE if lv.name == "attention")
     ev = Evidence(step_ms=100.0, attention_share=0.25, top_op="aten::_scaled_dot_product_flash_attention_for_cpu")
@@ -612,8 +612,8 @@ def test_near_neutral_candidates_wait_for_the_budget():
 def test_the_batching_lever_weighs_attention_scores_against_padding():
     """From packed rows, fitted buckets are predicted faster when attention is a large share of the step (each packed
     row attends C x C, a bucketed sample only B x B) and slower when it is small; layout costs come from the data."""
-    from train.commands.optimize.levers import batching_speedup
     from train.data.layout_cost import LayoutCost
+    from train.optimize.levers import batching_speedup
 
     packed = LayoutCost(tokens=26.8, scores=3425.0, real_tokens=26.7)
     buckets = LayoutCost(tokens=30.2, scores=1159.0, real_tokens=26.7)
@@ -661,7 +661,7 @@ def test_layout_costs_of_each_batching_method(tiny_cfg):
 def test_a_lever_that_changes_the_samples_per_step_keeps_the_schedule_in_samples():
     """A token budget k times the samples per step: k times fewer steps, warm-up and evaluations over the same
     samples, and the square-root learning-rate rule (or linear, or none)."""
-    from train.commands.optimize.schedule import schedule_in_samples
+    from train.optimize.schedule import schedule_in_samples
 
     base = RunConfig().with_values({"train.max_steps": 600, "train.eval_every": 200, "train.checkpoint_every": None,
                                     "optim.lr": 2e-3})
@@ -692,8 +692,8 @@ def test_real_arms_of_one_config_learn_identically_however_they_are_interleaved(
     """Each arm draws its dropout masks from its own stream (common random numbers): two arms of the same config,
     stepped alternately, reach the same held-out loss; on one shared stream they would not (the second arm's masks
     would be the first's continuation)."""
-    from train.commands.optimize.backend import RunBackend
     from train.data import prepare_data
+    from train.optimize.backend import RunBackend
 
     cfg = tiny_cfg("batching.method=optimal", "model.dropout=0.3", "optimize.quality_samples=64")
     bundle = prepare_data(cfg, None, notice=lambda _m: None)
@@ -718,9 +718,9 @@ def test_real_arms_of_one_config_learn_identically_however_they_are_interleaved(
 def test_the_real_profile_times_a_step_without_the_profiler_and_stops_at_the_deadline(tiny_cfg, tmp_path):
     """The profile gives the search its first time estimates (a step before the profiler records, its build), and
     starts no step that would end past the command's deadline: OutOfTime, with a reason that adds up."""
-    from train.commands.optimize.backend import RunBackend
-    from train.commands.optimize.deadline import OutOfTime
     from train.data import prepare_data
+    from train.optimize.backend import RunBackend
+    from train.optimize.deadline import OutOfTime
 
     cfg = tiny_cfg("batching.method=optimal", "optimize.profile_steps=2")
     bundle = prepare_data(cfg, None, notice=lambda _m: None)
@@ -737,8 +737,8 @@ def test_the_real_profile_times_a_step_without_the_profiler_and_stops_at_the_dea
 
 
 def test_the_real_backend_scales_the_schedule_by_the_measured_samples_per_step(tiny_cfg, tmp_path):
-    from train.commands.optimize.backend import RunBackend
     from train.data import prepare_data
+    from train.optimize.backend import RunBackend
 
     cfg = tiny_cfg("batching.method=optimal", "train.max_steps=400", "train.eval_every=100",
                    "train.checkpoint_every=null")
@@ -757,7 +757,7 @@ def test_the_real_backend_scales_the_schedule_by_the_measured_samples_per_step(t
 
 
 def test_the_grid_crosses_every_crossable_lever():
-    from train.commands.optimize.grid_space import grid_points, name_of
+    from train.optimize.grid_space import grid_points, name_of
 
     base = RunConfig().with_values({"batching.batch_size": 32, "data.max_len": 128})
     pts = grid_points(base, native_bf16=True, supports_packing=True, fused=True, workers=1)
@@ -777,8 +777,8 @@ def test_the_grid_on_the_naive_cpu_config_holds_its_112_points():
     and the schedule's."""
     from pathlib import Path
 
-    from train.commands.optimize.grid_space import grid_points
-    from train.commands.optimize.levers import SETTINGS_KEYS
+    from train.optimize.grid_space import grid_points
+    from train.optimize.levers import SETTINGS_KEYS
 
     base = load_config(str(Path(__file__).resolve().parent.parent / "configs" / "naive-cpu.yaml"))
     batching = [(m, "bound", None) for m in ("pad-to-max", "hf-group-by-length")]
@@ -797,7 +797,7 @@ def test_the_grid_on_the_naive_cpu_config_holds_its_112_points():
 
 
 def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
-    from train.commands.optimize.pairs import measure_pair
+    from train.optimize.pairs import measure_pair
 
     calls = []
 
@@ -819,7 +819,7 @@ def test_an_undecided_ab_gets_more_rounds_with_the_same_arms():
 
 def test_a_candidate_that_fails_the_guard_where_the_planned_run_ends_gets_no_more_rounds():
     """An undecided A/B is extended — unless the quality read past the planned run already rejects the candidate."""
-    from train.commands.optimize.pairs import measure_pair
+    from train.optimize.pairs import measure_pair
 
     def run(settled: bool) -> Any:
         return measure_pair(FakeBackend(), {}, {"fake.speed": 1.5}, settings(rounds=3), 3, extend=lambda _r: True,
@@ -860,7 +860,7 @@ def test_windows_hold_enough_steps_and_the_quality_is_read_at_the_same_samples(p
     """Each window holds ``window_steps`` steps of the arm with the most samples per step (``window_samples`` at the
     least), and the quality is read after ``quality_samples_seen`` samples whatever the window (between rounds, or
     right after the warm-up when a window is longer than what is left)."""
-    from train.commands.optimize.pairs import measure_pair, quality_point, window_for
+    from train.optimize.pairs import measure_pair, quality_point, window_for
 
     s = settings(rounds=3, window_steps=4)  # quality after (1 + 3) x 24 = 96 samples
     backend = StepSizedBackend()
@@ -880,7 +880,7 @@ def test_windows_hold_enough_steps_and_the_quality_is_read_at_the_same_samples(p
 def test_the_final_confirmation_times_windows_of_window_samples():
     """The baseline runs every window's samples too (often ten times slower per sample): the confirmation's windows
     are not sized in the optimized arm's steps."""
-    from train.commands.optimize.search import confirm
+    from train.optimize.search import confirm
 
     s = settings(rounds=3, window_steps=4, confirm_rounds=2)
     out = confirm(StepSizedBackend(), {}, {"fake.per_step": 50, "fake.speed": 2.0}, s, notice=lambda _m: None)
@@ -888,8 +888,8 @@ def test_the_final_confirmation_times_windows_of_window_samples():
 
 
 def test_the_grid_holds_a_token_budget_to_the_same_combination_at_the_batch_size():
-    from train.commands.optimize.grid_screen import quality_guard
-    from train.commands.optimize.grid_space import name_of
+    from train.optimize.grid_screen import quality_guard
+    from train.optimize.grid_space import name_of
 
     def point(budget):
         return {"train.precision": "bf16", "batching.method": "optimal", "batching.pad_to": "bound",
@@ -914,8 +914,8 @@ def test_the_grid_judges_other_steps_per_sample_late_in_the_run_against_the_comb
     """Packed rows and token budgets take other samples per optimizer step (their schedule's train.max_steps): judged
     as the search judges them, after the planned run's horizon, both the arm and its twin trained on — on demand,
     only for the arms asked about; an arm on the config's steps is judged early against the config as given."""
-    from train.commands.optimize.grid_screen import quality_guard
-    from train.commands.optimize.grid_space import name_of, twin_of
+    from train.optimize.grid_screen import quality_guard
+    from train.optimize.grid_space import name_of, twin_of
 
     def point(method, budget, steps=None):
         return {"train.precision": "bf16", "batching.method": method, "batching.pad_to": "bound",
@@ -951,10 +951,10 @@ def test_the_grid_picks_its_best_from_the_final_stage_and_judges_the_search(monk
     """A combination that is lucky in the screening's few windows (fast only at first) must not be called the best:
     the finalists are re-measured against each other; a combination that learns worse (the quality guard against
     the config as given) is no finalist however fast; the search's result is judged against the final's best."""
-    from train.commands.optimize import grid as grid_mod
-    from train.commands.optimize import grid_final as final_mod
-    from train.commands.optimize import isolated as isolated_mod
     from train.config import dump_config
+    from train.optimize import grid as grid_mod
+    from train.optimize import grid_final as final_mod
+    from train.optimize import isolated as isolated_mod
 
     rates = {"lucky": (400.0, 100.0), "steady": (150.0, 150.0), "slow": (90.0, 90.0), "optimized": (147.0, 147.0),
              "harmful": (900.0, 900.0), "baseline": (50.0, 50.0)}
@@ -1084,7 +1084,7 @@ def test_the_search_is_judged_against_the_grids_best_on_windows_its_pick_never_s
     """The grid's best is the largest of several noisy paired ratios, so the A/B it was picked on flatters it (the
     winner's curse): the search's result is judged on the re-check, an A/B measured after the pick; without one, on
     the selection, and said so."""
-    from train.commands.optimize.grid_report import optimized_vs_best, render
+    from train.optimize.grid_report import optimized_vs_best, render
     from train.perf.ab import ABResult, ArmResult, Window
 
     def ab(optimized: list[float], best: list[float]) -> ABResult:
@@ -1112,7 +1112,7 @@ def test_the_search_is_judged_against_the_grids_best_on_windows_its_pick_never_s
 def test_arms_are_compared_by_real_tokens_per_second_where_they_count_them():
     """A window that ends at a sample count favours an arm whose windows came out of short samples; the real tokens
     are the work: an arm as fast per step with 8 samples of 10 tokens against 8 of 20 is no faster."""
-    from train.commands.optimize.judging import throughput_metric
+    from train.optimize.judging import throughput_metric
     from train.perf.ab import ABResult, ArmResult, Window
 
     res = search(FakeBackend(), (lever("short", {"fake.tokens_per_sample": 10}, 1.9),),
@@ -1183,7 +1183,7 @@ def test_a_planned_run_shorter_than_the_ab_is_judged_where_the_ab_passes_it():
 
 
 def test_the_horizon_shrinks_to_what_fits_the_time_left():
-    from train.commands.optimize.pairs import horizon_target
+    from train.optimize.pairs import horizon_target
     from train.perf.ab import ABResult, ArmResult, Window
 
     res = ABResult({"best": ArmResult("best", [Window(0, 1.0, 1, {"samples": 100})]),
@@ -1202,10 +1202,10 @@ def test_grid_final_of_several_finalists_gets_their_time(monkeypatch, tmp_path):
     UserError naming the child's log."""
     from types import SimpleNamespace
 
-    from train.commands.optimize import grid_final as final_mod
-    from train.commands.optimize.grid_screen import Rates
-    from train.commands.optimize.isolated import IsolatedFailure
     from train.errors import UserError
+    from train.optimize import grid_final as final_mod
+    from train.optimize.grid_screen import Rates
+    from train.optimize.isolated import IsolatedFailure
 
     seen: list[tuple[int, float]] = []
 

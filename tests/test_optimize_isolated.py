@@ -1,12 +1,12 @@
-"""optimize-grid's final in a fresh process (train/commands/optimize/isolated.py): a real child measures the arms,
+"""optimize-grid's final in a fresh process (train/optimize/isolated.py): a real child measures the arms,
 its failures and time-outs come back as one line naming its log."""
 
 from __future__ import annotations
 
 import pytest
 
-from train.commands.optimize.isolated import IsolatedFailure, measure_in_fresh_process
 from train.config import dump_config
+from train.optimize.isolated import IsolatedFailure, measure_in_fresh_process
 
 
 def test_a_fresh_process_measures_the_arms_and_returns_their_windows(tiny_cfg, tmp_path):

@@ -13,13 +13,13 @@ import torch
 
 from tests.conftest import tiny_overrides
 from train.cli import main
-from train.commands.optimize import run_optimize
-from train.commands.optimize.command import baseline_settings, optimized_settings
-from train.commands.optimize.preflight import Capabilities, refuse_inapplicable
-from train.commands.optimize.proposals import Candidate
-from train.commands.optimize.results import Decision
 from train.config import load_config
 from train.errors import UserError
+from train.optimize import run_optimize
+from train.optimize.command import baseline_settings, optimized_settings
+from train.optimize.preflight import Capabilities, refuse_inapplicable
+from train.optimize.proposals import Candidate
+from train.optimize.results import Decision
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.progress=false", "data.max_samples=600", "data.vocab_size=300", "data.max_len=32",
@@ -82,8 +82,8 @@ def _never(*_args, **_kwargs):
 def test_a_named_lever_that_cannot_apply_is_refused_before_anything_is_measured_or_written(
         wndb, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("train.precision.cpu_native_bf16", lambda: False)  # forced: a CPU without native bf16
-    monkeypatch.setattr("train.commands.optimize.command.start_run", _never)  # the run directory, the precision
-    monkeypatch.setattr("train.commands.optimize.command.search", _never)
+    monkeypatch.setattr("train.optimize.command.start_run", _never)  # the run directory, the precision
+    monkeypatch.setattr("train.optimize.command.search", _never)
     rc = main(["optimize", *tiny_overrides(wndb, tmp_path, "model.dropout=0.0", "train.run_id=opt",
                                            "optimize.levers=fast_dropout,precision,workers")])
     err = capsys.readouterr().err
@@ -100,7 +100,7 @@ class _Reached(Exception):
 
 def test_the_same_levers_pass_where_they_apply(tiny_cfg, monkeypatch):
     monkeypatch.setattr("train.precision.cpu_native_bf16", lambda: True)  # forced: native bf16
-    monkeypatch.setattr("train.commands.optimize.command.start_run", lambda *_a, **_k: (_ for _ in ()).throw(
+    monkeypatch.setattr("train.optimize.command.start_run", lambda *_a, **_k: (_ for _ in ()).throw(
         _Reached()))
     with pytest.raises(_Reached):  # past the check, at the run's start
         run_optimize(tiny_cfg("model.dropout=0.1", "optimize.levers=fast_dropout,precision"), notice=lambda _m: None)

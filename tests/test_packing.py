@@ -149,7 +149,7 @@ def test_packed_sampler_resumes_at_any_cut_and_is_deterministic(lengths, cut, se
 def test_a_packed_training_run_is_dense_with_one_shape_and_learns(tiny_cfg) -> None:
     import time
 
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     bucketed = run_training(tiny_cfg("train.run_id=b", "train.max_steps=40"), time.perf_counter())
     packed = run_training(tiny_cfg("train.run_id=p", "batching.method=packed", "train.max_steps=40"),
@@ -300,7 +300,7 @@ def test_auto_picks_flex_only_when_it_measures_at_least_as_fast(monkeypatch, tin
 def test_report_records_the_attention_path_that_ran(tiny_cfg) -> None:
     import time
 
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     report = run_training(tiny_cfg("train.run_id=att", "batching.method=packed", "model.packed_attention=sdpa-mask",
                                    "train.max_steps=3"), time.perf_counter())

@@ -13,8 +13,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from train.commands.profile import run_profile
-from train.commands.train import run_training
 from train.profiling import attribution as A
 from train.profiling.config import ProfileConfig
 from train.profiling.nsys import StaleExportError, check_fresh, export_stats, nsys_available, parse_stats_csv
@@ -23,6 +21,8 @@ from train.profiling.pyspy import PySpyPhase, ptrace_preflight
 from train.profiling.ranges import null_ranges
 from train.profiling.session import ProfileSession
 from train.profiling.window import TorchProfileWindow
+from train.run.profile import run_profile
+from train.run.training import run_training
 
 PROFILE = ["profile.wait=1", "profile.warmup=1", "profile.active=3", "profile.top_k=40"]
 

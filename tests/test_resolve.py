@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from train.commands.train import run_training
 from train.config import RunConfig, load_config
 from train.data import batching_auto, prepare_data
 from train.distributed import DistContext
 from train.models import dropout
 from train.resolve import decision_lines, resolve_run
+from train.run.training import run_training
 from train.setup import apply_threads_and_seed
 
 CPU = torch.device("cpu")
@@ -102,13 +102,15 @@ def test_config_yaml_records_every_auto_decision_and_a_rerun_measures_none(
 
 
 LAYERS = (("train.commands", "train.cli", "train.__main__"),
+          ("train.run", "train.bench", "train.optimize"),
           ("train.setup", "train.resolve", "train.report", "train.resume"),
           ("train.trainer",))
 
 
 def layer(module: str) -> int:
-    """4 commands, 3 run set-up, 2 the step, 1 components and core (the layers of docs/architecture.md)."""
-    for rank, prefixes in zip((4, 3, 2), LAYERS):
+    """5 commands, 4 drivers, 3 run set-up, 2 the step, 1 components and core (the layers of
+    docs/architecture.md)."""
+    for rank, prefixes in zip((5, 4, 3, 2), LAYERS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return rank
     return 1
@@ -154,4 +156,4 @@ def test_a_run_passes_its_config_only_down_the_layers(tiny_cfg, tmp_path: Path) 
         sys.setprofile(None)
     assert climbs == {"train.data.fake -> train.setup.apply_threads_and_seed"}
     assert layer("train.data.batching_auto") < layer("train.trainer") < layer("train.resolve") < layer(
-        "train.commands.train")
+        "train.run.training")

@@ -16,10 +16,10 @@ import torch
 
 from tests.conftest import assert_same_final_state, interrupt_at, tiny_overrides
 from train.cli import main
-from train.commands.train import run_training
 from train.compat import load_state
 from train.config import load_config
 from train.resume import list_checkpoints
+from train.run.training import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")

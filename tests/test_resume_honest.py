@@ -138,7 +138,7 @@ def test_repeated_samples_count_every_epoch_of_the_run_also_after_a_resume() -> 
 
 
 def test_max_eval_samples_bounds_validation_and_test_and_is_reported(tiny_cfg) -> None:
-    from train.commands.train import run_training
+    from train.run.training import run_training
 
     cfg = tiny_cfg("data.max_eval_samples=5", "train.max_steps=6", "train.eval_every=3")
     report = run_training(cfg, time.perf_counter())
@@ -167,8 +167,8 @@ def test_a_noise_level_py_spy_overhead_is_printed_as_noise(capsys) -> None:
 
 
 def test_the_changed_keys_are_compared_on_the_resolved_configs() -> None:
-    from train.commands.resume_settings import resume_changes
     from train.errors import UserError
+    from train.run.resume_settings import resume_changes
 
     saved = load_config(None, ["optim.betas=[0.9, 0.98]"]).to_dict()
     assert resume_changes(saved, load_config(None, ["optim.betas=[0.9, 0.98]", "train.max_steps=9"]), "x") == [

@@ -17,10 +17,10 @@ import torch
 
 from tests.conftest import synthetic_rows, tiny_overrides, write_wndb
 from train.checkpoint import implementation, optimizer_state_for
-from train.commands.train import run_training
 from train.compat import fused_adamw_supported
 from train.config import load_config
 from train.resume import list_checkpoints
+from train.run.training import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")

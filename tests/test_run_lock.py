@@ -79,7 +79,7 @@ def test_two_resumes_of_one_run_cannot_both_train(wndb, tmp_path) -> None:
 
 def test_a_refused_resume_releases_the_run_for_the_next_command_in_this_process(tiny_cfg) -> None:
     # an in-process caller that catches the refusal (a notebook, a test, a launcher) must be able to resume next
-    from train.commands.train import run_training
+    from train.run.training import run_training
     from train.tools import run_lock
 
     cfg = tiny_cfg("train.run_id=refused", "train.max_steps=4", "train.eval_every=100")

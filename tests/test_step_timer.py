@@ -171,8 +171,8 @@ def test_a_callback_that_needs_step_times_gets_them() -> None:
 def test_sync_audit_passes_the_loop_and_catches_a_host_read(tiny_cfg, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from train.commands.train import run_training
     from train.perf.host_syncs import SyncAudit
+    from train.run.training import run_training
     cfg = ["train.max_steps=8", "train.log_every=4", "train.eval_every=100"]
     audit = SyncAudit()
     report = run_training(tiny_cfg(*cfg), t_start=time.perf_counter(), hooks=(audit,))

@@ -88,7 +88,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_has_no_cycle() -> None:
     mods = modules()
     graph = import_graph(mods)
-    assert graph["train.commands.train"] >= {"train.setup", "train.compiling.warmup"}  # the graph is really read
+    assert graph["train.run.training"] >= {"train.setup", "train.compiling.warmup"}  # the graph is really read
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -171,32 +171,37 @@ def test_the_top_level_holds_only_the_core() -> None:
 
 
 COMMANDS = ("train.commands", "train.cli", "train.__main__")
+DRIVERS = ("train.run", "train.bench", "train.optimize")
 RUN_SETUP = ("train.setup", "train.resolve", "train.report", "train.report.levers", "train.resume")
 STEP = ("train.trainer",)
 
 
 def _layer(module: str) -> int:
-    """4 commands, 3 run set-up, 2 the step (the trainer), 1 components and core."""
-    for rank, prefixes in ((4, COMMANDS), (3, RUN_SETUP), (2, STEP)):
+    """5 commands, 4 drivers (a run, the benchmarks, the autotuner), 3 run set-up, 2 the step (the trainer),
+    1 components and core."""
+    for rank, prefixes in ((5, COMMANDS), (4, DRIVERS), (3, RUN_SETUP), (2, STEP)):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return rank
     return 1
 
 
 def layer_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Imports that go up a layer: a component importing the trainer, the run set-up or a command; the trainer
-    importing the set-up or a command; the set-up importing a command (lazy imports included)."""
+    """Imports that go up a layer: a component importing the trainer, the run set-up, a driver or a command; the
+    trainer importing the set-up, a driver or a command; the set-up importing a driver or a command; a driver
+    importing a command (lazy imports included)."""
     return sorted(f"{a} imports {b}" for a, targets in graph.items() for b in targets if _layer(b) > _layer(a))
 
 
 def test_components_never_import_the_trainer_the_run_setup_or_a_command() -> None:
     graph = import_graph(modules())
-    assert graph["train.commands.bench.training"] >= {"train.setup"}  # the graph is really read
+    assert graph["train.bench.training"] >= {"train.setup"}  # the graph is really read
     bad = layer_violations(graph)
-    assert not bad, f"commands → run set-up → trainer → components: {bad}"
-    assert layer_violations({"train.data.x": {"train.trainer"}, "train.setup": {"train.commands.train"},
-                             "train.commands.train": {"train.setup", "train.data.x"}}) == [
-        "train.data.x imports train.trainer", "train.setup imports train.commands.train"]
+    assert not bad, f"commands → drivers → run set-up → trainer → components: {bad}"
+    assert layer_violations({"train.data.x": {"train.trainer"}, "train.setup": {"train.run.training"},
+                             "train.run.training": {"train.setup", "train.data.x"},
+                             "train.bench.suite": {"train.commands.entry", "train.run.training"}}) == [
+        "train.bench.suite imports train.commands.entry", "train.data.x imports train.trainer",
+        "train.setup imports train.run.training"]
 
 
 def test_one_step_drives_training() -> None:
@@ -370,13 +375,13 @@ def config_rebinds(source: str) -> list[str]:
 
 
 def test_the_training_command_never_rebinds_its_config() -> None:
-    """``train/commands/train.py`` reads top to bottom: the resolve phase returns the frozen config, nothing rebinds
+    """``train/run/training.py`` reads top to bottom: the resolve phase returns the frozen config, nothing rebinds
     it afterwards, and no mutable dataclass carries the run."""
-    source = (PKG / "commands" / "train.py").read_text(encoding="utf-8")
+    source = (PKG / "run" / "training.py").read_text(encoding="utf-8")
     tree = ast.parse(source)
     mutable = [n.name for n in tree.body if isinstance(n, ast.ClassDef) for d in n.decorator_list
                if isinstance(d, ast.Name) and d.id == "dataclass"]
     assert not mutable, f"a mutable dataclass carries the run: {mutable} (use @dataclass(frozen=True))"
-    assert not config_rebinds(source), f"train/commands/train.py rebinds its config: {config_rebinds(source)}"
+    assert not config_rebinds(source), f"train/run/training.py rebinds its config: {config_rebinds(source)}"
     assert config_rebinds("def f(cfg):\n    cfg = g(cfg)\n\ndef h(r):\n    r.cfg = 1\n    cfg = 2\n") == [
         "f:2 cfg", "h:5 .cfg"]

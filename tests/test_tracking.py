@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import ListLogger
-from train.commands.train import run_training
 from train.config import TrackingConfig
+from train.run.training import run_training
 from train.tracking.gradstats import GradStats, grad_table
 from train.tracking.loggers import JsonlLogger
 from train.tracking.system import SystemMonitor

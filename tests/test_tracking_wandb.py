@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from train.commands.train import run_training
+from train.run.training import run_training
 
 pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 

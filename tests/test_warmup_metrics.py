@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from train.commands.train import run_training
 from train.compiling.warmup import planned_shapes
 from train.data import make_loader, prepare_data
 from train.data.collate import IGNORE_LABEL, PadCollate, TokenDataset
 from train.evaluation import evaluate
 from train.precision import PrecisionPolicy
+from train.run.training import run_training
 from train.setup import build_model, seed_everything
 
 EAGER_COMPILE = ["compile.enabled=true", "compile.backend=eager", "compile.warmup_window=2",

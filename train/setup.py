@@ -4,7 +4,7 @@ the device, torch threads, seeds and the precision policy; and the model built f
     start = start_run(cfg, prefix="bench-precision-")   # run_dir, device, policy
     model = build_model(cfg, bundle).to(start.device)
 
-``python -m train train`` starts through the same pieces in :mod:`train.commands.train`, where under torchrun rank 0
+``python -m train train`` starts through the same pieces in :mod:`train.run.training`, where under torchrun rank 0
 creates the directory and every rank follows.
 """
 

@@ -37,9 +37,9 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 # -- the commands ---------------------------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.train import run_training
     from train.config import load_config
     from train.report import summary_lines
+    from train.run.training import run_training
 
     if args.resume:
         from train.resume import find_resume_checkpoint
@@ -94,7 +94,7 @@ def cmd_buckets(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.suite import markdown, run_bench_suite
+    from train.bench.suite import markdown, run_bench_suite
 
     cfg = load_cfg(args)
     result = run_bench_suite(cfg)
@@ -104,28 +104,28 @@ def cmd_bench(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_gate(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.gate import run_gate
+    from train.bench.gate import run_gate
 
     passed, _ = run_gate(load_cfg(args, default_config="configs/bench-gate.yaml"))
     return 0 if passed else 1
 
 
 def cmd_bench_baseline(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.gate import write_baseline
+    from train.bench.gate import write_baseline
 
     write_baseline(load_cfg(args, default_config="configs/bench-gate.yaml"))
     return 0
 
 
 def cmd_bench_vs_hf(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.vs_hf import run_bench_vs_hf
+    from train.bench.vs_hf import run_bench_vs_hf
 
     run_bench_vs_hf(load_cfg(args, default_config="configs/bench-vs-hf.yaml"))
     return 0
 
 
 def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.batching import run_batching_bench
+    from train.bench.batching import run_batching_bench
     from train.tools.run_dir import make_run_dir
 
     cfg = load_cfg(args)
@@ -137,8 +137,8 @@ def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.profile import run_profile
     from train.profiling.session import parse_tools
+    from train.run.profile import run_profile
 
     tools = parse_tools(args.tools)
     child_args = (["--config", args.config] if args.config else []) + list(args.overrides)
@@ -147,7 +147,7 @@ def cmd_profile(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.precision_modes import markdown, run_precision_bench
+    from train.bench.precision_modes import markdown, run_precision_bench
 
     out = run_precision_bench(load_cfg(args))
     print(markdown(out))
@@ -158,7 +158,7 @@ def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
 def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
     from pathlib import Path
 
-    from train.commands.generate import run_bench_generate, write_outputs
+    from train.bench.generate import run_bench_generate, write_outputs
     from train.tools.run_dir import make_run_dir
 
     # RUN_DIR is the first word when it is no override (argparse puts it among the overrides)
@@ -171,7 +171,7 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
     run_config = str(Path(run_dir) / "config.yaml") if run_dir and not args.config else None
     cfg = load_cfg(args, default_config=run_config)
     if args.child:
-        from train.commands.generate import first_response_child
+        from train.bench.generate import first_response_child
 
         first_response_child(cfg, run_dir, t_start, args.child)
         return 0
@@ -190,7 +190,7 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_export(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.export import export_run
+    from train.run.export import export_run
 
     block = export_run(args.run_dir, args.checkpoint, args.merged, args.out, args.dtype)
     print(f"exported {block['format']} to {block['path']}: {', '.join(block['files'])}"
@@ -230,7 +230,7 @@ def cmd_wandb_sync(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_tracking(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.tracking import run_tracking_bench
+    from train.bench.tracking import run_tracking_bench
 
     cfg = load_cfg(args, default_config="configs/smoke.yaml")
     res = run_tracking_bench(cfg)
@@ -251,7 +251,7 @@ def cmd_bench_tracking(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_warmup(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.warmup import run_warmup
+    from train.run.warmup import run_warmup
 
     result = run_warmup(load_cfg(args), buckets_force=args.buckets_force)
     t = result["totals"]
@@ -261,7 +261,7 @@ def cmd_warmup(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_sync_audit(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.sync_audit import run_sync_audit
+    from train.run.sync_audit import run_sync_audit
 
     result = run_sync_audit(load_cfg(args), args.mode, args.out, t_start)
     print(f"sync audit: {result['host_syncs']} host sync(s) in {result['watched_steps']} steady steps "
@@ -270,7 +270,7 @@ def cmd_sync_audit(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.bench.compilation import first_step_child, run_compile_bench
+    from train.bench.compilation import first_step_child, run_compile_bench
 
     cfg = load_cfg(args)
     if args.child:
@@ -281,7 +281,7 @@ def cmd_bench_compile(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_optimize(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.optimize import run_optimize
+    from train.optimize import run_optimize
 
     cfg = load_cfg(args)
     res = run_optimize(cfg, config_path=args.config, t_start=t_start)
@@ -296,7 +296,7 @@ def cmd_optimize(args: argparse.Namespace, t_start: float) -> int:
 
 
 def cmd_optimize_grid(args: argparse.Namespace, t_start: float) -> int:
-    from train.commands.optimize.grid import check_optimized, run_grid
+    from train.optimize.grid import check_optimized, run_grid
 
     check_optimized(args.optimized)
     g = run_grid(load_cfg(args), args.optimized, config_path=args.config)

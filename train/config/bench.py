@@ -4,8 +4,8 @@ these keys,
 as ``section.key=value`` overrides and a YAML block do. Each field has its docstring; its accepted values
 are declared on the field (``allowed(…)``, train/errors.py) and checked in ``__post_init__``.
 
-Kept out of :mod:`train.commands.bench` on purpose: importing ``train.config`` must not import torch, and
-``train/commands/bench/__init__.py`` does.
+Kept out of :mod:`train.bench` on purpose: importing ``train.config`` must not import torch, and
+``train/bench/__init__.py`` does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class BenchConfig(Frozen):
     """``python -m train bench``: the training configurations side by side, then the inference benchmark."""
 
     configs: Optional[str] = None
-    """Comma-separated training configurations to run (names from train/commands/bench/training.py ``CONFIGS``:
+    """Comma-separated training configurations to run (names from train/bench/rows.py ``CONFIGS``:
     naive, hf-style, optimized, naive+buckets, naive+precision-auto); null = all of them."""
     warmup_steps: int = allowed(3, ge=1)
     """Untimed steps per configuration before the timed rounds (the first one is its time to first step)."""
@@ -140,7 +140,7 @@ class BenchTrackingConfig(Frozen):
 @dataclass
 class BenchGateConfig(Frozen):
     """``python -m train bench-gate`` / ``bench-baseline``: the performance regression gate
-    (train/commands/bench/gate.py).
+    (train/bench/gate.py).
     The run's length comes from the ``bench`` section (configs/bench-gate.yaml keeps it short)."""
 
     baseline: Optional[str] = None

@@ -1,5 +1,5 @@
 """The ``generate`` section of ``RunConfig``: what ``python -m train bench-generate`` serves and how it measures
-(train/commands/generate.py). Read by that command only; its accepted values are declared on the fields."""
+(train/bench/generate.py). Read by that command only; its accepted values are declared on the fields."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ class OptimizeConfig(Frozen):
     is kept the final confirmation's estimate is held back; the command ends within ``budget_s`` + max(10 %, 30 s)
     (what cannot be split: a window, a build, the outputs' writing; docs/optimize.md, "The budget")."""
     levers: Optional[str] = None
-    """Comma-separated lever names to consider (train/commands/optimize/levers.py ``CATALOGUE``); null = all that
+    """Comma-separated lever names to consider (train/optimize/levers.py ``CATALOGUE``); null = all that
     apply on this device and model."""
     rounds: int = allowed(5, ge=2)
     """Interleaved rounds per A/B (paired per-round ratios; at least 2 for an interval)."""

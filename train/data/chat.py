@@ -34,7 +34,7 @@ class ChatTemplate:
     ``apply_chat_template`` renders it (Jinja, sandboxed)."""
 
     def __init__(self, tokenizer_dir: Path) -> None:
-        from train.models.hf import import_transformers
+        from train.models.library import import_transformers
 
         self.dir = tokenizer_dir
         self.tok = import_transformers().AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)

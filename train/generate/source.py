@@ -46,7 +46,7 @@ def load_served(run_dir: Optional[str], cfg) -> Served:
         UserError: not a run directory, a classifier's run, a run without a checkpoint, a source that is not a local
             causal-LM directory."""
     from train.compat import hf_attn_implementation
-    from train.models.hf import import_transformers
+    from train.models.library import import_transformers
 
     tf = import_transformers()
     attn = {"attn_implementation": hf_attn_implementation()}

@@ -67,7 +67,8 @@ def causal_preset(tf, model_type: str, preset: str, vocab_size: int, max_len: in
 
 def _causal_config(cfg, bundle, kind: str, hf_config: Optional[str]):
     """The transformers config of this run's causal LM (the checkpoint's JSON, the directory, or the model type)."""
-    from train.models.hf import hf_model_config, import_transformers
+    from train.models.hf import hf_model_config
+    from train.models.library import import_transformers
 
     tf = import_transformers()
     src = cfg.model.source
@@ -91,7 +92,7 @@ def _causal_config(cfg, bundle, kind: str, hf_config: Optional[str]):
 def _check_causal_fits(cfg, bundle, config, kind: str) -> None:
     """Raises UserError: an encoder (or encoder-decoder, or no causal head), a vocabulary smaller than the
     tokenizer's, a position table shorter than ``data.max_len``."""
-    from train.models.hf import import_transformers
+    from train.models.library import import_transformers
 
     src = cfg.model.source
     what = decoder_only(import_transformers(), config.model_type, config)

@@ -131,7 +131,7 @@ def save_tokenizer(tokenizer_json: Path, out: Path, ids: dict[str, Optional[int]
     token)."""
     from tokenizers import Tokenizer
 
-    from train.models.hf import import_transformers
+    from train.models.library import import_transformers
 
     tf = import_transformers()
     backend = Tokenizer.from_file(str(tokenizer_json))
@@ -255,7 +255,7 @@ def model_from_checkpoint(state: dict[str, Any], where: str) -> nn.Module:
     from train.config.adapter import parse_adapter
     from train.models.adapter import attach_adapter, base_fingerprint, load_model_state
     from train.models.causal import ExternalCausalLM
-    from train.models.hf import import_transformers
+    from train.models.library import import_transformers
     from train.models.wrap import ExternalClassifier, ExternalSpec
 
     raw_spec = state.get("spec")

