@@ -85,11 +85,11 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device
 
 
 def join(rank: int, world: int, port: int, device: torch.device, offload: bool) -> tuple[Any, torch.device]:
-    """This rank's process group (the product's :func:`~train.distributed.init_distributed` for 2+ ranks; a group of
-    one otherwise, which the product leaves out) and device."""
+    """This rank's process group (the product's :func:`~train.parallel.process_group.init_distributed` for 2+ ranks;
+    a group of one otherwise, which the product leaves out) and device."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                        "RANK": str(rank), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
-    from train.distributed import DistContext, init_distributed
+    from train.parallel.process_group import DistContext, init_distributed
 
     if world > 1:
         return init_distributed(device, host_collectives=offload)

@@ -517,11 +517,11 @@ def sharded_rank(rank: int, world: int, port: int, path: str = "sdpa-mask", chun
                  offload: bool = False) -> tuple:
     """One of ``world`` spawned Gloo ranks (``OMP``-like: one thread): its process group, the tiny Llama (packed
     attention ``path``) sharded by the product's wrap, and a Trainer on it: ``(ctx, device, model, trainer)``.
-    The caller tears the group down (``train.distributed.teardown``)."""
+    The caller tears the group down (``train.parallel.process_group.teardown``)."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                        "RANK": str(rank), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
-    from train.distributed import init_distributed, wrap_model
+    from train.parallel.process_group import init_distributed, wrap_model
 
     ctx, device = init_distributed(torch.device("cpu"))
     model = tiny_llama()

@@ -1,6 +1,6 @@
-"""The data side of ``model.task=causal-lm`` (/work/contract/causal-lm.md): rows (text, prompt + completion, WordNet
-glosses), the tokenizer (a model directory's roles; a deterministic, cached byte-level BPE), the samples
-``(ids, n_prompt)`` (EOS kept by truncation, drops counted), the padded and packed batches (shifted targets, no
+"""The data side of ``model.task=causal-lm`` (docs/models.md, "The causal-LM contract"): rows (text, prompt +
+completion, WordNet glosses), the tokenizer (a model directory's roles; a deterministic, cached byte-level BPE), the
+samples ``(ids, n_prompt)`` (EOS kept by truncation, drops counted), the padded and packed batches (shifted targets, no
 off-by-one, never across a sample, padding never trained, EOS-as-pad masked by position), and each bad input's line."""
 
 from __future__ import annotations

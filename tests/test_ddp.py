@@ -17,9 +17,9 @@ from tests.conftest import ddp_worker, free_port, tiny_overrides
 from train.compat import load_state
 from train.config import load_config
 from train.data import make_loader, prepare_data
-from train.distributed import compile_cache_dirs
 from train.errors import UserError
 from train.evaluation import evaluate
+from train.parallel.process_group import compile_cache_dirs
 from train.precision import PrecisionPolicy
 from train.run.training import run_training
 from train.setup import build_model

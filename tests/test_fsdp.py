@@ -37,7 +37,7 @@ def fsdp_worker(rank: int, world: int, port: int, packed: bool, chunked: bool, p
     """One rank: shard the tiny Llama with the product's wrap (``offload``: FSDP2's CPUOffloadPolicy, unpinned on a
     CPU device), step on this rank's halves, write what it holds."""
     from train.compat import full_tensor, local_tensor
-    from train.distributed import teardown
+    from train.parallel.process_group import teardown
 
     ctx, device, model, trainer = sharded_rank(rank, world, port, path, chunked, offload)
     try:

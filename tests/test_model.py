@@ -1,7 +1,7 @@
 import torch
 
 from train.models.encoder import EncoderClassifier, resolve_spec
-from train.perf.flops import training_step_flops
+from train.models.flops import training_step_flops
 
 
 def small_model(pooling: str = "mean") -> EncoderClassifier:

@@ -18,7 +18,7 @@ from train.compat import hf_attn_implementation, load_state
 from train.config import load_config
 from train.data import prepare_data
 from train.errors import UserError
-from train.models import model_supports_packing
+from train.models import model_supports_packing, with_model_tokenizer
 from train.resume import list_checkpoints
 from train.run.training import run_training
 from train.setup import build_model, seed_everything
@@ -159,7 +159,8 @@ def test_save_pretrained_directory_round_trip(tiny_cfg, tmp_path) -> None:
     n = prepare_data(tiny_cfg(), None).num_classes
     d, saved = _save_tiny_bert(tmp_path, tiny_cfg, n)
     cfg = tiny_cfg(f"model.source=hf:{d}", "train.max_steps=3", "train.run_id=dir", "train.precision=fp32")
-    assert cfg.data.tokenizer_path == str(d / "tokenizer.json")  # the model directory's tokenizer
+    assert cfg.data.tokenizer_path is None  # reading the config reads no model file
+    assert with_model_tokenizer(cfg).data.tokenizer_path == str(d / "tokenizer.json")  # the directory's tokenizer
     bundle = prepare_data(cfg, None)
     loaded = build_model(cfg, bundle)
     mine = loaded.inner.state_dict()
@@ -385,7 +386,7 @@ def test_a_slow_tokenizer_is_converted_so_token_ids_match(tiny_cfg, tmp_path, mo
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer", "do_lower_case": True}))
     slow = transformers.BertTokenizer.from_pretrained(str(d))  # 4.x: the slow Python tokenizer itself
     capsys.readouterr()
-    cfg = tiny_cfg(f"model.source=hf:{d}")
+    cfg = with_model_tokenizer(tiny_cfg(f"model.source=hf:{d}"))
     err = capsys.readouterr().err
     assert err.count("has no tokenizer.json: converted its") == 1, err
     tok = Tokenizer.from_file(cfg.data.tokenizer_path)
@@ -398,7 +399,7 @@ def test_a_slow_tokenizer_is_converted_so_token_ids_match(tiny_cfg, tmp_path, mo
             (d2 / "vocab.txt").unlink()
         with pytest.raises(UserError, match=r"has tokenizer files but no tokenizer.json.*tokenizer.save_pretrained") \
                 as e:
-            tiny_cfg(f"model.source=hf:{d2}")
+            with_model_tokenizer(tiny_cfg(f"model.source=hf:{d2}"))
         assert "\n" not in str(e.value)
         d = d2
 
@@ -452,7 +453,7 @@ def test_precision_flags_false_do_not_override_the_other_and_both_true_is_refuse
 def test_lever_reasons_print_null_not_none(tiny_cfg) -> None:
     from types import SimpleNamespace
 
-    from train.bench.training import skip_reasons
+    from train.bench.rows import skip_reasons
     from train.report.levers import levers_section
 
     cfg = tiny_cfg("batching.max_tokens=null")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from train.models.encoder import EncoderClassifier, resolve_spec
+from train.models.flops import StepFlops, training_step_flops
 from train.perf.devices import mfu_fields, table_peak
 from train.perf.energy import EnergyMeter, integrate_power, per_unit
-from train.perf.flops import StepFlops, training_step_flops
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import StepTimer, percentiles
 
@@ -160,7 +160,8 @@ def test_module_flops_equals_the_encoders_own_count_and_a_hand_count_for_hf_bert
     """FLOPs for any module (train/perf/flops.py ModuleFlops): the built-in encoder's analytic count, and a hand
     count of a small Hugging Face BERT (2 FLOPs per multiply-add, backward = 2 x forward)."""
     from train.models.encoder import EncoderClassifier, resolve_spec
-    from train.perf.flops import ModuleFlops, StepFlops
+    from train.models.flops import StepFlops
+    from train.perf.flops import ModuleFlops
 
     spec = resolve_spec("tiny", 60, 5, 32, 0.1, num_layers=2, hidden_size=32, num_heads=2, ffn_size=64)
     enc = EncoderClassifier(spec)

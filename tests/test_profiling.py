@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from train.config.profiling import ProfileConfig
 from train.profiling import attribution as A
-from train.profiling.config import ProfileConfig
 from train.profiling.nsys import StaleExportError, check_fresh, export_stats, nsys_available, parse_stats_csv
 from train.profiling.ops import OpRecord, bytes_moved, estimated_flops
 from train.profiling.pyspy import PySpyPhase, ptrace_preflight

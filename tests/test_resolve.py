@@ -13,8 +13,8 @@ import yaml
 
 from train.config import RunConfig, load_config
 from train.data import batching_auto, prepare_data
-from train.distributed import DistContext
 from train.models import dropout
+from train.parallel.process_group import DistContext
 from train.resolve import decision_lines, resolve_run
 from train.run.training import run_training
 from train.setup import apply_threads_and_seed

@@ -22,7 +22,7 @@ FIRST, THEN = 3, 3  # steps before the checkpoint, steps after it
 def reshard_worker(rank: int, world: int, port: int, out: str) -> None:
     """One of 2 ranks: 3 steps on this rank's halves, a sharded checkpoint, 3 more steps; rank 0 writes the global
     batch's losses of the last 3."""
-    from train.distributed import teardown
+    from train.parallel.process_group import teardown
     from train.parallel.sharded_checkpoint import save_sharded
 
     ctx, _, model, trainer = sharded_rank(rank, world, port)

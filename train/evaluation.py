@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader
 
 from train.callbacks import Callback
 from train.data.batch import move, packed_inputs
-from train.distributed import DistContext, all_reduce_sum, any_rank
 from train.parallel.fsdp import EXHAUSTED, idle_forward, is_sharded, lockstep, reshard
+from train.parallel.process_group import DistContext, all_reduce_sum, any_rank
 from train.precision import PrecisionPolicy
 from train.shutdown import pause_point, requested_signal, stop_requested
 from train.tasks import Task, task_for

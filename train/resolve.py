@@ -29,8 +29,8 @@ from train.config import RunConfig
 from train.data import DataBundle
 from train.data.attention import AttentionChoice, apply_attention
 from train.data.batching_auto import apply_batching, choose_batching
-from train.distributed import DistContext, agreed, broadcast_from_main
 from train.models.dropout import decide_fast_dropout
+from train.parallel.process_group import DistContext, agreed, broadcast_from_main
 from train.parallel.strategy import decide_strategy
 from train.perf.probe_budget import ProbeBudget
 from train.precision import PrecisionDecision, PrecisionPolicy

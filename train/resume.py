@@ -30,11 +30,11 @@ import yaml
 
 from train.callbacks import Callback
 from train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from train.distributed import DistContext, agreed, any_rank, gather_to_main
 from train.errors import UserError, atomic_temps, atomic_write_text, describe_temps
 from train.models.adapter import has_adapter, model_state
 from train.models.export import special_tokens
 from train.parallel.fsdp import is_sharded
+from train.parallel.process_group import DistContext, agreed, any_rank, gather_to_main
 from train.parallel.sharded_checkpoint import SUFFIX, is_sharded_checkpoint, read_meta, save_sharded
 
 FORMAT = 1

@@ -169,7 +169,7 @@ def build_run(cfg: RunConfig, bundle, device: torch.device, policy: PrecisionPol
     """
     from train.compiling.warmup import start_compile
     from train.data import make_loader
-    from train.distributed import DistContext, wrap_model
+    from train.parallel.process_group import DistContext, wrap_model
     from train.trainer import Trainer
 
     ctx = ctx or DistContext()

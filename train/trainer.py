@@ -22,7 +22,6 @@ from train.clipping import clip_gradients
 from train.compat import fused_adamw_supported, local_tensor
 from train.config import RunConfig
 from train.data.batch import batch_samples, epochs, move, packed_inputs
-from train.distributed import DistContext, all_reduce_sum
 from train.errors import UserError
 from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.adapter import hold_frozen_base
@@ -30,6 +29,7 @@ from train.models.encoder import EncoderClassifier, param_groups
 from train.models.varlen import plan_pairs
 from train.numerics import NumericsGuard
 from train.parallel.fsdp import full_optimizer_state, load_optimizer_state
+from train.parallel.process_group import DistContext, all_reduce_sum
 from train.perf.timer import StepTimer
 from train.precision import DTYPES, PrecisionPolicy
 from train.profiling.ranges import null_ranges

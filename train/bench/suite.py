@@ -29,6 +29,7 @@ from train.data import prepare_data
 from train.data.causal_collate import CAUSAL_LM
 from train.data.tokenizer import load_or_train
 from train.errors import atomic_path, atomic_write_text
+from train.models.external import with_model_tokenizer
 from train.setup import start_run
 from train.tools.env import collect_env, machine_facts
 
@@ -72,7 +73,7 @@ def run_bench_suite(cfg: RunConfig, notice: Callable[[str], None] = print) -> di
         result["inference_unavailable_reason"] = "skipped (bench.skip_inference)"
     else:
         tok, _ = load_or_train(bundle.corpus.train.texts, cfg.data.vocab_size, cfg.data.cache_dir,
-                               cfg.data.tokenizer_path)
+                               with_model_tokenizer(cfg).data.tokenizer_path)
         result["inference"] = run_decoder_inference(cfg, bundle, notice) if cfg.model.task == CAUSAL_LM \
             else run_inference_bench(cfg, bundle, tok, device, notice)
     result["env"]["load_1min_at_end"] = machine_facts(device)["load_1min"]

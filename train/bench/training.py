@@ -24,10 +24,11 @@ from train.config import RunConfig, build_config, parse_override
 from train.config.hf_aliases import expand_hf_alias
 from train.data import DataBundle, pack_layout
 from train.errors import UserError
+from train.models.flops import step_flops_for
 from train.perf.ab import Arm, interleave
 from train.perf.devices import mfu_fields
 from train.perf.energy import EnergyMeter, per_unit
-from train.perf.flops import VARLEN_FLOPS_METHOD, step_flops_for
+from train.perf.flops import VARLEN_FLOPS_METHOD
 from train.perf.memory import WindowPeakMemory
 from train.perf.timer import percentiles
 from train.precision import PrecisionPolicy

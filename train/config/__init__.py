@@ -12,7 +12,6 @@ for typos, the nearest valid key.
 
 from __future__ import annotations
 
-from train.compiling.config import CompileConfig
 from train.config.bench import (
     BenchBatchingConfig,
     BenchCompileConfig,
@@ -21,22 +20,25 @@ from train.config.bench import (
     BenchPrecisionConfig,
     BenchTrackingConfig,
 )
+from train.config.compiling import CompileConfig
 from train.config.hf_aliases import expand_hf_alias
 from train.config.loading import DuplicateKeyError, StrictLoader, dump_config, load_config, parse_override, strict_load
 from train.config.memory import MemoryConfig
 from train.config.optimize import OptimizeConfig
-from train.config.run_config import DistConfig, RunConfig, build_config
-from train.config.sections import (
+from train.config.profiling import ProfileConfig
+from train.config.run_config import (
     BatchingConfig,
     ClipConfig,
     DataConfig,
+    DistConfig,
     ModelConfig,
     NumericsConfig,
     OptimConfig,
+    RunConfig,
     TrainConfig,
+    build_config,
 )
-from train.profiling.config import ProfileConfig
-from train.tracking.config import TrackingConfig
+from train.config.tracking import TrackingConfig
 
 __all__ = [
     "RunConfig", "build_config",

@@ -10,7 +10,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from train.compiling.config import CompileConfig
 from train.config.bench import (
     BenchBatchingConfig,
     BenchCompileConfig,
@@ -19,10 +18,12 @@ from train.config.bench import (
     BenchPrecisionConfig,
     BenchTrackingConfig,
 )
+from train.config.compiling import CompileConfig
 from train.config.dist import DistConfig
 from train.config.generate import GenerateConfig
 from train.config.memory import MemoryConfig
 from train.config.optimize import OptimizeConfig
+from train.config.profiling import ProfileConfig
 from train.config.sections import (
     BatchingConfig,
     ClipConfig,
@@ -32,9 +33,8 @@ from train.config.sections import (
     OptimConfig,
     TrainConfig,
 )
+from train.config.tracking import TrackingConfig
 from train.errors import Frozen, UserError
-from train.profiling.config import ProfileConfig
-from train.tracking.config import TrackingConfig
 
 
 @dataclass
@@ -74,10 +74,6 @@ class RunConfig(Frozen):
                 raise UserError("optim.clip_norm must be > 0 (disable clipping with clip.method=none)")
             self.clip.max_norm = float(legacy)
         self.optim.clip_norm = self.clip.max_norm if self.clip.method == "global-norm" else None
-        from train.models import model_dir_tokenizer
-
-        if self.data.tokenizer_path is None:  # the model directory's own tokenizer, if it has one
-            self.data.tokenizer_path = model_dir_tokenizer(self.model.source, self.data.cache_dir)
         if self.data.long_text == "split" and self.model.task != "causal-lm":
             raise UserError(f"data.long_text=split cuts a text into data.max_len chunks, each a causal-LM sample; "
                             f"model.task={self.model.task} has one label per text: set data.long_text=truncate")

@@ -186,10 +186,11 @@ class ModelConfig(Frozen):
         if theirs is not None and self.task != theirs:
             raise UserError(f"model.packed_attention={self.packed_attention} is for model.task={theirs} models; "
                             "set model.packed_attention=auto or sdpa-mask")
-        from train.models import source_kind
+        from train.config.source import check_model_dir, source_kind
 
         # preset's choices are train.models.encoder.PRESETS' keys (a test keeps them equal)
         kind = source_kind(self.source)  # UserError for a malformed source
+        check_model_dir(self.source)  # a missing hf:<dir> refused while the config is read, before a run directory
         from train.config.adapter import parse_adapter
 
         adapter = parse_adapter(self.adapter)

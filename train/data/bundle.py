@@ -23,6 +23,7 @@ from train.data.data_policy import nothing_left, untrainable_at, without
 from train.data.sources import Corpus, check_classes
 from train.data.tokenizer import TokenizedSplit
 from train.errors import UserError
+from train.models.external import with_model_tokenizer
 
 BUCKETED = ("optimal", "quantile", "kmeans")
 
@@ -155,7 +156,10 @@ _SCRATCH = re.compile(r"deep-model-perf-prepare\.(?P<pid>\d+)-(?P<ns>\d+)@(?P<ho
 def prepare_splits(cfg: RunConfig) -> cache.Prepared:
     """The corpus and its tokenized splits: from the prepared-data cache when an entry exists for this source
     content and these settings (train/data/cache.py), else built in bounded memory and stored.
-    ``data.cache_prepared=false`` always builds. Raises UserError for any bad input."""
+    ``data.cache_prepared=false`` always builds. A ``model.source=hf:<dir>`` without ``data.tokenizer_path`` reads
+    the directory's own tokenizer (:func:`~train.models.external.with_model_tokenizer`). Raises UserError for any bad
+    input."""
+    cfg = with_model_tokenizer(cfg)
     d = cfg.data
     if not d.cache_prepared:
         return _with_cache(_build(cfg), {"cache": "off", "cache_unavailable_reason": "data.cache_prepared=false"})

@@ -1,4 +1,5 @@
-"""Causal-LM batches (``/work/contract/causal-lm.md``), padded to a bucket bound or packed in rows, from samples
+"""Causal-LM batches (docs/models.md, "The causal-LM contract"), padded to a bucket bound or packed in rows, from
+samples
 ``(ids, n_prompt)`` (train/data/causal_prepare.py), and the task-aware choice of collate (:func:`pad_collate_for`,
 :func:`pack_collate_for`): classification keeps :class:`~train.data.collate.PadCollate` /
 :class:`~train.data.packing.PackCollate` as they are.

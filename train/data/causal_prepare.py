@@ -1,5 +1,5 @@
 """Prepared data for ``model.task=causal-lm``: the classification pipeline's files (train/data/prepare.py,
-train/data/cache.py), each sample a causal-LM sample (``/work/contract/causal-lm.md``).
+train/data/cache.py), each sample a causal-LM sample (docs/models.md, "The causal-LM contract").
 
 A sample's ids are ``[BOS] + prompt tokens + completion tokens + EOS`` (BOS when the tokenizer's roles say so:
 train/data/causal_tokenizer.py; a text row has no prompt), prompt and completion tokenized apart (no special tokens),

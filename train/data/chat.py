@@ -18,13 +18,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from train.errors import UserError
+from train.models.library import TEMPLATE_FILES, import_transformers
 
 ROLES = ("system", "user", "assistant")
 """The roles a chat row may use (the chat templates of instruction-tuned models know these; ``tool`` is not
 supported)."""
-TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
-"""Where a model directory keeps its chat template (transformers 5 writes the first; older saves the key
-``chat_template`` of the second)."""
 
 
 class ChatTemplate:
@@ -34,8 +32,6 @@ class ChatTemplate:
     ``apply_chat_template`` renders it (Jinja, sandboxed)."""
 
     def __init__(self, tokenizer_dir: Path) -> None:
-        from train.models.library import import_transformers
-
         self.dir = tokenizer_dir
         self.tok = import_transformers().AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
         if not getattr(self.tok, "chat_template", None):

@@ -32,7 +32,8 @@ class TokenizedSplit:
 
     Attributes:
         ids: list of int32 arrays, each ``[L_i]`` with ``L_i ≤ max_len``, special tokens included.
-        labels: int64 ``[N]`` class ids.
+        labels: int64 ``[N]``: a classifier's class ids; for a causal LM (train/data/causal_prepare.py) each
+            sample's ``n_prompt``, the number of leading prompt tokens that are context, not targets.
         lengths: int32 ``[N]``, ``lengths[i] == len(ids[i])`` (after truncation).
         truncated: how many examples were longer than ``max_len`` and were cut.
     """

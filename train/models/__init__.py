@@ -12,8 +12,8 @@ a ``hf:`` decoder (``hf:llama``, ``hf:qwen2``, ``hf:gpt2``, or an ``AutoModelFor
 :class:`~train.models.causal.ExternalCausalLM` instead: logits [B, T, V] per token (``causal.py``).
 transformers is imported only lazily, when a ``hf:`` source is built: ``import train`` never imports it.
 
-``external.py`` holds the logic (source kinds, the model directory's tokenizer, :func:`build_external`); this package
-re-exports it.
+``external.py`` holds the logic (the model directory's tokenizer, :func:`build_external`); this package re-exports
+it. ``model.source``'s forms are parsed by train/config/source.py.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from train.models.external import (
     build_external,
     model_dir_tokenizer,
     model_supports_packing,
-    source_kind,
+    with_model_tokenizer,
 )
 from train.models.wrap import ExternalClassifier, ExternalSpec
 
-__all__ = ["ExternalClassifier", "ExternalSpec", "ExternalCausalLM", "build_external", "source_kind",
+__all__ = ["ExternalClassifier", "ExternalSpec", "ExternalCausalLM", "build_external", "with_model_tokenizer",
            "model_dir_tokenizer", "model_supports_packing", "TOKENIZER_FILES", "DEFAULT_CACHE_DIR"]

@@ -153,15 +153,19 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: 
     model.load_state_dict(state, strict=False)
 
 
-def fresh_weights(cfg, hf_config: Optional[str]) -> bool:
+def skips_directory_weights(cfg, hf_config: Optional[str]) -> bool:
     """Whether the builder skips the model directory's weights: on a resume (``hf_config`` given) of full
     fine-tuning, whose checkpoint holds every weight; never for an adapter run, whose checkpoint holds the adapter
-    alone, so the base is built as the run built it. An adapter run seeds torch with ``train.seed`` first, so a base
-    from a random init (``hf:<model_type>``) is the same tensors in every process (:func:`base_fingerprint` checks)."""
-    if cfg.model.adapter is None:
-        return hf_config is not None
-    torch.manual_seed(cfg.train.seed)
-    return False
+    alone, so the base is built as the run built it. A pure question: nothing is seeded or read."""
+    return cfg.model.adapter is None and hf_config is not None
+
+
+def seed_adapter_base(cfg) -> None:
+    """Before an adapter run's base is built: seed torch with ``train.seed``, so that a base from a random init
+    (``hf:<model_type>``) is the same tensors in every process and on every resume (:func:`base_fingerprint` checks).
+    Nothing for full fine-tuning, whose checkpoint holds every weight."""
+    if cfg.model.adapter is not None:
+        torch.manual_seed(cfg.train.seed)
 
 
 def attach_configured_adapter(cfg, wrapper: nn.Module) -> None:

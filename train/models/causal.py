@@ -7,7 +7,7 @@
 
 An encoder (BERT, RoBERTa, …: a masked-LM architecture, or an encoder-decoder) is refused in one line.
 
-:class:`ExternalCausalLM` gives the trainer the contract's forward (``/work/contract/causal-lm.md``):
+:class:`ExternalCausalLM` gives the trainer the contract's forward (docs/models.md, "The causal-LM contract"):
 ``forward(input_ids, attention_mask, blocks_context, position_ids=None, seq_index=None, num_seqs=None)`` → fp32
 logits [B, T, V]; the loss is the task's (train/tasks/causal_lm.py), never the model's (no labels are passed).
 
@@ -79,7 +79,7 @@ def packed_attention_mask(allowed: torch.Tensor, attn_implementation: str, dtype
 
 
 class ExternalCausalLM(nn.Module):
-    """A Hugging Face causal LM called as the causal-LM task expects (``/work/contract/causal-lm.md``).
+    """A Hugging Face causal LM called as the causal-LM task expects (docs/models.md, "The causal-LM contract").
 
     forward(input_ids LongTensor[B, T], attention_mask BoolTensor[B, T] (True = real token), blocks_context,
     position_ids=None, seq_index=None, num_seqs=None) → logits FloatTensor[B, T, V], fp32 whatever precision the

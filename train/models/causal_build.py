@@ -124,7 +124,7 @@ def build_causal_lm(cfg, bundle, kind: str, hf_config: Optional[str] = None) -> 
             encoder / encoder-decoder / architecture without a causal-LM head, a vocabulary smaller than the
             tokenizer's, a position table shorter than ``data.max_len``, weights that do not fit the config.
     """
-    from train.models.adapter import attach_configured_adapter, fresh_weights
+    from train.models.adapter import attach_configured_adapter, seed_adapter_base, skips_directory_weights
     from train.models.hf import config_json, load_hf_model
     from train.models.wrap import ExternalSpec
 
@@ -134,7 +134,9 @@ def build_causal_lm(cfg, bundle, kind: str, hf_config: Optional[str] = None) -> 
                         "hf:<model dir> (an AutoModelForCausalLM directory) or hf:llama / hf:qwen2 / hf:gpt2")
     config = _causal_config(cfg, bundle, kind, hf_config)
     _check_causal_fits(cfg, bundle, config, kind)
-    inner = load_hf_model(cfg, config, kind, fresh=fresh_weights(cfg, hf_config), auto_class="AutoModelForCausalLM")
+    seed_adapter_base(cfg)
+    inner = load_hf_model(cfg, config, kind, fresh=skips_directory_weights(cfg, hf_config),
+                          auto_class="AutoModelForCausalLM")
     c = inner.config
     size = {k: int(getattr(c, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers")}
     spec = ExternalSpec(source=src, num_classes=0, vocab_size=int(c.vocab_size), max_len=cfg.data.max_len,

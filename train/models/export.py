@@ -100,8 +100,8 @@ def source_files(source: str, inner: nn.Module) -> dict[str, Any]:
     (``fp32`` | ``bf16`` | ``fp16``: config.json's ``torch_dtype`` / ``dtype``; fp32 for a random init)."""
     import json
 
-    from train.data.chat import TEMPLATE_FILES
-    from train.models.external import source_kind
+    from train.config.source import source_kind
+    from train.models.library import TEMPLATE_FILES
 
     d = Path(source[3:]).expanduser() if source.startswith("hf:") and source_kind(source) == "hf-dir" else None
 

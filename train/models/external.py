@@ -8,32 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
+from train.config.source import missing_dir, source_kind
 from train.errors import UserError
 from train.models.wrap import ExternalClassifier
 
 if TYPE_CHECKING:
+    from train.config import RunConfig
     from train.models.causal import ExternalCausalLM
-
-
-def source_kind(source: str) -> str:
-    """``builtin``, ``hf-dir``, ``hf-type`` or ``python`` for a ``model.source`` value.
-
-    A ``hf:`` value is a directory when it names an existing path or looks like one (contains ``/`` or starts
-    with ``.`` or ``~``); otherwise a model type.
-
-    Raises:
-        UserError: a value of none of these forms.
-    """
-    if source == "builtin":
-        return "builtin"
-    if source.startswith("hf:") and len(source) > 3:
-        rest = source[3:]
-        path_like = "/" in rest or rest.startswith((".", "~")) or Path(rest).expanduser().exists()
-        return "hf-dir" if path_like else "hf-type"
-    if source.startswith("python:") and source.count(":") == 2 and all(source.split(":")[1:]):
-        return "python"
-    raise UserError(f"model.source={source!r}: expected builtin, hf:<model dir>, hf:<model_type> (e.g. hf:bert) or "
-                    "python:package.module:function")
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "vocab.txt", "vocab.json", "merges.txt", "spiece.model",
@@ -44,6 +25,21 @@ DEFAULT_CACHE_DIR = ".cache/deep-model-perf"
 """``data.cache_dir``'s default (train/config/sections.py; not imported: train.config imports this package)."""
 
 _CONVERTED: dict[str, str] = {}  # model directory → its converted tokenizer.json (one conversion and notice a process)
+
+
+def with_model_tokenizer(cfg: "RunConfig") -> "RunConfig":
+    """``cfg`` with ``data.tokenizer_path`` set to the ``model.source=hf:<dir>`` directory's tokenizer
+    (:func:`model_dir_tokenizer`) where the user gave none and the directory has one; otherwise ``cfg`` itself.
+    Called where data is prepared (train/data/bundle.py), not while the config is parsed: the look-up reads files
+    and may convert a slow tokenizer.
+
+    Raises:
+        UserError: see :func:`model_dir_tokenizer`.
+    """
+    if cfg.data.tokenizer_path is not None:
+        return cfg
+    path = model_dir_tokenizer(cfg.model.source, cfg.data.cache_dir)
+    return cfg if path is None else cfg.with_values({"data.tokenizer_path": path}, "the model directory's tokenizer")
 
 
 def model_dir_tokenizer(source: str, cache_dir: Optional[str] = None) -> Optional[str]:
@@ -63,9 +59,7 @@ def model_dir_tokenizer(source: str, cache_dir: Optional[str] = None) -> Optiona
     if not source.startswith("hf:") or source_kind(source) != "hf-dir":
         return None
     d = Path(source[3:]).expanduser()
-    if not d.exists():  # said here, while the config is read: before data preparation needs the tokenizer
-        from train.models.pretrained import missing_dir
-
+    if not d.exists():
         raise missing_dir(source, d)
     tok = d / "tokenizer.json"
     if tok.is_file():

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from train.compat import hf_attn_implementation
+from train.config.source import missing_dir
 from train.errors import UserError
 from train.models.encoder import PRESETS
 from train.models.library import import_transformers
-from train.models.pretrained import missing_dir
 from train.models.wrap import ExternalClassifier, ExternalSpec
 
 PRESET_KEYS: dict[str, tuple[str, str, str, str]] = {
@@ -222,9 +222,10 @@ def build_hf(cfg, bundle, kind: str, hf_config: Optional[str] = None) -> Externa
     """The wrapped transformers model (see :func:`train.models.build_external`). Raises UserError (bad input)."""
     config = hf_model_config(cfg, bundle, kind, hf_config)
     _check_fits(cfg, bundle, config)
-    from train.models.adapter import attach_configured_adapter, fresh_weights
+    from train.models.adapter import attach_configured_adapter, seed_adapter_base, skips_directory_weights
 
-    inner = load_hf_model(cfg, config, kind, fresh=fresh_weights(cfg, hf_config))
+    seed_adapter_base(cfg)
+    inner = load_hf_model(cfg, config, kind, fresh=skips_directory_weights(cfg, hf_config))
     size = {k: int(getattr(config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers")}
     spec = ExternalSpec(source=cfg.model.source, num_classes=bundle.num_classes, vocab_size=int(config.vocab_size),
                         max_len=cfg.data.max_len, hidden_size=size["hidden_size"], num_layers=size["num_hidden_layers"],

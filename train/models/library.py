@@ -22,3 +22,8 @@ def import_transformers():
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars on stderr
     return transformers
+
+
+TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json")
+"""Where a Hugging Face model directory keeps its chat template (transformers 5 writes the first; older saves the key
+``chat_template`` of the second)."""

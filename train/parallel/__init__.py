@@ -1,2 +1,2 @@
 """Sharding a model over the ranks of a torchrun job (``dist.strategy``); the process group itself is
-train/distributed.py's."""
+train/parallel/process_group.py's."""

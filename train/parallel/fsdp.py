@@ -2,7 +2,7 @@
 
 Sharding: each transformer block (the model's largest ``nn.ModuleList`` of one module class: a Hugging Face decoder's
 ``layers``, the built-in encoder's ``layers``) becomes one FSDP2 unit, then the root (embeddings, final norm, head),
-over a 1-D device mesh of all ranks (CUDA → NCCL, CPU → Gloo; the process group is train/distributed.py's). Every
+over a 1-D device mesh of all ranks (CUDA → NCCL, CPU → Gloo; the process group is process_group.py's). Every
 parameter becomes a ``DTensor`` sharded on dimension 0 (uneven sizes: the last rank's shard is shorter); a unit's
 weights are all-gathered for its forward and backward and freed after, its gradients reduce-scattered. The optimizer,
 built after sharding, holds state for this rank's shards only.

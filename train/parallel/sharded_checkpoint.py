@@ -33,8 +33,8 @@ from torch import nn
 
 from train.checkpoint import load_checkpoint, save_checkpoint
 from train.compat import fsdp2_api, load_state
-from train.distributed import DistContext, agreed
 from train.errors import UserError
+from train.parallel.process_group import DistContext, agreed
 from train.shutdown import pause_point
 
 SUFFIX = ".dcp"

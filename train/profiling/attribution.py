@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from train.profiling.config import ProfileConfig
+from train.config.profiling import ProfileConfig
 from train.profiling.ops import FLOAT_DTYPES, OpRecord, bytes_moved, estimated_flops
 from train.profiling.ranges import STAGES
 

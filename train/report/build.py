@@ -18,10 +18,11 @@ from train.data.loaders import pack_layout
 from train.data.sampler import run_counts
 from train.errors import atomic_write_text
 from train.models.encoder import EncoderClassifier
+from train.models.flops import step_flops_for
 from train.numerics import NumericsAbort
 from train.perf.devices import mfu_fields
 from train.perf.energy import per_unit
-from train.perf.flops import VARLEN_FLOPS_METHOD, step_flops_for
+from train.perf.flops import VARLEN_FLOPS_METHOD
 from train.perf.memory import peak_memory
 from train.perf.timer import StepTimer
 from train.precision import PrecisionPolicy

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from train.compat import local_tensor
-from train.models import source_kind
+from train.config.source import source_kind
 from train.models.block_checkpoint import OFF_REASON
 
 BUCKETED = ("optimal", "quantile", "kmeans")

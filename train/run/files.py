@@ -12,8 +12,8 @@ import torch
 
 from train.config import dump_config
 from train.data import DataBundle
-from train.distributed import DistContext
 from train.errors import UserError, atomic_write_text
+from train.parallel.process_group import DistContext
 from train.resolve import Resolved
 
 

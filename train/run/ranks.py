@@ -11,8 +11,8 @@ import torch
 
 from train.config import RunConfig
 from train.data import DataBundle, prepare_data
-from train.distributed import DistContext, agreed, all_reduce_sum, broadcast_from_main
 from train.errors import UserError
+from train.parallel.process_group import DistContext, agreed, all_reduce_sum, broadcast_from_main
 from train.trainer import TrainStats
 
 

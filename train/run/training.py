@@ -22,12 +22,12 @@ from train.callbacks import AfterFirstStep
 from train.checkpoint import optimizer_state_for
 from train.compiling.warmup import warm_up_for_run
 from train.config import RunConfig
-from train.distributed import DistContext, agreed, any_rank, broadcast_from_main, init_distributed, teardown
 from train.errors import Interrupted, UserError, atomic_write_text
 from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.adapter import load_model_state
 from train.numerics import NumericsAbort
 from train.parallel.fsdp import check_fsdp, is_sharded
+from train.parallel.process_group import DistContext, agreed, any_rank, broadcast_from_main, init_distributed, teardown
 from train.parallel.sharded_checkpoint import load_sharded, load_whole
 from train.perf.energy import EnergyMeter
 from train.perf.memory import peak_memory, reset_peak

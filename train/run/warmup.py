@@ -9,8 +9,8 @@ from typing import Any
 from train.compiling.warmup import plan_all_shapes, warm_up_for_run
 from train.config import dump_config
 from train.data import prepare_data
-from train.distributed import DistContext
 from train.errors import Interrupted, UserError, atomic_write_text
+from train.parallel.process_group import DistContext
 from train.resolve import resolve_run
 from train.setup import apply_threads_and_seed, build_run
 from train.shutdown import ShutdownRequest
