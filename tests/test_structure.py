@@ -103,6 +103,35 @@ def test_no_module_over_the_line_cap() -> None:
     assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
 
 
+def folder_loops(graph: dict[str, set[str]]) -> list[str]:
+    """Pairs of top-level folders (``train.data``, ``train.models``, …; a top-level module is its own) that import
+    each other, in either direction, through any of their modules."""
+    def folder(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    edges = {(folder(a), folder(b)) for a, targets in graph.items() for b in targets if folder(a) != folder(b)}
+    return sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+
+
+def test_no_two_folders_import_each_other() -> None:
+    graph = import_graph(modules())
+    assert graph["train.data.bundle"] >= {"train.models.external"}  # the graph is really read
+    assert not folder_loops(graph), f"folder loops (move the shared piece below both): {folder_loops(graph)}"
+    assert folder_loops({"train.perf.flops": {"train.models.encoder"}, "train.models.dropout": {"train.perf.ab"},
+                         "train.data.x": {"train.errors"}}) == ["train.models <-> train.perf"]
+
+
+def test_commands_only_parse_and_config_runs_no_component() -> None:
+    """``train/commands/`` holds the command handlers alone (≤ 1.5k lines); ``train/config/`` imports nothing of the
+    package but its own modules and the core's errors: reading a config runs no component's code."""
+    lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (PKG / "commands").rglob("*.py"))
+    assert lines <= 1500, f"train/commands/ has {lines} lines: move engine code out (train/run/, bench/, optimize/)"
+    graph = import_graph(modules())
+    foreign = sorted(f"{a} imports {b}" for a, targets in graph.items() if a.startswith("train.config")
+                     for b in targets if not b.startswith("train.config") and b != "train.errors")
+    assert not foreign, f"parsing a config runs a component's code: {foreign}"
+
+
 def hand_timed_functions(path: Path) -> list[str]:
     """Functions that both synchronise the device and read ``perf_counter`` themselves (nested functions
     counted on their own)."""
