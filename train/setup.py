@@ -234,14 +234,16 @@ def chunked_loss_decision(cfg: RunConfig, model: torch.nn.Module, policy: Precis
 
 def projected_steps(cfg: RunConfig, bundle: Any, device: torch.device) -> int:
     """The optimizer steps a run will take: ``train.max_steps``, else ``train.epochs`` × the training loader's batches
-    (a loader of its own, as :func:`first_train_batch`): what ``train.probe_budget`` is a share of."""
+    ÷ ``train.grad_accum`` (a loader of its own, as :func:`first_train_batch`): what ``train.probe_budget`` is a share
+    of."""
     import math
 
     from train.data import make_loader
 
     if cfg.train.max_steps is not None:
         return int(cfg.train.max_steps)
-    return max(1, math.ceil(cfg.train.epochs * len(make_loader(bundle, "train", cfg, train=True, device=device))))
+    batches = len(make_loader(bundle, "train", cfg, train=True, device=device))
+    return max(1, math.ceil(cfg.train.epochs * batches / cfg.train.grad_accum))
 
 
 def first_train_batch(cfg: RunConfig, bundle: Any, device: torch.device) -> dict:

@@ -4,8 +4,9 @@ loop counted over all of them (:class:`TrainStats`: the report is built from it)
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -25,7 +26,8 @@ class TrainStats:
     truncated_in_collate: int = 0
     seq_lens: set = field(default_factory=set)
     batch_shapes: set = field(default_factory=set)
-    steady_shape_counts: Counter = field(default_factory=Counter)  # (B, S) → steps, first step excluded
+    steady_shape_counts: Counter = field(default_factory=Counter)  # (B, S) → micro-batches, first step excluded
+    steady_steps: int = 0  # optimizer steps, first step excluded
     steady_attention_pairs: int = 0  # varlen attention: per-head query–key pairs computed, first step excluded
     final_train_loss: Optional[float] = None
     first_step_end: Optional[float] = None  # time.perf_counter() at the end of step 1
@@ -40,10 +42,11 @@ class TrainStats:
         self.target_tokens += rec.target_tokens
         self.padded_tokens += rec.padded_tokens
         self.truncated_in_collate += rec.truncated
-        self.seq_lens.add(rec.seq_len)
-        self.batch_shapes.add((rec.rows, rec.seq_len))
+        self.seq_lens.update(s for _, s in rec.shapes)
+        self.batch_shapes.update(rec.shapes)
         if steady:
-            self.steady_shape_counts[(rec.rows, rec.seq_len)] += 1
+            self.steady_shape_counts.update(rec.shapes)  # per micro-batch: what the FLOPs count multiplies
+            self.steady_steps += 1
             self.steady_samples += rec.samples
             self.steady_real_tokens += rec.real_tokens
             self.steady_target_tokens += rec.target_tokens
@@ -75,12 +78,59 @@ class StepRecord:
     ms: Optional[float] = None
     target_tokens: int = 0
     attention_pairs: int = 0
+    shapes: tuple = ()
+    """The ``(rows, seq_len)`` of each micro-batch (``train.grad_accum``); empty: one, ``(rows, seq_len)``."""
+
+    def __post_init__(self) -> None:
+        if not self.shapes:
+            object.__setattr__(self, "shapes", ((self.rows, self.seq_len),))
 
     @property
     def padded_tokens(self) -> int:
-        """Token slots the step processed (rows × seq_len), padding included."""
-        return self.rows * self.seq_len
+        """Token slots the step processed, padding included: Σ rows × seq_len over its micro-batches."""
+        return sum(b * s for b, s in self.shapes)
+
+    @classmethod
+    def of_micro_batches(cls, step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor], micro: list[dict],
+                         ms: Optional[float], attention_pairs: Callable[[dict], int]) -> "StepRecord":
+        """The record of a step over ``micro`` (its batches, as the loaders give them: ``input_ids`` [B, S] and
+        their counts): rows and counts summed, ``seq_len`` the last micro-batch's, padded tokens Σ B·S;
+        ``attention_pairs(batch)``: a batch's varlen query–key pairs (0 where none)."""
+        from train.data.batch import batch_samples
+
+        shapes = [tuple(m["input_ids"].shape) for m in micro]
+        return cls(step=step, loss=loss, grad_norm=grad_norm, rows=sum(b for b, _ in shapes), seq_len=shapes[-1][1],
+                   samples=sum(batch_samples(m) for m in micro), real_tokens=sum(int(m["real_tokens"]) for m in micro),
+                   truncated=sum(int(m.get("truncated", 0)) for m in micro), ms=ms,
+                   target_tokens=sum(int(m.get("target_tokens", 0)) for m in micro),
+                   attention_pairs=sum(attention_pairs(m) for m in micro), shapes=tuple(shapes))
 
     def counts(self) -> dict[str, int]:
         """The step's work as numbers that add up over steps (what an A/B window sums)."""
         return {"samples": self.samples, "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens}
+
+
+def window_record(step: int, window: dict, numerics: dict, *, epoch: int, lr: float, scaler: Any, dist: Any,
+                  device: torch.device) -> dict[str, Any]:
+    """One metrics record of a logging window (``window``: steps, ms, samples, real and padded tokens of this rank;
+    ``numerics``: the guard's window, whose ``loss`` is the mean over the window's non-skipped steps). Over ranks:
+    the loss is the mean of the ranks' step losses — each rank's is its share of the global-batch loss times the
+    world size (train/accumulation.py), so the mean is that loss —, samples and tokens summed, time this rank's."""
+    from train.parallel.process_group import all_reduce_sum
+
+    n, numerics = window["steps"], dict(numerics)
+    loss = numerics.pop("loss")
+    if dist.enabled:
+        totals = all_reduce_sum(torch.tensor([loss if loss is not None else float("nan"), window["samples"],
+                                              window["real"], window["padded"]], dtype=torch.float64, device=device),
+                                dist)
+        loss = float(totals[0]) / dist.world_size
+        window = {**window, "samples": int(totals[1]), "real": int(totals[2]), "padded": int(totals[3])}
+    secs = window["ms"] / 1e3
+    record = {"step": step, "epoch": epoch, "loss": loss, "lr": lr,
+              "step_time_ms": window["ms"] / n, "samples_per_s": window["samples"] / secs if secs else None,
+              "real_tokens": window["real"], "padded_tokens": window["padded"],
+              "token_efficiency": window["real"] / window["padded"], "steps_in_window": n, **numerics}
+    if scaler is not None:
+        record["loss_scale"] = float(scaler.get_scale())
+    return record

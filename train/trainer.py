@@ -12,16 +12,17 @@ import dataclasses
 import math
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader
 
+from train.accumulation import gradient_sync, loss_weights, sync_owner, target_count
 from train.callbacks import Callback
 from train.clipping import clip_gradients
 from train.compat import fused_adamw_supported, local_tensor
 from train.config import RunConfig
-from train.data.batch import batch_samples, epochs, move, packed_inputs
+from train.data.batch import epochs, move, packed_inputs
 from train.errors import UserError
 from train.evaluation import EvaluationAbandoned, evaluate
 from train.models.adapter import hold_frozen_base
@@ -29,11 +30,11 @@ from train.models.encoder import EncoderClassifier, param_groups
 from train.models.varlen import plan_pairs
 from train.numerics import NumericsGuard
 from train.parallel.fsdp import full_optimizer_state, load_optimizer_state
-from train.parallel.process_group import DistContext, all_reduce_sum
+from train.parallel.process_group import DistContext
 from train.perf.timer import StepTimer
 from train.precision import DTYPES, PrecisionPolicy
 from train.profiling.ranges import null_ranges
-from train.step_record import StepRecord, TrainStats
+from train.step_record import StepRecord, TrainStats, window_record
 from train.tasks import task_for
 from train.tasks.base import LossHead
 from train.tools.progress import progress_bar
@@ -98,7 +99,7 @@ class Trainer:
             batches_per_epoch = len(train_loader)
             if batches_per_epoch == 0:
                 raise RuntimeError("the training loader yields no batches")
-            self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * batches_per_epoch))
+            self.total_steps = t.max_steps or max(1, math.ceil(t.epochs * batches_per_epoch / t.grad_accum))
         o = cfg.optim
         at = local_tensor(next(model.parameters())).device  # where AdamW steps: the host under dist.offload
         fused = fused_adamw_supported(at) if o.fused is None else o.fused
@@ -162,11 +163,15 @@ class Trainer:
     def _varlen(self) -> bool:  # packed rows run varlen attention: the step counts its query–key pairs for FLOPs
         return getattr(self.model, "packed_attention", None) == "varlen"
 
-    def step(self, batch: Optional[dict] = None, *, resolve: bool = False, count: bool = True) -> StepRecord:
-        """One training step — the only code in this project that runs one: fetch (``batch`` None: the next batch
-        of ``train_loader``, the wait timed as part of the step), move to the device, forward (packed rows with their
-        positions and block mask), fp32 cross-entropy, backward, unscale, clip (``clip.method``), the numerics guard
-        (a non-finite step is skipped and counted on the device, no host sync), optimizer and scheduler step.
+    def step(self, batch: Union[dict, list[dict], None] = None, *, resolve: bool = False,
+             count: bool = True) -> StepRecord:
+        """One training step — the only code in this project that runs one: fetch (``batch`` None: the next
+        ``train.grad_accum`` batches of ``train_loader``, the wait timed as part of the step; a list: those
+        micro-batches; a dict: that one), move to the device, per micro-batch forward (packed rows with their
+        positions and block mask), fp32 cross-entropy weighted by the global target count (train/accumulation.py;
+        the ranks exchange gradients on the last micro-batch only) and backward, then unscale, clip
+        (``clip.method``), the numerics guard (a non-finite step is skipped and counted on the device, no host sync),
+        optimizer and scheduler step.
 
         ``count`` (default): time the step with ``self.timer`` (``resolve``: read its duration now, a device sync on
         CUDA; the first counted step always is: time to first step) and add it to ``self.stats`` and the logging
@@ -177,33 +182,23 @@ class Trainer:
         if count:
             self.timer.start()
         with self.ranges("data_wait"):
-            if batch is None:
-                batch = self.next_batch()
-            ids, mask, labels = move(batch, self.device)
-            packed = packed_inputs(batch, self.device)
-        with self.ranges("forward"):
-            with self.guard.forward_context():  # hooks only while diagnosing a bad step
-                logits = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # [B or N, C] fp32
-        with self.ranges("loss"):
-            loss = self.loss(logits, labels)  # fp32, outside autocast (classification: logits [B or N, C])
+            micro = [self.next_batch() for _ in range(self.cfg.train.grad_accum)] if batch is None else \
+                list(batch) if isinstance(batch, list) else [batch]
+            inputs = [(*move(b, self.device), packed_inputs(b, self.device)) for b in micro]
+            weights = loss_weights([target_count(x[2]) for x in inputs], self.dist)  # one all-reduce on 2+ ranks
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
-        with self.ranges("backward"):
-            self.policy.backward(loss)
+        loss = self._forward_backward(inputs, weights)
         with self.ranges("optimizer"):
             self.policy.unscale_(self.optimizer)  # clip in true units
             clip = clip_gradients(self.model.parameters(), **dataclasses.asdict(self.cfg.clip))
             self.guard.step(self.policy, self.optimizer, self.guard.observe(loss, clip))
             self.scheduler.step()
         ms = self.timer.stop(resolve=resolve or first) if count else None
-        b, seq = ids.shape
-        rec = StepRecord(step=self.stats.steps + 1, loss=loss.detach(), grad_norm=clip.grad_norm, rows=b, seq_len=seq,
-                         samples=batch_samples(batch), real_tokens=int(batch["real_tokens"]),
-                         truncated=int(batch.get("truncated", 0)), ms=ms,
-                         target_tokens=int(batch.get("target_tokens", 0)),
-                         attention_pairs=plan_pairs(batch["seq_index"]) if self._varlen and "seq_index" in batch else 0)
-        self.last_grad_norm, self.last_batch_shape = clip.grad_norm, (b, seq)
-        self._last_inputs = (ids, mask, labels, packed)
+        rec = StepRecord.of_micro_batches(self.stats.steps + 1, loss, clip.grad_norm, micro, ms, lambda m: plan_pairs(
+            m["seq_index"]) if self._varlen and "seq_index" in m else 0)
+        self.last_grad_norm, self.last_batch_shape = clip.grad_norm, (rec.rows, rec.seq_len)
+        self._last_inputs = inputs[-1]
         if count:
             self._counted += 1
             if first:
@@ -213,6 +208,24 @@ class Trainer:
             w["steps"], w["samples"] = w["steps"] + 1, w["samples"] + rec.samples
             w["real"], w["padded"] = w["real"] + rec.real_tokens, w["padded"] + rec.padded_tokens
         return rec
+
+    def _forward_backward(self, inputs: list[tuple], weights: Optional[list[torch.Tensor]]) -> torch.Tensor:
+        """Forward, loss and backward of each micro-batch (``weights``: :func:`~train.accumulation.loss_weights`'s,
+        None: the one micro-batch's mean as it is); the step's loss (detached, fp32): its weighted sum."""
+        owner = sync_owner(self.train_model, self.model) if len(inputs) > 1 else None
+        total: Optional[torch.Tensor] = None
+        for i, (ids, mask, labels, packed) in enumerate(inputs):
+            with gradient_sync(owner, i == len(inputs) - 1):
+                with self.ranges("forward"):
+                    with self.guard.forward_context():  # hooks only while diagnosing a bad step
+                        output = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # fp32
+                with self.ranges("loss"):
+                    loss = self.loss(output, labels)  # fp32, outside autocast
+                    loss = loss if weights is None else loss * weights[i]
+                with self.ranges("backward"):
+                    self.policy.backward(loss)
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The task's loss of a training forward's ``output``: logits, or the hidden states of a model whose
@@ -296,23 +309,9 @@ class Trainer:
 
     def _log_record(self, step: int, window: dict) -> dict[str, Any]:
         self.settle_times()
-        n = window["steps"]
-        numerics = self.guard.end_window(n)  # sync point: once per log_every steps
-        loss = numerics.pop("loss")  # mean over the window's non-skipped steps
-        if self.dist.enabled:  # mean loss over ranks; samples and tokens summed over ranks (time: this rank's)
-            totals = all_reduce_sum(torch.tensor([loss if loss is not None else float("nan"), window["samples"],
-                                                  window["real"], window["padded"]], dtype=torch.float64,
-                                                 device=self.device), self.dist)
-            loss = float(totals[0]) / self.dist.world_size
-            window = {**window, "samples": int(totals[1]), "real": int(totals[2]), "padded": int(totals[3])}
-        secs = window["ms"] / 1e3
-        record = {"step": step, "epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                  "step_time_ms": window["ms"] / n, "samples_per_s": window["samples"] / secs if secs else None,
-                  "real_tokens": window["real"], "padded_tokens": window["padded"],
-                  "token_efficiency": window["real"] / window["padded"], "steps_in_window": n, **numerics}
-        if self.policy.scaler is not None:
-            record["loss_scale"] = float(self.policy.scaler.get_scale())
-        return record
+        return window_record(step, window, self.guard.end_window(window["steps"]), epoch=self.epoch,  # a sync point
+                             lr=self.scheduler.get_last_lr()[0], scaler=self.policy.scaler, dist=self.dist,
+                             device=self.device)
 
     def state_dict(self, whole_optimizer: bool = True) -> dict[str, Any]:
         """The training state every rank shares: progress, optimizer, scheduler, GradScaler, evaluations.

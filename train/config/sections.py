@@ -272,6 +272,9 @@ class TrainConfig(Frozen):
     """Optimizer steps to run; None = ``epochs`` full passes over the training split."""
     epochs: float = allowed(1.0, gt=0)
     """Passes over the training split when ``max_steps`` is null."""
+    grad_accum: int = allowed(1, ge=1)
+    """Micro-batches per optimizer step (gradient accumulation): the step's loss is the sum of per-target losses over
+    every micro-batch on every rank divided by their global number of targets (train/accumulation.py)."""
     eval_every: int = allowed(500, ge=1)
     """Evaluate on the validation split every N steps (and always at the end)."""
     log_every: int = allowed(10, ge=1)

@@ -251,7 +251,7 @@ def efficiency_fields(model: EncoderClassifier, stats: TrainStats, steady_s: flo
         method += VARLEN_FLOPS_METHOD
     achieved = steady_flops / steady_s if steady_s > 0 and steady_flops else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    out = {"flops_per_step_mean": steady_flops / max(1, sum(stats.steady_shape_counts.values())),
+    out = {"flops_per_step_mean": steady_flops / max(1, stats.steady_steps),
            "flops_method": method, **mfu_fields(achieved, device, name, precision)}
     out.update(per_unit(energy, stats.steps, stats.samples, stats.real_tokens))
     return out

@@ -19,7 +19,7 @@ the checkpoint's precision): a moved file with the same content resumes."""
 MOVED_FILES = {"data.source": "the same data", "data.wordnet_dir": "the same data",
                "data.tokenizer_path": "the same tokenizer"}
 """Of those, the files: another path to the same content is applied and listed with what was checked."""
-FIXED_KEYS = {"train.seed"}
+FIXED_KEYS = {"train.seed", "train.grad_accum"}  # grad_accum: the global batch of every later step
 NOT_SETTINGS = {"train.run_id", "train.output_dir", "train.overwrite", "train.resume_apply"}
 APPLICABLE = ("optim.lr",)
 """Fixed keys that ``train.resume_apply`` applies for real (:func:`apply_lr`)."""

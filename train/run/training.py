@@ -231,7 +231,8 @@ def _build(resolved: Resolved, checkpoint: Optional[Checkpoint], run_dir: Path, 
     model_name = cfg.model.preset if cfg.model.source == "builtin" else cfg.model.source
     say(f"model: {model_name}, {sum(p.numel() for p in built.model.parameters()) / 1e6:.2f}M parameters; "
         f"{built.trainer.total_steps} steps ({len(built.loaders['train'])} "
-        f"batch{'es' if len(built.loaders['train']) != 1 else ''} per epoch per rank)", flush=True)
+        f"batch{'es' if len(built.loaders['train']) != 1 else ''} per epoch per rank"
+        f"{f', {cfg.train.grad_accum} per step (train.grad_accum)' if cfg.train.grad_accum > 1 else ''})", flush=True)
     if checkpoint is not None:
         _restore_trainer(built, checkpoint, ctx, say)
     return Run(ctx, device, run_dir, t_start, data_s, say, checkpoint, resolved, built, tracking)
