@@ -105,11 +105,19 @@ def test_a_classifier_accumulates_micro_batches_of_unequal_samples_as_one_batch(
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-# rank 0 holds 8 trained targets of its step, rank 1 holds 24 (1 : 3), in batches of the same shape
+# rank 0 holds 8 trained targets of its step, rank 1 holds 24 (1 : 3), in batches of the same shape; accumulated:
+# each rank's step is 2 micro-batches of unequal sizes besides (rank 0: 3 + 8 targets, rank 1: 24 + 11)
 HALVES = [(2, 12, 8), (2, 12, 24)]
+EXTRA = [(1, 7, 3), (3, 9, 11)]
 
 
-def rank_worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
+def rank_micro(step: int, rank: int, accumulate: bool) -> list[dict]:
+    """Rank ``rank``'s micro-batches of step ``step``."""
+    first = [causal_micro(step, 10 + rank, *EXTRA[rank])] if accumulate else []
+    return first + [causal_micro(step, rank, *HALVES[rank])]
+
+
+def rank_worker(rank: int, world: int, port: int, strategy: str, accumulate: bool, out: str) -> None:
     """One Gloo rank: the tiny Llama wrapped by the product (DDP or FSDP2), a Trainer on it, 3 steps on this rank's
     half; rank 0 writes the losses and every parameter (gathered whole)."""
     import os
@@ -128,7 +136,7 @@ def rank_worker(rank: int, world: int, port: int, strategy: str, out: str) -> No
         trainer.train_model = forward
         losses = []
         for step in range(STEPS):
-            rec = trainer.step(causal_micro(step, rank, *HALVES[rank]))
+            rec = trainer.step(rank_micro(step, rank, accumulate))
             summed = rec.loss.clone()
             torch.distributed.all_reduce(summed)
             losses.append(float(summed) / world)  # the logged loss: the mean over ranks of their step losses
@@ -140,13 +148,53 @@ def rank_worker(rank: int, world: int, port: int, strategy: str, out: str) -> No
         teardown(ctx)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=needs_fsdp2)])
-def test_two_ranks_with_one_to_three_targets_equal_one_process_on_the_union(tmp_path: Path, strategy: str) -> None:
+@pytest.mark.parametrize("strategy, accumulate", [("ddp", False), ("ddp", True),
+                                                  pytest.param("fsdp", False, marks=needs_fsdp2),
+                                                  pytest.param("fsdp", True, marks=needs_fsdp2)],
+                         ids=["ddp", "ddp-accumulated", "fsdp", "fsdp-accumulated"])
+def test_two_ranks_with_unequal_targets_equal_one_process_on_the_union(tmp_path: Path, strategy: str,
+                                                                       accumulate: bool) -> None:
+    """Accumulated: the ranks exchange gradients on the last micro-batch only (DDP ``no_sync``, FSDP2
+    ``set_requires_gradient_sync``), the union is every micro-batch of both ranks."""
     ref = trainer_for(tiny_llama(), False)
-    losses = [float(ref.step(union([causal_micro(step, r, *HALVES[r]) for r in (0, 1)])).loss) for step in range(STEPS)]
-    mp.spawn(rank_worker, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    losses = [float(ref.step(union([m for r in (0, 1) for m in rank_micro(step, r, accumulate)])).loss)
+              for step in range(STEPS)]
+    mp.spawn(rank_worker, args=(2, free_port(), strategy, accumulate, str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "ranks.pt")
     assert got["losses"] == pytest.approx(losses, abs=1e-5)
     for name, param in ref.model.named_parameters():
         torch.testing.assert_close(got["params"][name], param.detach(), atol=1e-5, rtol=0,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_non_final_micro_batches_skip_the_gradient_exchange() -> None:
+    import contextlib
+
+    from train.accumulation import gradient_sync, sync_owner
+
+    calls: list[str] = []
+
+    class DDPLike(torch.nn.Module):
+        @contextlib.contextmanager
+        def no_sync(self):
+            calls.append("no_sync in")
+            yield
+            calls.append("no_sync out")
+
+    class FSDPLike(torch.nn.Module):
+        def set_requires_gradient_sync(self, on: bool) -> None:
+            calls.append(f"sync {on}")
+
+    class Compiled:  # a compiled forward keeps its module as .model
+        def __init__(self, model) -> None:
+            self.model = model
+
+    ddp, fsdp, plain = DDPLike(), FSDPLike(), torch.nn.Linear(1, 1)
+    assert sync_owner(Compiled(ddp), plain) is ddp and sync_owner(plain, fsdp) is fsdp
+    assert sync_owner(plain, Compiled(plain)) is None
+    for owner in (ddp, fsdp):
+        for last in (False, True):
+            with gradient_sync(owner, last):
+                calls.append("backward")
+    assert calls == ["no_sync in", "backward", "no_sync out", "backward",
+                     "sync False", "backward", "sync True", "backward"]
