@@ -207,14 +207,75 @@ def test_fresh_process_first_response_is_null_with_a_reason_where_compile_cannot
     assert "no dynamo" in got["unavailable_reason"]
 
 
-def test_fresh_process_children_that_did_not_see_cold_then_warm_are_an_error(tmp_path) -> None:
+def test_fresh_process_children_that_did_not_see_cold_then_warm_give_a_null_ratio_with_the_reason(tmp_path) -> None:
+    """A first request that ends at its first token compiles no decode step: the warm child finds the cache cold.
+    The figures stay, the ratio is null with that reason; the run goes on (it used to end in a traceback)."""
     from train.generate.first_response import fresh_process_first_response
 
     def runner(cmd, out):
-        return {"cache_state": "cold", "first_response_s": 1.0, "time_to_first_response_s": 2.0}
+        return {"cache_state": "cold", "first_response_s": 1.0, "time_to_first_response_s": 2.0, "output_tokens": 1}
 
-    with pytest.raises(RuntimeError, match="cold/cold, expected cold/warm"):
-        fresh_process_first_response(None, None, [], tmp_path, runner=runner)
+    got = fresh_process_first_response(None, None, [], tmp_path, runner=runner)
+    assert got["warm_over_cold_first_response"] is None and got["cold"]["first_response_s"] == 1.0
+    assert "cold/cold, not cold/warm" in got["unavailable_reason"] and "first token" in got["unavailable_reason"]
+
+
+def test_one_token_answers_have_no_tpot_counted_and_said() -> None:
+    one = [RequestTiming(sent=0.0, token_times=[0.1]), RequestTiming(sent=0.0, token_times=[0.2])]
+    fig = summarize(one)
+    assert fig["tpot_ms"]["p50"] is None and fig["one_token_requests"] == 2
+    assert "ended at its first token" in fig["tpot_unavailable_reason"]
+    mixed = summarize(one + [RequestTiming(sent=0.0, token_times=[0.1, 0.3])])
+    assert mixed["tpot_ms"]["p50"] == pytest.approx(200) and mixed["one_token_requests"] == 2
+    assert "tpot_unavailable_reason" not in mixed
+
+
+def test_a_forced_path_serves_itself_and_the_reference_only() -> None:
+    from train.bench.generate import served_paths
+
+    avail = {"dynamic": None, "static-compile": None, "continuous": None}
+    assert served_paths("auto", avail) == ["dynamic", "static-compile", "continuous"]
+    assert served_paths("continuous", avail) == ["dynamic", "continuous"]
+    assert served_paths("dynamic", {**avail, "continuous": "not here"}) == ["dynamic"]
+
+
+def test_bench_generate_with_one_new_token_and_a_failing_path_finishes_with_nulls_and_reasons(
+        wndb, tmp_path, monkeypatch) -> None:
+    """``generate.max_new_tokens=1`` (every answer one token: TPOT undefined) on a random-init tiny Llama, with
+    ``continuous`` failing while it warms up: generate.json is written, the failing path left out with its error,
+    TPOT null with the reason, and the summary line prints (it used to crash on a None TPOT)."""
+    from tests.conftest import tiny_overrides
+    from train.bench.generate import run_bench_generate, summary_line, write_outputs
+    from train.generate import engines, serving
+
+    real_serve = engines.serve
+
+    def serve(model, path, *args, **kwargs):
+        if path == "continuous":
+            raise RuntimeError("the engine broke")
+        return real_serve(model, path, *args, **kwargs)
+
+    monkeypatch.setattr(serving, "serve", serve)
+    monkeypatch.setattr(serving, "continuous", lambda *a, **k: serve(None, "continuous"))
+    monkeypatch.setattr(serving, "available_paths", lambda m: {"dynamic": None, "continuous": None,
+                                                               "static-compile": "left out (compile time)"})
+    monkeypatch.setattr("train.bench.generate.available_paths", serving.available_paths)
+    llama = ("model.hf_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 4, "
+             "num_key_value_heads: 2, intermediate_size: 64}")
+    cfg = load_config(None, tiny_overrides(
+        wndb, tmp_path, "model.task=causal-lm", "model.source=hf:llama", llama, "data.vocab_size=300",
+        "generate.max_new_tokens=1", "generate.requests=3", "generate.fresh_process=false", "bench.rounds=2",
+        "generate.profile_requests=0", "generate.load_levels=0.5"))
+    lines: list[str] = []
+    result = run_bench_generate(cfg, None, tmp_path / "out", notice=lines.append)
+    line = summary_line(result, write_outputs(result, tmp_path / "out"))
+    failed = result["warm"]["continuous"]
+    assert failed["warmup_s"] is None and "the engine broke" in failed["error"]
+    assert "continuous" not in result["batched"] and result["chosen_path"] == "dynamic"
+    batched = result["batched"]["dynamic"]
+    assert batched["tpot_ms"]["p50"] is None and batched["one_token_requests"] == 3
+    assert "no TPOT (every request ended at its first token" in line
+    assert any("continuous failed while warming up" in m for m in lines)
 
 
 def test_the_decode_profile_puts_each_ops_self_time_in_one_category_and_the_rest_in_python() -> None:

@@ -66,11 +66,17 @@ def _fresh_process(cfg, run_dir: Optional[str], command: tuple[Optional[str], li
     if not cfg.generate.fresh_process:
         return None
     notice(f"bench-generate: two fresh processes on {FRESH_PATH}, the compile cache cold then warm")
-    fresh = fresh_process_first_response(run_dir, *command, out_dir, unavailable=avail[FRESH_PATH])
-    if fresh.get("cold"):
+    try:
+        fresh = fresh_process_first_response(run_dir, *command, out_dir, unavailable=avail[FRESH_PATH])
+    except RuntimeError as exc:  # a child that failed: this figure is null, the run goes on
+        fresh = {"cold": None, "warm": None, "warm_over_cold_first_response": None,
+                 "unavailable_reason": " ".join(str(exc).split())[:500]}
+    if fresh.get("warm_over_cold_first_response") is not None:
         notice(f"bench-generate: first response of a fresh process {fresh['cold']['first_response_s']:.2f} s on a "
                f"cold cache, {fresh['warm']['first_response_s']:.2f} s on a warm one "
                f"(warm/cold {fresh['warm_over_cold_first_response']:.2f})")
+    elif fresh.get("unavailable_reason"):
+        notice(f"bench-generate: no fresh-process first-response figure: {fresh['unavailable_reason']}")
     return fresh
 
 
@@ -142,7 +148,7 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     avail = available_paths(served.model)
     if g.path != "auto" and avail[g.path] is not None:
         raise UserError(f"generate.path={g.path}: {avail[g.path]}")
-    paths = [p for p in PATHS if avail[p] is None]
+    paths = served_paths(g.path, avail)
     first = serve(served.model, paths[0], prompts[:1], gen, 1)[0]
     cold = {"first_response_s": first.token_times[-1] - t0, "includes": "model load, prompts, the first request"}
     fresh = _fresh_process(cfg, run_dir, command, out_dir, avail, notice)
@@ -152,6 +158,29 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
             "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
             "paths": {p: why for p, why in avail.items()}, **result,
             "first_response": {"cold": cold, "warm": result.pop("warm"), "fresh_process": fresh}}
+
+
+def served_paths(path: str, avail: dict[str, Optional[str]]) -> list[str]:
+    """The paths a run serves: every one that runs here for ``generate.path=auto``; a forced path and ``dynamic``,
+    the reference the greedy comparison needs, otherwise."""
+    runs = [p for p in PATHS if avail[p] is None]
+    return runs if path == "auto" else [p for p in runs if p in ("dynamic", path)]
+
+
+def summary_line(result: dict[str, Any], path: Path) -> str:
+    """The console's last line of ``bench-generate``: the chosen path, its batched throughput and TPOT (or why
+    there is none), whether greedy outputs agreed, where the files are."""
+    b = result["batched"][result["chosen_path"]]
+    tpot = b["tpot_ms"]["p50"]
+    tpot_text = f"TPOT p50 {tpot:.1f} ms" if tpot is not None else \
+        f"no TPOT ({b.get('tpot_unavailable_reason', 'no request produced two tokens')})"
+    rate = b["output_tokens_per_s"]
+    rate_text = f"{rate:.1f} output tokens/s" if rate is not None else "output tokens/s n/a (no measurable span)"
+    same = {True: "identical", False: "DIFFERENT (generate.json names them)",
+            None: "not compared bit for bit (not fp32)"}[result["correctness"]["identical_to_dynamic_single"]]
+    return (f"bench-generate: chosen path {result['chosen_path']} ({result['choice']['reason']}); its batched run "
+            f"served {rate_text}, {tpot_text}; greedy outputs {same} across paths{result['busy_note']}; wrote {path} "
+            "and generate.png")
 
 
 def _busy(load_start: Optional[float], load_end: Optional[float]) -> dict[str, Any]:
@@ -173,10 +202,16 @@ def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device
     g = cfg.generate
     warm, single, batched = warm_single_batched(cfg, model, paths, prompts, gen,
                                                 lambda m: notice(f"bench-generate: {m}"))
+    paths = list(single)  # a path that failed while warming up is left out (its warm-up entry says why)
     slo = (g.slo_ttft_ms, g.slo_tpot_ms)
     decode_profile = _decode_profile(model, paths, prompts[:g.profile_requests], gen)
-    chosen, choice = (g.path, {"reason": f"requested (generate.path={g.path})"}) if g.path != "auto" else \
-        auto_path(cfg, model, paths, prompts, gen, device)
+    if g.path == "auto":
+        chosen, choice = auto_path(cfg, model, paths, prompts, gen, device)
+    elif g.path in paths:
+        chosen, choice = g.path, {"reason": f"requested (generate.path={g.path})"}
+    else:  # the forced path failed while warming up: the reference is what was served
+        chosen, choice = "dynamic", {"reason": f"generate.path={g.path} failed ({warm[g.path]['error']}); dynamic "
+                                               "served instead"}
     peak = summarize(batched[chosen])["requests_per_s"]
     load = _open_loop(model, chosen, prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo)
     baseline = _open_loop(model, "dynamic", prompts, gen, g.batch_size, peak, g.levels, cfg.train.seed, slo) \

@@ -158,7 +158,7 @@ def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
 def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
     from pathlib import Path
 
-    from train.bench.generate import run_bench_generate, write_outputs
+    from train.bench.generate import run_bench_generate, summary_line, write_outputs
     from train.tools.run_dir import make_run_dir
 
     # RUN_DIR is the first word when it is no override (argparse puts it among the overrides)
@@ -179,13 +179,7 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
     out = make_run_dir(cfg.with_values({"train.run_id": getattr(args, "run_id", None)}), prefix="generate-")
     result = run_bench_generate(cfg, run_dir, out, notice=lambda m: print(m, flush=True),
                                 command=(args.config, list(args.overrides)))
-    path = write_outputs(result, out)
-    b = result["batched"][result["chosen_path"]]
-    same = "identical" if result["correctness"]["identical_to_dynamic_single"] else \
-        "DIFFERENT (generate.json names them)"
-    print(f"bench-generate: chosen path {result['chosen_path']} ({result['choice']['reason']}); its batched run "
-          f"served {b['output_tokens_per_s']:.1f} output tokens/s, TPOT p50 {b['tpot_ms']['p50']:.1f} ms; greedy "
-          f"outputs {same} across paths{result['busy_note']}; wrote {path} and generate.png", flush=True)
+    print(summary_line(result, write_outputs(result, out)), flush=True)
     return 0
 
 

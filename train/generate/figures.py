@@ -88,6 +88,11 @@ def summarize(requests: list[RequestTiming], slo_ttft_ms: Optional[float] = None
         "definitions": {"ttft": "first token out - request sent", "tpot": "(e2e - ttft) / (output tokens - 1), per "
                         "request (vLLM serve.py)", "itl": "gaps between consecutive tokens, pooled across requests "
                         "(vLLM's ITL; GenAI-Perf's ITL is TPOT)", "e2e": "last token out - request sent"}}
+    one_token = sum(1 for t in tpot if t is None)
+    out["one_token_requests"] = one_token  # TPOT is undefined for them: excluded from tpot_ms, counted here
+    if one_token == len(requests):
+        out["tpot_unavailable_reason"] = (f"every request ended at its first token ({one_token}: EOS first, or "
+                                          "generate.max_new_tokens=1): TPOT = (E2E - TTFT) / (tokens - 1) is undefined")
     if slo_ttft_ms is None and slo_tpot_ms is None:
         out["goodput_requests_per_s"] = None
         out["goodput_unavailable_reason"] = "no SLO set (generate.slo_ttft_ms, generate.slo_tpot_ms)"

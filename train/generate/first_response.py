@@ -75,9 +75,12 @@ def fresh_process_first_response(run_dir: Optional[str], config: Optional[str], 
         out = out_dir / f"first-response-{state}.json"
         runs[state] = runner(child_command(run_dir, config, overrides, cache, out), out)
     cold, warm = runs["cold"], runs["warm"]
-    if (cold["cache_state"], warm["cache_state"]) != ("cold", "warm"):
-        raise RuntimeError(f"first-response cache states were {cold['cache_state']}/{warm['cache_state']}, "
-                           "expected cold/warm")
+    if (cold["cache_state"], warm["cache_state"]) != ("cold", "warm"):  # nothing compiled to reuse: no comparison
+        why = (f"the compile cache was {cold['cache_state']}/{warm['cache_state']}, not cold/warm"
+               + (": the first request ended at its first token, so no decode step was compiled"
+                  if cold.get("output_tokens") == 1 else ""))
+        return {"path": FRESH_PATH, "cold": cold, "warm": warm, "warm_over_cold_first_response": None,
+                "unavailable_reason": why, "cache_dir": str(cache)}
     ratio = _ratio(warm["first_response_s"], cold["first_response_s"])
     return {"path": FRESH_PATH, "cold": cold, "warm": warm, "warm_over_cold_first_response": ratio,
             "warm_over_cold_time_to_first_response": _ratio(warm["time_to_first_response_s"],

@@ -89,19 +89,32 @@ def warm_single_batched(cfg, model, paths: list[str], prompts: list[list[int]], 
                         notice: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, list], dict[str, list]]:
     """Every path warmed up (``static-compile`` compiles each prompt bucket and batch size it will serve, in the
     shared compile cache), then served single (closed loop) and batched (``generate.batch_size``): ``(warm-up
-    seconds per path, single timings per path, batched timings per path)``."""
+    seconds per path, single timings per path, batched timings per path)``. A path other than ``dynamic`` that
+    raises is left out of the timings, its warm-up entry ``{"warmup_s": None, "error": why}`` (one notice line): one
+    failed path never ends the measurement of the others."""
     if "static-compile" in paths:  # compiled kernels go to (and come from) the shared compile cache
         from train.compiling.session import setup_cache_dir
 
         setup_cache_dir(cfg.compile.cache_dir)
     batch_size = cfg.generate.batch_size
     warm: dict[str, Any] = {}
+    single: dict[str, list] = {}
+    batched: dict[str, list] = {}
     for path in paths:
         t = time.perf_counter()
-        serve(model, path, prompts, gen, batch_size)
-        serve_single(model, path, prompts, gen)
+        try:
+            serve(model, path, prompts, gen, batch_size)
+            serve_single(model, path, prompts, gen)
+        except Exception as exc:  # noqa: BLE001  (any failure of a path's engine: that path's figures are null)
+            if path == "dynamic":  # the reference every comparison needs
+                raise
+            warm[path] = {"warmup_s": None, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"}
+            notice(f"{path} failed while warming up, left out: {warm[path]['error']}")
+            continue
         warm[path] = {"warmup_s": time.perf_counter() - t}
         notice(f"{path} warmed up in {warm[path]['warmup_s']:.1f} s")
-    single = {p: serve_single(model, p, prompts, gen) for p in paths}
-    batched = {p: serve(model, p, prompts, gen, batch_size) for p in paths}
+    for p in (p for p in paths if warm[p]["warmup_s"] is not None):
+        single[p] = serve_single(model, p, prompts, gen)
+    for p in single:
+        batched[p] = serve(model, p, prompts, gen, batch_size)
     return warm, single, batched
