@@ -191,6 +191,21 @@ def test_a_malformed_adapter_setting_is_refused_naming_its_key(raw, match) -> No
         parse_adapter(raw)
 
 
+def test_an_adapter_rank_above_a_target_or_the_memory_is_refused_before_peft_builds_it() -> None:
+    """r=100000 on the tiny Llama used to build a ~2.25G-parameter adapter and die in the allocator."""
+    from train.models.adapter import check_adapter_size
+
+    model = torch.nn.Module()
+    model.q_proj, model.o_proj = torch.nn.Linear(32, 16), torch.nn.Linear(16, 32)
+    with pytest.raises(UserError, match=r"model.adapter.r=100000: above min\(in, out\) = 16 of q_proj \[16, 32\].*"
+                                        r"set model.adapter.r ≤ 16"):
+        check_adapter_size(AdapterSettings(r=100000), model, ("q_proj", "o_proj"), "hf:x", None)
+    assert check_adapter_size(AdapterSettings(r=16), model, ("q_proj", "o_proj"), "hf:x", None) == 2 * 16 * 48
+    with pytest.raises(UserError, match=r"need about .* GiB .*lower model.adapter.r"):
+        check_adapter_size(AdapterSettings(r=8), model, ("q_proj", "o_proj"), "hf:x", available=8 * 48 * 2 * 16 - 1)
+    check_adapter_size(AdapterSettings(r=8), model, ("q_proj", "o_proj"), "hf:x", available=8 * 48 * 2 * 16)
+
+
 def test_an_adapter_on_the_builtin_encoder_is_refused_when_the_config_loads() -> None:
     with pytest.raises(UserError, match="the built-in encoder cannot take a peft adapter.*hf:"):
         load_config(None, ["model.adapter={r: 8}"])

@@ -76,6 +76,54 @@ def resolve_targets(settings: AdapterSettings, model: nn.Module, model_type: str
     return tuple(settings.targets)
 
 
+ADAPTER_BYTES_PER_PARAMETER = 16
+"""What training holds per adapter parameter: fp32 weight, gradient and AdamW's two moments (4 bytes each)."""
+
+
+def check_adapter_size(settings: AdapterSettings, model: nn.Module, targets: tuple[str, ...], source: str,
+                       available: Optional[int]) -> int:
+    """Before peft builds anything: every targeted matrix (a 2-D weight of a module named in ``targets``) must have
+    ``min(in, out) ≥ r`` — a rank above it adds nothing —, and the adapter's weights, gradients and AdamW state
+    (:data:`ADAPTER_BYTES_PER_PARAMETER` per parameter, ``r · (in + out)`` parameters a matrix) must fit in
+    ``available`` bytes (None: not measurable here, not checked). Returns the adapter's parameter count.
+
+    Raises:
+        UserError: ``r`` above a target's ``min(in, out)`` (naming it and the largest useful rank), or the estimate
+            above the memory there is."""
+    shapes = [(n, tuple(m.weight.shape)) for n, m in model.named_modules()
+              if n.rsplit(".", 1)[-1] in targets and getattr(getattr(m, "weight", None), "ndim", 0) == 2]
+    if not shapes:
+        return 0
+    name, shape = min(shapes, key=lambda x: min(x[1]))
+    if settings.r > min(shape):
+        raise UserError(f"model.adapter.r={settings.r}: above min(in, out) = {min(shape)} of {name} {list(shape)} "
+                        f"({source}); a rank above it adds nothing: set model.adapter.r ≤ {min(shape)}")
+    params = sum(settings.r * (a + b) for _, (a, b) in shapes)
+    need = params * ADAPTER_BYTES_PER_PARAMETER
+    if available is not None and need > available:
+        raise UserError(f"model.adapter.r={settings.r}: the adapter's {params / 1e6:.1f}M parameters need about "
+                        f"{need / 2**30:.1f} GiB for weights, gradients and AdamW state, and "
+                        f"{available / 2**30:.1f} GiB is available here: lower model.adapter.r or "
+                        "model.adapter.targets")
+    return params
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes that can still be allocated where training runs: free CUDA memory, or the host's ``MemAvailable``
+    (Linux ``/proc/meminfo``); None where neither can be read."""
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def import_peft():
     """The ``peft`` module; UserError when it is not installed."""
     try:
@@ -118,6 +166,7 @@ def attach_adapter(wrapper: nn.Module, settings: AdapterSettings, model_type: st
     inner = wrapper.inner
     source = wrapper.spec.source
     targets = resolve_targets(settings, inner, model_type, source)
+    check_adapter_size(settings, inner, targets, source, available_memory(next(inner.parameters()).device))
     heads = tuple(h for h in CLASSIFIER_HEADS if isinstance(getattr(inner, h, None), nn.Module)) \
         if getattr(wrapper.spec, "task", "classification") != "causal-lm" else ()
     with warnings.catch_warnings():  # transformers' deprecation notices, raised inside peft
