@@ -127,6 +127,14 @@ def test_malformed_generate_settings_are_one_line(override, match) -> None:
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("levels", ["[0]", "[1.5]", "[abc]"])
+def test_load_levels_in_the_yaml_list_form_get_the_message_that_names_the_format(levels) -> None:
+    with pytest.raises(UserError, match=r"generate.load_levels='.*': expected comma-separated shares of the maximum "
+                                        r"rate in \(0, 1\], e.g. 0.25,0.5,0.9"):
+        load_config(None, [f"generate.load_levels={levels}"])
+    assert load_config(None, ["generate.load_levels=[0.25, 0.5]"]).generate.levels == [0.25, 0.5]
+
+
 def test_bench_generate_on_a_classifier_run_or_a_missing_directory_is_one_line(tmp_path) -> None:
     (tmp_path / "clf").mkdir()
     (tmp_path / "clf" / "config.yaml").write_text("model:\n  task: classification\n")

@@ -30,8 +30,9 @@ class GenerateConfig(Frozen):
     """Prompts served per run (single, batched and each open-loop level), the first ones of the held-out split."""
     batch_size: int = allowed(8, ge=1)
     """Requests per ``generate`` call of the static-batching server (the batched closed loop and the baseline)."""
-    load_levels: Union[str, float] = "0.25,0.5,0.9"
-    """Open-loop offered rates as shares of the batched (closed-loop, maximum) rate; Poisson arrivals, seeded."""
+    load_levels: Union[str, float, list] = "0.25,0.5,0.9"
+    """Open-loop offered rates as shares of the batched (closed-loop, maximum) rate; Poisson arrivals, seeded: a
+    comma-separated string, one number, or a YAML list (``[0.25, 0.5]``)."""
     slo_ttft_ms: Optional[float] = allowed(None, gt=0)
     """Goodput's time-to-first-token SLO (ms); null: no goodput."""
     slo_tpot_ms: Optional[float] = allowed(None, gt=0)
@@ -50,6 +51,8 @@ class GenerateConfig(Frozen):
 
     def __post_init__(self) -> None:
         check_fields(self, "generate")
+        if isinstance(self.load_levels, list):  # the YAML list form: kept as the comma-separated string
+            self.load_levels = ",".join(str(x) for x in self.load_levels)
         self.load_levels = str(self.load_levels)  # one level: YAML reads 0.5 as a number
         levels = comma_list(self.load_levels) or []
         try:

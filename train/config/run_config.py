@@ -145,6 +145,8 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
         return value
     if hint is tuple and isinstance(value, (list, tuple)):
         return tuple(value)
+    if hint is list and isinstance(value, (list, tuple)):
+        return list(value)
     if hint in (int, float, str, bool) and (type(value) is hint):
         return value
     if hint is Any:
