@@ -135,6 +135,20 @@ def test_load_levels_in_the_yaml_list_form_get_the_message_that_names_the_format
     assert load_config(None, ["generate.load_levels=[0.25, 0.5]"]).generate.levels == [0.25, 0.5]
 
 
+def test_an_unfinished_run_names_its_newest_periodic_checkpoint_and_how_to_export_it(tmp_path) -> None:
+    from train.generate.source import load_served
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-20.dcp").mkdir(parents=True)
+    (run / "checkpoints" / "step-100.dcp").mkdir()
+    (run / "checkpoints" / ".step-120.dcp.tmp").mkdir()  # an interrupted write: not a checkpoint
+    (run / "config.yaml").write_text("model:\n  task: causal-lm\n")
+    cfg = load_config(str(run / "config.yaml"))
+    with pytest.raises(UserError, match=r"no model/ and no checkpoint.pt.*newest .*step-100.dcp.*python -m train "
+                                        r"export .* --checkpoint .*step-100.dcp"):
+        load_served(str(run), cfg)
+
+
 def test_bench_generate_on_a_classifier_run_or_a_missing_directory_is_one_line(tmp_path) -> None:
     (tmp_path / "clf").mkdir()
     (tmp_path / "clf" / "config.yaml").write_text("model:\n  task: classification\n")

@@ -74,8 +74,12 @@ def load_served(run_dir: Optional[str], cfg) -> Served:
         return Served(model.float().eval(), str(d / "model"), *_ids(model.generation_config),
                       _context(model.config))
     if not ckpt.is_file():
+        middle = sorted((p for p in (d / "checkpoints").glob("step-*") if p.suffix in (".pt", ".dcp")
+                         and p.stem.split("-")[-1].isdigit()), key=lambda p: int(p.stem.split("-")[-1]))
+        export = (f"; it has periodic checkpoints (newest {middle[-1]}): `python -m train export {d} --checkpoint "
+                  f"{middle[-1]}` writes {d / 'model'}, which bench-generate then serves") if middle else ""
         raise UserError(f"bench-generate: {d} has no model/ and no checkpoint.pt: the run did not finish; let it "
-                        f"finish or resume it (python -m train train --resume {d})")
+                        f"finish or resume it (python -m train train --resume {d}){export}")
     return served_from_checkpoint(str(ckpt), "bench-generate")
 
 
