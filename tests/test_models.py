@@ -461,3 +461,15 @@ def test_lever_reasons_print_null_not_none(tiny_cfg) -> None:
     levers = levers_section(cfg, torch.nn.Linear(2, 2), policy, None, SimpleNamespace(enabled=False), False,
                             skip_reasons(cfg))
     assert "batching.max_tokens=null" in levers["token_budget"]["reason"] and "None" not in str(levers)
+
+
+def test_an_unknown_hf_override_key_is_refused_with_the_nearest_known_one(tiny_cfg) -> None:
+    """transformers keeps an unknown config key as an attribute nothing reads: the typo would change nothing."""
+    for source in ("hf:bert", "hf:distilbert"):
+        cfg = tiny_cfg(f"model.source={source}", "model.hf_overrides={num_hiden_layers: 1}")
+        with pytest.raises(UserError, match=r"model.hf_overrides: unknown key\(s\) for .*'num_hiden_layers'"):
+            build_model(cfg, prepare_data(cfg, None))
+    cfg = tiny_cfg("model.task=causal-lm", "model.source=hf:llama", "model.hf_overrides={num_hiden_layers: 1}",
+                   "data.vocab_size=300")
+    with pytest.raises(UserError, match=r"'num_hiden_layers': did you mean 'num_hidden_layers'\?"):
+        build_model(cfg, prepare_data(cfg, None))

@@ -48,10 +48,11 @@ def causal_preset(tf, model_type: str, preset: str, vocab_size: int, max_len: in
     input/output embeddings, and for families with grouped-query attention (a ``num_key_value_heads`` key: Llama,
     Qwen2, Mistral, …) two query heads per key/value head (all heads when their number is odd) and ``head_dim`` =
     hidden / heads — computed after ``overrides`` (``model.hf_overrides``, applied last) unless they set them."""
-    from train.models.hf import PRESET_KEYS, preset_sizes
+    from train.models.hf import PRESET_KEYS, check_hf_overrides, preset_sizes
 
     overrides = dict(overrides or {})
     defaults = tf.AutoConfig.for_model(model_type)
+    check_hf_overrides(overrides, defaults, f"hf:{model_type}")
     kwargs: dict[str, Any] = {**preset_sizes(model_type, preset), "vocab_size": vocab_size,
                               POSITION_KEYS.get(model_type, "max_position_embeddings"): max_len,
                               "tie_word_embeddings": True, "pad_token_id": pad_id, "bos_token_id": bos_id,

@@ -60,6 +60,7 @@ def hf_model_config(cfg, bundle, kind: str, hf_config: Optional[str]):
         except (ValueError, KeyError, OSError) as exc:
             raise UserError(f"model.source={src}: {d / 'config.json'} is not a config transformers can read "
                             f"({str(exc).splitlines()[0][:160]})") from None
+        check_hf_overrides(cfg.model.hf_overrides, config, src)
         config.update(dict(cfg.model.hf_overrides or {}))
         return config
     model_type = src[3:]
@@ -68,11 +69,30 @@ def hf_model_config(cfg, bundle, kind: str, hf_config: Optional[str]):
                         "(e.g. hf:bert, hf:distilbert, hf:roberta)")
     kwargs: dict[str, Any] = {**preset_sizes(model_type, cfg.model.preset), "vocab_size": bundle.vocab_size,
                               "pad_token_id": bundle.pad_id, "num_labels": bundle.num_classes}
+    check_hf_overrides(cfg.model.hf_overrides, tf.AutoConfig.for_model(model_type), src)
     kwargs.update(dict(cfg.model.hf_overrides or {}))
     try:
         return tf.AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, TypeError) as exc:
         raise UserError(f"model.source={src}: cannot build its config ({str(exc).splitlines()[0][:160]})") from None
+
+
+def check_hf_overrides(overrides: Optional[dict], config: Any, src: str) -> None:
+    """Every key of ``model.hf_overrides`` must be one ``config`` (a transformers config of the model's family)
+    has, or one of its aliases (``attribute_map``, e.g. GPT-2's ``hidden_size``): transformers keeps an unknown key as
+    a plain attribute that nothing reads, so a typo would silently change nothing.
+
+    Raises:
+        UserError: naming the unknown keys, the closest known ones, and the family."""
+    import difflib
+
+    known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}) or {})
+    unknown = [k for k in (overrides or {}) if k not in known]
+    if unknown:
+        near = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        hints = "; ".join(f"{k!r}: did you mean {v[0]!r}?" if v else f"{k!r}" for k, v in near.items())
+        raise UserError(f"model.hf_overrides: unknown key(s) for {getattr(config, 'model_type', '?')} "
+                        f"(model.source={src}): {hints} (a key transformers does not know would change nothing)")
 
 
 def _check_fits(cfg, bundle, config) -> None:
