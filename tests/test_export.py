@@ -164,6 +164,8 @@ def test_a_bert_classifier_adapter_trains_its_head_whole_and_round_trips_through
     with torch.no_grad():
         ours = model(ids, mask)
     block = export_model(model, tmp_path / "model", tmp_path / "tokenizer.json", {})
+    saved = json.loads((tmp_path / "model" / "adapter_config.json").read_text())["modules_to_save"]
+    assert "classifier" in saved and len(saved) == len(set(saved)), saved  # each head listed once
     loaded = peft.PeftModel.from_pretrained(
         transformers.AutoModelForSequenceClassification.from_pretrained(block["base"], **ATTN), str(tmp_path / "model"))
     assert (ours - _theirs(loaded, ids, mask, False)).abs().max() <= ATOL

@@ -39,6 +39,8 @@ its pooler's and output layers' projections). GPT-2's are ``Conv1D`` (weights st
 CONV1D_FAMILIES = ("gpt2",)
 CLASSIFIER_HEADS = ("classifier", "score", "pre_classifier")
 """A sequence classifier's head modules: newly initialised for the task, so they train whole beside the adapter."""
+PEFT_SEQ_CLS_HEADS = ("classifier", "score")
+"""The heads peft's ``task_type="SEQ_CLS"`` trains whole by itself (``PeftModelForSequenceClassification``)."""
 
 
 def _module_names(model: nn.Module) -> list[str]:
@@ -137,9 +139,12 @@ def lora_config(settings: AdapterSettings, targets: tuple[str, ...], model_type:
                 base_path: Optional[str] = None):
     """peft's ``LoraConfig`` for ``settings`` on ``targets``; ``heads``: modules trained whole (``modules_to_save``)."""
     peft = import_peft()
+    # SEQ_CLS: peft adds "classifier" and "score" to modules_to_save itself; listing them too wrote them twice into
+    # adapter_config.json
+    own = [h for h in heads if h not in PEFT_SEQ_CLS_HEADS]
     return peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                            target_modules=list(targets), fan_in_fan_out=model_type in CONV1D_FAMILIES,
-                           modules_to_save=list(heads) or None, base_model_name_or_path=base_path,
+                           modules_to_save=own or None, base_model_name_or_path=base_path,
                            task_type="CAUSAL_LM" if not heads else "SEQ_CLS")
 
 
