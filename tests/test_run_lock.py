@@ -89,3 +89,30 @@ def test_a_refused_resume_releases_the_run_for_the_next_command_in_this_process(
         run_training(tiny_cfg("train.run_id=refused", "train.max_steps=4", "model.hidden_size=64"),
                      time.perf_counter(), resume=str(run_dir))
     assert str(run_dir.resolve()) not in run_lock._LOCKS
+
+
+def test_a_run_that_crashes_before_its_first_step_leaves_no_directory(tiny_cfg, monkeypatch) -> None:
+    """A crash (not bad input: an allocator error while the model is built, say) of a fresh run before it trains:
+    its directory is released and removed, so the same run id starts again cleanly."""
+    from train.run import training
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(training, "resolve_run", crash)
+    cfg = tiny_cfg("train.run_id=crashed", "train.max_steps=2")
+    with pytest.raises(RuntimeError, match="allocate"):
+        training.run_training(cfg, time.perf_counter())
+    assert not (Path(cfg.train.output_dir) / "crashed").exists()
+
+
+def test_a_refused_bench_generate_leaves_no_directory(tmp_path) -> None:
+    from train.tools.run_lock import discard_if_unwritten, lock_run_dir
+
+    empty, written = tmp_path / "empty", tmp_path / "written"
+    for d in (empty, written):
+        d.mkdir()
+        lock_run_dir(d)
+    (written / "generate.json").write_text("{}")
+    assert discard_if_unwritten(empty) and not empty.exists()
+    assert not discard_if_unwritten(written) and (written / "generate.json").is_file()

@@ -127,10 +127,15 @@ def cmd_bench_vs_hf(args: argparse.Namespace, t_start: float) -> int:
 def cmd_bench_batching(args: argparse.Namespace, t_start: float) -> int:
     from train.bench.batching import run_batching_bench
     from train.tools.run_dir import make_run_dir
+    from train.tools.run_lock import discard_if_unwritten
 
     cfg = load_cfg(args)
     run_dir = make_run_dir(cfg, prefix="bench-batching-")
-    run_batching_bench(cfg, run_dir)
+    try:
+        run_batching_bench(cfg, run_dir)
+    except BaseException:  # refused or crashed before writing anything: no directory of it stays
+        discard_if_unwritten(run_dir)
+        raise
     print((run_dir / "bench-batching.md").read_text(encoding="utf-8"))
     print(f"wrote {run_dir}/bench-batching.json, .md, .png")
     return 0
@@ -160,6 +165,7 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
 
     from train.bench.generate import run_bench_generate, summary_line, write_outputs
     from train.tools.run_dir import make_run_dir
+    from train.tools.run_lock import discard_if_unwritten
 
     # RUN_DIR is the first word when it is no override (argparse puts it among the overrides)
     run_dir = args.overrides.pop(0) if args.overrides and "=" not in args.overrides[0] else None
@@ -177,8 +183,12 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
         return 0
     # a new directory of its own (the run's config.yaml names the trained run's id): --run-id, or a drawn one
     out = make_run_dir(cfg.with_values({"train.run_id": getattr(args, "run_id", None)}), prefix="generate-")
-    result = run_bench_generate(cfg, run_dir, out, notice=lambda m: print(m, flush=True),
-                                command=(args.config, list(args.overrides)))
+    try:
+        result = run_bench_generate(cfg, run_dir, out, notice=lambda m: print(m, flush=True),
+                                    command=(args.config, list(args.overrides)))
+    except BaseException:  # refused or crashed before writing anything: no directory of it stays
+        discard_if_unwritten(out)
+        raise
     print(summary_line(result, write_outputs(result, out)), flush=True)
     return 0
 

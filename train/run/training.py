@@ -144,7 +144,7 @@ def _train(cfg: RunConfig, t_start: float, buckets_force: bool, resume: Optional
                 run.built.trainer.add_callback(AfterFirstStep(lambda: write_run_files(resolved, run_dir, ctx)))
             shutdown.phase = "compile warm-up"
             warm_up_for_run(run.built.compiled, run.built.trainer, run.built.model, run_dir)
-        except (Interrupted, UserError) as exc:
+        except BaseException as exc:  # bad input, a signal or a crash before the first step
             if ctx.is_main and run_dir is not None:  # an in-process caller may go on: release the run
                 unlock_run_dir(run_dir)
                 if fresh:  # nothing trained: no run to keep

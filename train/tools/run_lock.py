@@ -5,6 +5,7 @@ the process that writes the run (a fresh run, ``--overwrite`` and ``--resume`` a
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -47,6 +48,16 @@ def unlock_run_dir(run_dir: Path) -> None:
     fd = _LOCKS.pop(str(run_dir.resolve()), None)
     if fd is not None:
         os.close(fd)
+
+
+def discard_if_unwritten(run_dir: Path) -> bool:
+    """Release this process's lock on ``run_dir`` and remove the directory when it holds nothing but the lock file
+    (a command that failed before writing anything leaves nothing behind); True when it was removed."""
+    unlock_run_dir(run_dir)
+    if run_dir.is_dir() and all(p.name == LOCK_FILE for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return True
+    return False
 
 
 def lock_holder(run_dir: Path) -> Optional[str]:
