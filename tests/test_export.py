@@ -487,3 +487,27 @@ def test_a_bf16_adapter_run_exports_the_fp32_base_its_fingerprint_names(lora_run
     ends, again = (load_file(str(d / "base" / "model.safetensors")) for d in (run_dir / "model", tmp_path / "again"))
     assert ends.keys() == again.keys() and all(torch.equal(ends[k], again[k]) for k in ends)
     assert all(t.dtype == torch.float32 for t in ends.values())
+
+
+def test_what_a_killed_export_left_is_removed_or_restored_by_the_next(tmp_path) -> None:
+    """A kill between the export's renames used to hide the previous export in ``.model.old-<pid>`` and leave
+    ``.model.<random>.tmp`` directories forever; a live process's are left alone."""
+    import subprocess
+    import sys
+
+    from train.models.export import recover_dead_exports
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    out = tmp_path / "model"
+    (tmp_path / f".model.{dead}.x1y2.tmp").mkdir()
+    (tmp_path / f".model.old-{dead}").mkdir()
+    (tmp_path / f".model.old-{dead}" / "config.json").write_text("{}")
+    live = tmp_path / f".model.{os.getpid()}.z9.tmp"
+    live.mkdir()
+    done = recover_dead_exports(out)
+    assert (out / "config.json").is_file() and not (tmp_path / f".model.old-{dead}").exists()  # put back
+    assert not (tmp_path / f".model.{dead}.x1y2.tmp").exists() and live.exists() and len(done) == 2
+    (tmp_path / f".model.old-{dead}").mkdir()  # an export replaced it after the kill: the stale copy goes
+    recover_dead_exports(out)
+    assert not (tmp_path / f".model.old-{dead}").exists() and (out / "config.json").is_file()

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -66,7 +67,8 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     os.umask(umask)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        recover_dead_exports(path)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent))
     except OSError as exc:
         raise UserError(f"export: cannot write {path} ({exc.strerror or exc}); choose another --out") from None
     try:
@@ -86,6 +88,38 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def recover_dead_exports(path: Path) -> list[str]:
+    """What an export to ``path`` killed by a signal left beside it (each names its process: ``.<name>.<pid>.*.tmp``,
+    ``.<name>.old-<pid>``), for processes no longer alive: a half-written temporary directory is removed; the
+    previous export moved aside just before the kill is put back when nothing replaced it, else removed. Returns
+    what was done, a line each (said on stderr)."""
+    done = []
+    for p in sorted(path.parent.glob(f".{path.name}.*")):
+        rest = p.name[len(path.name) + 2:]
+        pid = rest[4:] if rest.startswith("old-") else rest.split(".")[0] if p.name.endswith(".tmp") else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if rest.startswith("old-") and not path.exists():
+            os.replace(p, path)
+            done.append(f"restored the previous export {path} from {p.name}")
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            done.append(f"removed {p.name}, left by a killed export")
+    for line in done:
+        print(f"notice: export: {line}", file=sys.stderr)
+    return done
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def special_tokens(bundle: Any) -> dict[str, Optional[int]]:
