@@ -48,6 +48,8 @@ def test_auto_is_off_on_cpu_with_the_measured_reason() -> None:
     assert resolve_compile(CompileConfig(enabled="auto"), cpu, "bound") == (False, CPU_AUTO_REASON)
     assert "by rule" in CPU_AUTO_REASON and "measured" not in CPU_AUTO_REASON  # a rule, not a claimed measurement
     assert resolve_compile(CompileConfig(enabled="true"), cpu, "bound") == (True, "requested")
+    packed = resolve_compile(CompileConfig(enabled="true"), cpu, "batch-max", "packed")[1]
+    assert "batching.method=packed pads" in packed and "random" not in packed  # the run's own method is named
     on, why = resolve_compile(CompileConfig(enabled="true"), cpu, "batch-max")
     assert on and "recompiles" in why
     assert resolve_compile(CompileConfig(enabled=False), cpu, "bound") == (False, "compile.enabled=false")

@@ -149,7 +149,7 @@ def resolve_run(cfg: RunConfig, run_id: str, bundle: DataBundle, device: torch.d
         decided_values["dist.strategy"] = strategy["chosen"]
     # compile.enabled=auto stays auto: a rule of the device kind and the batching, no measurement, so the same machine
     # decides the same; written as its outcome, the report's reason would say "compile.enabled=false" instead of why
-    compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to)
+    compile_enabled, compile_reason = resolve_compile(cfg.compile, device, bundle.pad_to, cfg.batching.method)
     budget = ProbeBudget(cfg.train.probe_budget, projected_steps(cfg, bundle, device), say)
     attention = None
     if cfg.batching.method == "packed":  # packed rows' attention path (train/data/attention.py), once compile is known

@@ -48,9 +48,10 @@ class CacheDirWarning(UserWarning):
     """The configured compile cache directory is unusable; a per-user temporary directory is used instead."""
 
 
-def resolve_compile(cfg: CompileConfig, device: torch.device, pad_to: str) -> tuple[bool, str]:
+def resolve_compile(cfg: CompileConfig, device: torch.device, pad_to: str,
+                    method: str = "random") -> tuple[bool, str]:
     """(enabled, reason) for ``compile.enabled`` on ``device``; ``pad_to`` is the batches' padding
-    ("bound"|"batch-max").
+    ("bound"|"batch-max"), ``method`` the ``batching.method`` that pads so (named in the reason).
 
     Raises:
         UserError: ``compile.enabled=true`` where torch.compile cannot run.
@@ -64,14 +65,14 @@ def resolve_compile(cfg: CompileConfig, device: torch.device, pad_to: str) -> tu
         if not ok:
             raise UserError(f"compile.enabled=true but {why}; set compile.enabled=false or auto")
         if pad_to == "batch-max" and not cfg.dynamic:
-            return True, ("requested; note: batching.method=random pads to the batch maximum, so almost every batch "
-                          "is a new shape and compile.dynamic=false recompiles for each (counted in report.json)")
+            return True, (f"requested; note: batching.method={method} pads to the batch maximum, so almost every "
+                          "batch is a new shape and compile.dynamic=false recompiles for each (counted in report.json)")
         return True, "requested"
     if not ok:
         return False, f"auto: {why}"
     if pad_to == "batch-max" and not cfg.dynamic:
-        return False, ("auto: batching.method=random has no static shapes (a new sequence length almost every batch); "
-                       "use a bucketed method or compile.dynamic=true")
+        return False, (f"auto: batching.method={method} has no static shapes (a new sequence length almost every "
+                       "batch); use a bucketed method or compile.dynamic=true")
     return True, "auto: CUDA device; bucket shapes are static, so each is compiled once and warmed up"
 
 
@@ -279,14 +280,14 @@ class CompileSession:
 
     @classmethod
     def create(cls, cfg: CompileConfig, device: torch.device, model: nn.Module, pad_to: str = "bound",
-               planned_graphs: int = 0, per_block: bool = False) -> "CompileSession":
+               planned_graphs: int = 0, per_block: bool = False, method: str = "random") -> "CompileSession":
         """Resolve ``compile.enabled``; when on: set up the cache dir, the recompile limit and wrap ``model``.
 
         ``planned_graphs`` (train + eval shapes the bucket plan will produce) sizes the default limit. ``per_block``:
         compile each transformer block in place instead of the whole model (a sharded run: FSDP2's all-gathers and
         reduce-scatters stay outside the compiled code; ``forward`` then calls the model, sharded after this).
         """
-        enabled, reason = resolve_compile(cfg, device, pad_to)
+        enabled, reason = resolve_compile(cfg, device, pad_to, method)
         if not enabled:
             return cls(enabled=False, reason=reason, cfg=cfg, forward=model)
         cache = setup_cache_dir(cfg.cache_dir)

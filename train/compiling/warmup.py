@@ -256,12 +256,12 @@ def start_compile(cfg: Any, device: torch.device, model: torch.nn.Module, pad_to
     """The run's :class:`CompileSession`; when compile is on, its bucket shapes are planned (and size the recompile
     limit). ``sharded`` (a ``dist.strategy=fsdp`` run under torchrun): each transformer block is compiled, and the
     shapes are not warmed (:func:`warm_up_for_run`)."""
-    enabled, _ = resolve_compile(cfg.compile, device, pad_to)
+    enabled, _ = resolve_compile(cfg.compile, device, pad_to, cfg.batching.method)
     shapes = None
     if enabled and pad_to == "bound":
         shapes = plan_all_shapes(train_loader, eval_loaders if cfg.compile.warmup_eval else ())
     session = CompileSession.create(cfg.compile, device, model, pad_to, planned_graphs=len(shapes or ()),
-                                    per_block=sharded)
+                                    per_block=sharded, method=cfg.batching.method)
     session.shapes = shapes
     if sharded:  # a warm-up step is a collective, and each rank would stop warming when its own times settle
         session.shapes = None
