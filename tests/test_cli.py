@@ -81,3 +81,22 @@ def test_sync_audit_command_writes_its_json_and_exits_by_the_verdict(wndb: Path,
     assert proc.returncode == (0 if result["passed"] else 1), proc.stderr
     assert result["watched_steps"] > 0 and result["report_path"] == str(tmp_path / "runs" / "audit" / "report.json")
     assert f"wrote {out}" in proc.stdout
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_an_error_every_rank_raises_is_printed_once_by_rank_0(monkeypatch, capsys, rank, printed) -> None:
+    """Under torchrun a refusal agreed across ranks (``agreed``) used to print N copies of the same line."""
+    import dataclasses
+
+    from train import cli
+    from train.errors import UserError
+
+    def refuse(args, t_start):
+        exc = UserError("data.source=x: no such file")
+        exc.every_rank = True
+        raise exc
+
+    monkeypatch.setitem(cli.COMMANDS, "train", dataclasses.replace(cli.COMMANDS["train"], run=refuse))
+    monkeypatch.setenv("RANK", rank)
+    assert cli.main(["train"]) == 2
+    assert ("error: data.source=x: no such file" in capsys.readouterr().err) is printed

@@ -297,7 +297,8 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
     try:
         return COMMANDS[args.command].run(args, t_start)
     except (UserError, RunAborted) as exc:  # RunAborted: e.g. the numerics guard (its report is already written)
-        print(f"error: {exc}", file=sys.stderr)
+        if not (getattr(exc, "every_rank", False) and os.environ.get("RANK", "0") != "0"):  # said once, by rank 0
+            print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Interrupted as exc:  # a signal before the first step (train/shutdown.py)
         print(f"interrupted: {exc}", file=sys.stderr)

@@ -194,5 +194,7 @@ def agreed(fn: Callable[[], T], ctx: DistContext) -> T:
         dist.all_gather_object(errors, err, group=ctx.control_group)
         err = next((e for e in errors if e), None)
         if err:
-            raise UserError(err)
+            agreed_error = UserError(err)
+            agreed_error.every_rank = True  # every rank raises it: the command line prints it on rank 0 only
+            raise agreed_error
     return result
