@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.conftest import tiny_overrides
-from train.bench import training
+from train.bench import rows
 from train.bench.gate import changes, compare, figures
 from train.cli import main
 
@@ -95,9 +95,9 @@ def test_gate_end_to_end_and_a_deliberate_regression_fails(regress, wndb, tmp_pa
     assert len(entry["measured"]["ratios_each_run"]["optimized/naive"]) == 2
     assert all(b >= 0.9 for b in entry["ratio_band"].values())
     if regress:  # the lever silently lost: optimized pads every batch to data.max_len
-        row = training.CONFIGS["optimized"]
-        monkeypatch.setitem(training.CONFIGS, "optimized",
-                            training.BenchRow(row.overrides + ("batching.method=pad-to-max",), row.parent, row.lever))
+        row = rows.CONFIGS["optimized"]
+        monkeypatch.setitem(rows.CONFIGS, "optimized",
+                            rows.BenchRow(row.overrides + ("batching.method=pad-to-max",), row.parent, row.lever))
     capsys.readouterr()
     code = main(["bench-gate", *args])
     out = capsys.readouterr().out
