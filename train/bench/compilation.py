@@ -32,7 +32,7 @@ from train.perf.ab import Arm, interleave
 from train.perf.timer import Timed, percentiles
 from train.tools.progress import beside, progress_bar
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 """The repository root (holds the ``train`` package): the children's PYTHONPATH. Not ``train/commands``, whose
 ``profile.py`` would shadow the standard library's ``profile`` that ``torch._dynamo`` imports through ``cProfile``."""
 
