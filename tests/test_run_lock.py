@@ -116,3 +116,28 @@ def test_a_refused_bench_generate_leaves_no_directory(tmp_path) -> None:
     (written / "generate.json").write_text("{}")
     assert discard_if_unwritten(empty) and not empty.exists()
     assert not discard_if_unwritten(written) and (written / "generate.json").is_file()
+
+
+def test_a_resume_with_more_steps_trains_on_the_new_schedule_not_at_the_old_ones_zero(tiny_cfg, monkeypatch,
+                                                                                       capsys) -> None:
+    """The checkpoint of a finished 3-step run holds learning rate 0 (linear decay to 0); resumed to 6 steps, the
+    first new step used to train at 0. It trains at the new schedule's rate for step 4 of 6, said in the resume line."""
+    from train.run.training import run_training
+    from train.trainer import Trainer, linear_warmup_decay
+
+    cfg = tiny_cfg("train.run_id=longer", "train.max_steps=3", "train.eval_every=100", "optim.warmup_fraction=0.0")
+    run_training(cfg, time.perf_counter())
+    used: list[float] = []
+    real = Trainer.step
+
+    def step(self, *args, **kwargs):
+        used.append(self.optimizer.param_groups[0]["lr"])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "step", step)
+    capsys.readouterr()
+    run_training(tiny_cfg("train.run_id=longer", "train.max_steps=6", "train.eval_every=100",
+                          "optim.warmup_fraction=0.0"), time.perf_counter(),
+                 resume=str(Path(cfg.train.output_dir) / "longer"))
+    assert used[0] == pytest.approx(cfg.optim.lr * linear_warmup_decay(6, 0)(3)) and used[0] > 0
+    assert "the learning rate follows the schedule of the new length" in capsys.readouterr().out

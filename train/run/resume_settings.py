@@ -3,7 +3,7 @@ the checkpoint refused in one line, the others applied and listed (train/resume.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from train.errors import UserError
 
@@ -59,13 +59,26 @@ def resume_changes(saved: dict, cfg, where: str) -> list[str]:
         if fixed and key != apply:
             refused.append(change)
         else:
-            applied.append(change + (" (written into the optimizer and scheduler)" if key == apply else ""))
+            applied.append(change + (" (written into the optimizer and scheduler)" if key == apply else
+                                     " (the learning rate follows the schedule of the new length from this step)"
+                                     if key in ("train.max_steps", "train.epochs") else ""))
     if refused:
         how = "".join(f" (or train.resume_apply={k} to apply it)" for k in APPLICABLE
                       if any(c.startswith(k + " ") for c in refused))
         raise UserError(f"{where}: these settings cannot change mid-run (checkpoint → requested): "
                         f"{', '.join(refused)}; resume with the checkpoint's values{how}, or start a new run")
     return applied
+
+
+def follow_schedule(trainer, saved_total: Optional[int], lr: Optional[float]) -> None:
+    """After ``trainer.load_state_dict``: ``lr`` given (``train.resume_apply=optim.lr``), the new peak learning rate
+    (:func:`apply_lr`); else, where the run's length changed (``train.max_steps``: ``saved_total`` → the trainer's
+    ``total_steps``), the learning rate of this step on the new schedule, so the next step trains at it — the
+    checkpoint's optimizer holds the old schedule's (0 at its end)."""
+    if lr is not None:
+        apply_lr(trainer, lr)
+    elif saved_total is not None and saved_total != trainer.total_steps:
+        apply_lr(trainer, trainer.scheduler.base_lrs[0])
 
 
 def apply_lr(trainer, lr: float) -> None:

@@ -53,7 +53,7 @@ from train.resume import (
 )
 from train.run.files import export_at_end, say_data, write_run_files
 from train.run.ranks import prepare_data_on_ranks, reduce_stats
-from train.run.resume_settings import apply_lr, resume_changes
+from train.run.resume_settings import follow_schedule, resume_changes
 from train.setup import BuiltRun, apply_threads_and_seed, build_run
 from train.shutdown import ShutdownRequest
 from train.tools.env import collect_env, device_name, resolve_device
@@ -253,8 +253,7 @@ def _restore_trainer(built: BuiltRun, checkpoint: Checkpoint, ctx: DistContext, 
                                                                                      ": the kernels may differ")
     if note:
         say(f"notice: --resume {checkpoint.path}: {note}", flush=True)
-    if built.cfg.train.resume_apply == "optim.lr":
-        apply_lr(trainer, built.cfg.optim.lr)
+    follow_schedule(trainer, state.get("total_steps"), built.cfg.optim.lr if built.cfg.train.resume_apply else None)
     step, total = trainer.start_step, trainer.total_steps
     if step > total:
         raise UserError(f"--resume {checkpoint.path}: the checkpoint is at step {step} of {total}; nothing left to "
