@@ -141,3 +141,17 @@ def test_a_resume_with_more_steps_trains_on_the_new_schedule_not_at_the_old_ones
                  resume=str(Path(cfg.train.output_dir) / "longer"))
     assert used[0] == pytest.approx(cfg.optim.lr * linear_warmup_decay(6, 0)(3)) and used[0] > 0
     assert "the learning rate follows the schedule of the new length" in capsys.readouterr().out
+
+
+def test_a_refused_resume_leaves_the_runs_bucket_plan_as_it_was(tiny_cfg) -> None:
+    from train.run.training import run_training
+
+    cfg = tiny_cfg("train.run_id=plan", "train.max_steps=2", "train.eval_every=100")
+    run_training(cfg, time.perf_counter())
+    plan = Path(cfg.train.output_dir) / "plan" / "buckets.json"
+    before = (plan.read_bytes(), plan.stat().st_mtime_ns)
+    time.sleep(0.01)
+    with pytest.raises(UserError):
+        run_training(tiny_cfg("train.run_id=plan", "train.max_steps=4", "model.hidden_size=64"), time.perf_counter(),
+                     resume=str(plan.parent))
+    assert (plan.read_bytes(), plan.stat().st_mtime_ns) == before

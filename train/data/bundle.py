@@ -69,7 +69,7 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
 
     ``pad-to-max`` → one bucket at ``max_len``; ``random`` → one bucket, padded to the batch max;
     bucketed methods (padded to ``batching.pad_to``) → the plan from ``batching.boundaries_file`` (fingerprints checked
-    unless ``force``), or fitted now and saved as ``<run_dir>/buckets.json``.
+    unless ``force``), or fitted now and saved as ``<run_dir>/buckets.json`` where the run has none yet.
     """
     b = cfg.batching
     if b.method == "pad-to-max":
@@ -91,7 +91,8 @@ def bucket_plan(cfg: RunConfig, lengths: np.ndarray, data_fp: str, tok_fp: str, 
     plan = BucketPlan.fit(lengths, b.num_buckets, method, b.round_to, cfg.data.max_len, data_fp, tok_fp)
     source = "fitted on the fly"
     if run_dir is not None:
-        plan.save(run_dir / "buckets.json")
+        if not (run_dir / "buckets.json").exists():  # a resume's is its run's (a refused resume leaves it as it was)
+            plan.save(run_dir / "buckets.json")
         source = str(run_dir / "buckets.json")
     where = f"saved to {source}" if run_dir is not None else "not saved"
     pending = (" (batching.method=auto: the plan if the measurement picks buckets over packing)"

@@ -20,7 +20,7 @@ def new_run_id(prefix: str = "") -> str:
     return f"{prefix}{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
 
 
-RUN_OUTPUTS = ("report.json", "metrics.jsonl", "checkpoint.pt", "checkpoints")
+RUN_OUTPUTS = ("report.json", "metrics.jsonl", "checkpoint.pt", "checkpoints", "buckets.json")
 """What a run directory's earlier run leaves that ``train.overwrite=true`` removes (a new run would mix with it)."""
 
 
