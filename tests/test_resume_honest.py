@@ -172,7 +172,7 @@ def test_the_changed_keys_are_compared_on_the_resolved_configs() -> None:
 
     saved = load_config(None, ["optim.betas=[0.9, 0.98]"]).to_dict()
     assert resume_changes(saved, load_config(None, ["optim.betas=[0.9, 0.98]", "train.max_steps=9"]), "x") == [
-        "train.max_steps None → 9"]
+        "train.max_steps None → 9 (the learning rate follows the schedule of the new length from this step)"]
     with pytest.raises(UserError, match=r"optim.betas \[0.9, 0.98\] → \[0.9, 0.999\]"):
         resume_changes(saved, load_config(None, []), "x")
 
