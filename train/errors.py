@@ -213,3 +213,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (temp file, fsync, rename)."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (``kill(pid, 0)``; another user's counts as alive): how a
+    leftover temporary directory tells a dead writer's from a live one's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, as another user
+        return True
+    return True

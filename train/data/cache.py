@@ -44,7 +44,7 @@ import train.data.wordnet as wordnet  # the module itself, not the package: no p
 from train.config import DataConfig
 from train.data.sources import SPLITS, Corpus, TextSplit
 from train.data.tokenizer import FORMAT_VERSION, TokenizedSplit, tokenizer_fingerprint
-from train.errors import honour_umask
+from train.errors import honour_umask, process_alive
 
 CACHE_FORMAT = 1
 
@@ -186,16 +186,6 @@ def writer_dir(parent: Path, prefix: str) -> Path:
     return tmp
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, as another user
-        return True
-    return True
-
-
 def _newest_mtime(d: Path) -> float:
     newest = d.stat().st_mtime
     for f in d.iterdir():
@@ -224,7 +214,7 @@ def remove_dead_writers(parent: Path, pattern: re.Pattern = ENTRY_TEMP) -> list[
             if not d.is_dir():
                 continue
             if m["pid"] is not None and m["host"] == host and int(m["ns"]) == ns:
-                dead = int(m["pid"]) != os.getpid() and not _alive(int(m["pid"]))
+                dead = int(m["pid"]) != os.getpid() and not process_alive(int(m["pid"]))
             else:
                 dead = time.time() - _newest_mtime(d) > STALE_AFTER_S
         except OSError:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from train.errors import UserError
+from train.errors import UserError, process_alive
 
 WORDPIECE_ROLES = {"unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
                    "mask_token": "[MASK]"}
@@ -99,7 +99,7 @@ def recover_dead_exports(path: Path) -> list[str]:
     for p in sorted(path.parent.glob(f".{path.name}.*")):
         rest = p.name[len(path.name) + 2:]
         pid = rest[4:] if rest.startswith("old-") else rest.split(".")[0] if p.name.endswith(".tmp") else ""
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or process_alive(int(pid)):
             continue
         if rest.startswith("old-") and not path.exists():
             os.replace(p, path)
@@ -110,16 +110,6 @@ def recover_dead_exports(path: Path) -> list[str]:
     for line in done:
         print(f"notice: export: {line}", file=sys.stderr)
     return done
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def special_tokens(bundle: Any) -> dict[str, Optional[int]]:
