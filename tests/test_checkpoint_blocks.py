@@ -34,8 +34,9 @@ from tests.conftest import (
     write_wndb,
 )
 from train.compat import fsdp2_api
-from train.models.block_checkpoint import saved_tensor_bytes, set_checkpoint_blocks
+from train.models.block_checkpoint import set_checkpoint_blocks
 from train.models.encoder import EncoderClassifier, resolve_spec
+from train.perf.memory import saved_tensor_bytes
 
 
 def encoder() -> EncoderClassifier:

@@ -188,3 +188,49 @@ def test_module_flops_equals_the_encoders_own_count_and_a_hand_count_for_hf_bert
     flops = ModuleFlops(model, 64)
     for b, s in ((1, 4), (2, 10), (16, 48)):
         assert flops(b, s) == hand(b, s), (b, s)
+
+
+def test_saved_tensor_meter_counts_each_saved_activation_once_and_no_weight() -> None:
+    """Linear → ReLU → Linear on [5, 8]: the first Linear saves its input x (160 B), ReLU its output (640 B), which
+    the second Linear saves again (the same storage, counted once); the weights are left out. With the first layer
+    frozen and x not requiring grad, nothing before the ReLU's output is saved."""
+    from train.perf.memory import SavedTensorMeter
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.randn(5, 8)
+    with SavedTensorMeter(model.parameters()) as meter:
+        model(x).sum().backward()
+    assert meter.bytes == 5 * 8 * 4 + 5 * 32 * 4 and meter.unreadable == 0
+    model[0].requires_grad_(False)
+    with SavedTensorMeter(model.parameters()) as meter:
+        model(x).sum()
+    assert meter.bytes == 5 * 32 * 4
+
+
+def test_the_first_step_counts_its_activations_and_the_report_adds_up_the_tensors() -> None:
+    """The trainer's first counted step meters its activations (fewer with checkpointed blocks; a probe step, not
+    counted, meters nothing), and report.json's ``model.memory`` adds weights, gradients, optimizer state and them."""
+    from tests.conftest import global_batch, tiny_llama, trainer_for
+    from train.models.block_checkpoint import set_checkpoint_blocks
+    from train.report.levers import memory_split
+
+    def trainer(on: bool):
+        model = tiny_llama()
+        set_checkpoint_blocks(model, on)
+        t = trainer_for(model, True)
+        t.step(global_batch(0, True), count=False)
+        assert t.activation_bytes is None
+        t.step(global_batch(0, True))
+        return t
+
+    plain, checkpointed = trainer(False), trainer(True)
+    assert plain.activation_bytes > 0 and checkpointed.activation_bytes < plain.activation_bytes / 2
+    m = memory_split(plain.model, plain.optimizer, {"peak_memory_source": "process peak RSS (getrusage)"},
+                     plain.activation_bytes)
+    assert m["activations_bytes"] == plain.activation_bytes and m["optimizer_state_bytes"] > 0
+    assert m["tensor_bytes"] == (m["frozen_weights_bytes"] + 2 * m["trainable_weights_bytes"]
+                                 + m["optimizer_state_bytes"] + plain.activation_bytes)
+    unmeasured = memory_split(plain.model, plain.optimizer, {"peak_memory_source": "process peak RSS (getrusage)"})
+    assert unmeasured["activations_bytes"] is None and unmeasured["tensor_bytes"] is None
+    assert "not measured" in unmeasured["activations_reason"]

@@ -52,6 +52,18 @@ class TrainStats:
             self.steady_target_tokens += rec.target_tokens
             self.steady_attention_pairs += rec.attention_pairs
 
+    def rank_counters(self) -> dict:
+        """This rank's counters for its checkpoint (plain values: ``weights_only`` loadable)."""
+        return {"samples": self.samples, "real_tokens": self.real_tokens, "padded_tokens": self.padded_tokens,
+                "truncated_in_collate": self.truncated_in_collate, "seq_lens": sorted(self.seq_lens),
+                "batch_shapes": [list(x) for x in sorted(self.batch_shapes)]}
+
+    def load_rank_counters(self, r: dict) -> None:
+        """Continue from :meth:`rank_counters`."""
+        self.samples, self.real_tokens, self.padded_tokens = r["samples"], r["real_tokens"], r["padded_tokens"]
+        self.truncated_in_collate = r["truncated_in_collate"]
+        self.seq_lens, self.batch_shapes = set(r["seq_lens"]), {tuple(x) for x in r["batch_shapes"]}
+
 
 @dataclass(frozen=True)
 class StepRecord:

@@ -31,6 +31,7 @@ from train.models.varlen import plan_pairs
 from train.numerics import NumericsGuard
 from train.parallel.fsdp import full_optimizer_state, load_optimizer_state
 from train.parallel.process_group import DistContext
+from train.perf.memory import SavedTensorMeter
 from train.perf.timer import StepTimer
 from train.precision import DTYPES, PrecisionPolicy
 from train.profiling.ranges import null_ranges
@@ -126,6 +127,7 @@ class Trainer:
         self._stream: Optional[Iterator[tuple[int, dict]]] = None  # (epoch, batch) of train_loader, from self.epoch
         self._counted = 0  # steps counted by this process (the first one is cold)
         self._last_inputs: Optional[tuple] = None  # the last step's device inputs, for the numerics diagnosis
+        self.activation_bytes: Optional[int] = None  # the first counted step's saved activations (SavedTensorMeter)
         self.reset_window()
 
     def add_callback(self, callback: Callback) -> None:
@@ -188,7 +190,9 @@ class Trainer:
             weights = loss_weights([target_count(x[2]) for x in inputs], self.dist)  # one all-reduce on 2+ ranks
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(inputs, weights)
+        # activations metered on an eager non-CUDA first step: compiled and CUDA graphs are left without Python hooks
+        eager = self.device.type != "cuda" and self.cfg.compile.enabled != "true"
+        loss = self._forward_backward(inputs, weights, measure=first and eager)
         with self.ranges("optimizer"):
             self.policy.unscale_(self.optimizer)  # clip in true units
             clip = clip_gradients(self.model.parameters(), **dataclasses.asdict(self.cfg.clip))
@@ -209,19 +213,24 @@ class Trainer:
             w["real"], w["padded"] = w["real"] + rec.real_tokens, w["padded"] + rec.padded_tokens
         return rec
 
-    def _forward_backward(self, inputs: list[tuple], weights: Optional[list[torch.Tensor]]) -> torch.Tensor:
+    def _forward_backward(self, inputs: list[tuple], weights: Optional[list[torch.Tensor]],
+                          measure: bool = False) -> torch.Tensor:
         """Forward, loss and backward of each micro-batch (``weights``: :func:`~train.accumulation.loss_weights`'s,
-        None: the one micro-batch's mean as it is); the step's loss (detached, fp32): its weighted sum."""
+        None: the one micro-batch's mean as it is); the step's loss (detached, fp32): its weighted sum. ``measure``:
+        the first micro-batch's saved activations are counted into ``self.activation_bytes``."""
         owner = sync_owner(self.train_model, self.model) if len(inputs) > 1 else None
         total: Optional[torch.Tensor] = None
         for i, (ids, mask, labels, packed) in enumerate(inputs):
+            meter = SavedTensorMeter(self.model.parameters(), enabled=measure and i == 0)
             with gradient_sync(owner, i == len(inputs) - 1):
-                with self.ranges("forward"):
-                    with self.guard.forward_context():  # hooks only while diagnosing a bad step
-                        output = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # fp32
-                with self.ranges("loss"):
-                    loss = self.loss(output, labels)  # fp32, outside autocast
-                    loss = loss if weights is None else loss * weights[i]
+                with meter:
+                    with self.ranges("forward"):
+                        with self.guard.forward_context():  # hooks only while diagnosing a bad step
+                            output = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # fp32
+                    with self.ranges("loss"):
+                        loss = self.loss(output, labels)  # fp32, outside autocast
+                        loss = loss if weights is None else loss * weights[i]
+                self.activation_bytes = meter.bytes if meter.enabled else self.activation_bytes
                 with self.ranges("backward"):
                     self.policy.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
@@ -330,12 +339,8 @@ class Trainer:
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's own state: its open logging window and its counters."""
-        s = self.stats
         self.settle_times()
-        return {"guard": self.guard.state_dict(), "window": dict(self.window), "samples": s.samples,
-                "real_tokens": s.real_tokens, "padded_tokens": s.padded_tokens,
-                "truncated_in_collate": s.truncated_in_collate,
-                "seq_lens": sorted(s.seq_lens), "batch_shapes": [list(x) for x in sorted(s.batch_shapes)]}
+        return {"guard": self.guard.state_dict(), "window": dict(self.window), **self.stats.rank_counters()}
 
     def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` / :meth:`rank_state_dict`: the next step is ``state['step'] + 1``."""
@@ -350,10 +355,6 @@ class Trainer:
             {"epoch": self.epoch, "start": self.batches_in_epoch, "seed": self.cfg.train.seed})
         s = self.stats
         s.steps, s.evals, s.final_train_loss = self.start_step, list(state["evals"]), state["final_train_loss"]
-        r = rank_state
-        self.guard.load_state_dict(r["guard"])
-        self.window = dict(r["window"])
-        s.samples, s.real_tokens, s.padded_tokens = r["samples"], r["real_tokens"], r["padded_tokens"]
-        s.truncated_in_collate = r["truncated_in_collate"]
-        s.seq_lens = set(r["seq_lens"])
-        s.batch_shapes = {tuple(x) for x in r["batch_shapes"]}
+        self.guard.load_state_dict(rank_state["guard"])
+        self.window = dict(rank_state["window"])
+        s.load_rank_counters(rank_state)

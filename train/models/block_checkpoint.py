@@ -20,7 +20,6 @@ the checkpointed forward and gather the block's weights before its recomputation
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,23 +99,3 @@ def set_checkpoint_blocks(model: nn.Module, on: bool, source: str = "") -> dict[
             if on else OFF_REASON}
     model.checkpoint_blocks_info = info
     return info
-
-
-def saved_tensor_bytes(run: Callable[[], Any], params: Any = ()) -> tuple[int, Any]:
-    """``(bytes, run())``: the bytes of the distinct storages autograd saves for the backward while ``run`` executes
-    (``torch.autograd.graph.saved_tensors_hooks``), the tensors of ``params`` (the model's weights) left out: the
-    activation memory a backward needs, counted without a memory profiler. A checkpointed region saves nothing
-    through these hooks (its own hooks are innermost), and the input each checkpoint holds (one [B, S, H] tensor per
-    block) is not counted: the count is a lower bound there."""
-    skip = {p.data_ptr() for p in params}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in skip:
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return sum(storages.values()), out

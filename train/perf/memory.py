@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -69,3 +71,64 @@ class WindowPeakMemory:
         if self.device.type == "cuda" or not self.resettable_rss:
             return peak_memory(self.device)
         return {"peak_memory_bytes": _vm_hwm_bytes(), "peak_memory_source": "process peak RSS in the window (VmHWM)"}
+
+
+class SavedTensorMeter:
+    """Activation memory of a forward pass: the bytes of the distinct storages autograd saves for the backward,
+    less the model's own parameters (PyTorch's saved-tensor hooks, ``torch.autograd.graph.saved_tensors_hooks``,
+    "Autograd mechanics: hooks for saved tensors"). It is what the backward holds at its start, apart from the
+    weights, gradients and optimizer state; a device allocator's peak adds the temporaries of the backward on top.
+
+    Used as a context manager around one micro-batch's forward and loss. A block under non-reentrant activation
+    checkpointing saves through its own hooks (its kept inputs are not seen here), so ``bytes`` then counts what the
+    rest of the model saves. A storage whose pointer cannot be read (a meta or sharded wrapper tensor) is counted in
+    ``unreadable``, not in ``bytes``. ``enabled=False``: a context that counts nothing.
+    """
+
+    def __init__(self, parameters: Iterable[torch.Tensor], enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._exclude = set()
+        for p in parameters if enabled else ():
+            try:
+                self._exclude.add(p.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                pass
+        self._seen: dict[int, int] = {}
+        self.unreadable = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack) if enabled else None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self._exclude:
+                self._seen[ptr] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            self.unreadable += 1
+        return t
+
+    @property
+    def bytes(self) -> int:
+        """Bytes saved so far, each storage once (int)."""
+        return sum(self._seen.values())
+
+    def __enter__(self) -> "SavedTensorMeter":
+        if self.enabled:
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self._hooks.__exit__(*exc)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def saved_tensor_bytes(run: Callable[[], Any], params: Iterable[torch.Tensor] = ()) -> tuple[int, Any]:
+    """``(bytes, run())``: :class:`SavedTensorMeter`'s count over ``run`` with ``params`` (the model's weights) left
+    out. Under checkpointed blocks it is a lower bound (their kept inputs are not seen)."""
+    with SavedTensorMeter(params) as meter:
+        out = run()
+    return meter.bytes, out

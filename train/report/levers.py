@@ -12,7 +12,8 @@ BUCKETED = ("optimal", "quantile", "kmeans")
 
 
 
-def model_section(cfg, model, optimizer=None, peak: Optional[dict] = None) -> dict[str, Any]:
+def model_section(cfg, model, optimizer=None, peak: Optional[dict] = None,
+                  activations: Optional[int] = None) -> dict[str, Any]:
     """report.json ``model``: ``source``, ``class`` (the module that ran), ``parameters`` (count), ``preset``
     (builtin and ``hf:<model_type>`` sizes), ``hf_model_type`` (``hf:`` sources, else null), ``adapter``
     (``model.adapter``'s block: type, r, targets, trainable parameters and their share; null for full fine-tuning)
@@ -23,15 +24,19 @@ def model_section(cfg, model, optimizer=None, peak: Optional[dict] = None) -> di
             "parameters": sum(p.numel() for p in model.parameters()),
             "preset": cfg.model.preset if source_kind(cfg.model.source) in ("builtin", "hf-type") else None,
             "hf_model_type": hf_type, "adapter": getattr(model, "adapter_info", None),
-            "memory": memory_split(model, optimizer, peak)}
+            "memory": memory_split(model, optimizer, peak, activations)}
 
 
-def memory_split(model, optimizer=None, peak: Optional[dict] = None) -> dict[str, Any]:
+def memory_split(model, optimizer=None, peak: Optional[dict] = None, activations: Optional[int] = None) -> dict:
     """Bytes of the frozen weights, the trainable weights and the optimizer state (every tensor of its state:
-    AdamW's two moments and step), counted from the tensors themselves; ``activations_bytes``: the peak allocated by
-    torch on CUDA less those three (gradients are as large as the trainable weights and counted with them), null on
-    a CPU, where the peak is the whole process's resident memory (``activations_reason`` says so). Under
-    ``dist.strategy=fsdp``: what this rank holds (its shards; rank 0 writes the report)."""
+    AdamW's two moments and step), counted from the tensors themselves, and of the activations: on CUDA the peak
+    allocated by torch less those three (gradients are as large as the trainable weights and counted with them);
+    elsewhere ``activations`` (the bytes autograd saved in the first step's first micro-batch,
+    :class:`~train.perf.memory.SavedTensorMeter`), null with ``activations_reason`` where it was not measured (a
+    compiled step). ``tensor_bytes``: weights + gradients + optimizer state + activations, what the backward holds
+    at its start (the figure to compare LoRA with full fine-tuning on a CPU, whose peak RSS also holds the
+    interpreter, the libraries and the prepared data), null where a part is. Under ``dist.strategy=fsdp``: what
+    this rank holds (its shards; rank 0 writes the report)."""
     seen: set[int] = set()
     frozen = trainable = 0
     for p in model.parameters():
@@ -51,9 +56,15 @@ def memory_split(model, optimizer=None, peak: Optional[dict] = None) -> dict[str
     if peak.get("peak_memory_source", "").startswith("torch.cuda") and opt is not None:
         out["activations_bytes"] = max(0, int(peak["peak_memory_bytes"]) - frozen - 2 * trainable - opt)
         out["activations_reason"] = "peak allocated less weights, gradients and optimizer state"
+    elif activations is not None:
+        out["activations_bytes"] = activations
+        out["activations_reason"] = ("saved for the backward by the first step's first micro-batch (autograd's "
+                                     "saved-tensor hooks; a checkpointed block's kept inputs not seen)")
     else:
-        out["activations_reason"] = ("not measurable apart on this device: the peak is the process's resident "
-                                     "memory (peak_memory_bytes), not torch's allocations")
+        out["activations_reason"] = ("not measured: the step was compiled (no saved-tensor hooks there), and the "
+                                     "peak is the process's resident memory (peak_memory_bytes), not torch's")
+    parts = (frozen, 2 * trainable, opt, out["activations_bytes"])
+    out["tensor_bytes"] = None if None in parts else sum(parts)
     return out
 
 

@@ -32,13 +32,26 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"throughput {f(p['throughput_samples_per_s'], '.1f')} samples/s, {tokens}; "
         f"step p50 {f(p['step_time_ms']['p50'], '.1f')} ms, p99 {f(p['step_time_ms']['p99'], '.1f')} ms; "
         f"first step after {f(p['time_to_first_step_s'], '.1f')} s; "
-        f"peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB",
+        f"peak memory {p['peak_memory_bytes'] / 2**20:.0f} MiB{_tensor_memory(report)}",
         f"token efficiency {f(b['token_efficiency'], '.3f')} with {b['distinct_shapes']} sequence "
         f"length{'' if b['distinct_shapes'] == 1 else 's'}; "
         f"wall time {p['wall_time_s']:.0f} s",
         *_compile_line(report.get("compile")),
         f"report: {os.path.join(report['run_dir'], 'report.json')}",
     ]
+
+
+def _tensor_memory(report: dict[str, Any]) -> str:
+    """The tensors' share of the peak (report.json ``model.memory``), where it was counted apart from the RSS."""
+    m = (report.get("model") or {}).get("memory") or {}
+    if m.get("tensor_bytes") is None:
+        return ""
+    mib = {k: (m[k] or 0) / 2**20 for k in ("frozen_weights_bytes", "trainable_weights_bytes", "gradients_bytes",
+                                             "optimizer_state_bytes", "activations_bytes")}
+    return (f" (tensors {m['tensor_bytes'] / 2**20:.0f} MiB: weights "
+            f"{mib['frozen_weights_bytes'] + mib['trainable_weights_bytes']:.0f}, gradients "
+            f"{mib['gradients_bytes']:.0f}, optimizer {mib['optimizer_state_bytes']:.0f}, activations "
+            f"{mib['activations_bytes']:.0f})")
 
 
 def _answer_lines(answers: Optional[dict]) -> list[str]:

@@ -337,7 +337,8 @@ def _report(run: Run, stats, energy: dict, final_eval: dict, test_eval: dict, in
                                 else {"checkpoint": str(run.checkpoint.path), "step": run.checkpoint.state["step"]})
     sections["dist"] = {"strategy": cfg.dist.strategy if run.ctx.enabled else None,
                         "offload": cfg.dist.offload and run.ctx.enabled, "auto": resolved.strategy}
-    sections["model"] = model_section(cfg, built.model, trainer.optimizer, peak_memory(device))
+    sections["model"] = model_section(cfg, built.model, trainer.optimizer, peak_memory(device),
+                                      trainer.activation_bytes)
     sections["levers"] = levers_section(cfg, built.model, resolved.policy, compiled, run.ctx, profiled=bool(hooks),
                                         bench_rows=skip_reasons(cfg))
     sections["levers"]["fast_dropout"] = resolved.fast_dropout
