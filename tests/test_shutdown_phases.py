@@ -2,7 +2,7 @@
 ``DMP_PAUSE_AT`` (train/shutdown.py ``pause_point``), writes ``DMP_PAUSE_FILE``, and the test signals it there.
 
 During an evaluation (periodic or final) the evaluation is abandoned (said), the last completed step is checkpointed,
-report.json says ``interrupted``, exit 0 (SIGTERM); before the first step (data preparation, compile warm-up, the
+report.json says ``interrupted``, exit 143 (SIGTERM); before the first step (data preparation, compile warm-up, the
 ``warmup`` command) the fresh run directory is removed and the exit is one line, 128 + the signal number.
 """
 
@@ -56,19 +56,19 @@ def _report(run_dir: Path) -> dict:
 
 
 def _sigterm_in_evaluation(base, run_id: str, phase: str) -> tuple[subprocess.CompletedProcess, Path, dict]:
-    """SIGTERM a tiny run (no periodic checkpoints, 30 s shutdown timeout) paused in ``phase``: it must exit 0 within
+    """SIGTERM a tiny run (no periodic checkpoints, 30 s shutdown timeout) paused in ``phase``: it must exit 143 within
     30 s without a traceback; returns the process, its run directory and its report."""
     wndb, root = base
     args = tiny_overrides(wndb, root, f"train.run_id={run_id}", "train.checkpoint_every=null",
                           "train.shutdown_timeout_s=30")
     proc, secs = _signal_in(phase, args, root)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert secs < 30 and "Traceback" not in proc.stderr
     run_dir = root / "runs" / run_id
     return proc, run_dir, _report(run_dir)
 
 
-def test_sigterm_during_a_periodic_evaluation_abandons_it_checkpoints_and_exits_0(base) -> None:
+def test_sigterm_during_a_periodic_evaluation_abandons_it_checkpoints_and_exits_143(base) -> None:
     proc, run_dir, report = _sigterm_in_evaluation(base, "periodic", "periodic evaluation")
     assert "SIGTERM during the periodic evaluation: evaluation abandoned" in proc.stdout
     assert report["status"] == "interrupted"

@@ -5,7 +5,7 @@ raises :class:`~train.errors.Interrupted` at once, naming the phase (``phase``);
 switches to the flag when the loop starts.
 
 The run then finishes the step it is in, writes a checkpoint and a partial ``report.json``
-(``"status": "interrupted"``) and exits 0 for SIGTERM (preemption: the scheduler will restart it
+(``"status": "interrupted"``) and exits 143 for SIGTERM (128 + the signal: non-zero, so a scheduler restarts it,
 with ``--resume``) or 130 for SIGINT. A watchdog bounds the whole thing: if the process has not
 finished ``timeout_s`` after the signal (a hung step or collective), it exits with 128 + signal
 number without waiting further. A second Ctrl-C stops at once (``KeyboardInterrupt``).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 from typing import Optional
 
 
@@ -58,7 +59,10 @@ def cmd_train(args: argparse.Namespace, t_start: float) -> int:
         if main_rank:
             print(f"interrupted by {info['signal']} after step {info['step']}/{info['total_steps']}; "
                   f"checkpoint {info['checkpoint']}; resume with: {info['resume_command']}")
-        return 0 if info["signal"] == "SIGTERM" else 130  # SIGTERM = preemption: a clean, resumable stop
+        # 128 + the signal, as a shell reports a process the signal ended: a scheduler restarts a job that exits
+        # non-zero (Kubernetes' restartPolicy: OnFailure), and this one has checkpointed for its --resume
+        known = signal.Signals.__members__.get(info["signal"])  # a rank told by another: the stop is a SIGTERM's
+        return 128 + (known or signal.SIGTERM).value
     if main_rank:
         for line in summary_lines(report):
             print(line)

@@ -1,12 +1,17 @@
 """``make … NPROC=N``'s launcher: torchrun (``torch.distributed.run``, its arguments) with the product's exit codes.
 
 torchrun itself turns any worker's non-zero exit into a ``ChildFailedError`` traceback and exit 1, and a signal to it
-into a ``SignalException`` traceback: a bad input (each rank already printed its one ``error:`` line, exit 2) or a
-numerics abort (exit 3) would end in twenty lines of launcher internals. Here, when every failed rank exited 2 or 3,
-that code is the job's, with nothing more printed; a SIGTERM/SIGINT to the launcher is one line and exit 0 — torchrun
-has passed the signal to the ranks, which finish their step, checkpoint and report ``interrupted`` (torchrun waits
-30 s for them before it kills them; a checkpoint cut short leaves the previous one). Anything else is torchrun's own
-error, unchanged.
+into a ``SignalException`` traceback. Here the job's exit code says what happened, for a scheduler to act on:
+
+* 0: every rank finished.
+* 2 / 3: the first rank to fail had bad input or a numerics abort (it printed its own ``error:`` line; the ranks
+  torchrun stopped after it change nothing); nothing more is printed.
+* 143 / 130: a SIGTERM / SIGINT, to the launcher (torchrun passes it to the ranks, which finish their step,
+  checkpoint and report ``interrupted``; torchrun waits 30 s for them before it kills them, and a checkpoint cut short
+  leaves the previous one) or to the ranks themselves (each exits 128 + the signal after its checkpoint). One line.
+* 128 + N: the first rank to fail was killed by signal N — 137 for SIGKILL, which is what the kernel's OOM killer
+  sends. One line names the rank and its pid.
+* Anything else (a rank's exception: 1): torchrun's own error, unchanged.
 
     python -m train.tools.launch --standalone --nproc_per_node=2 -m train train --config …
 """
@@ -19,11 +24,12 @@ import sys
 from typing import Optional
 
 QUIET_EXITS = (2, 3)  # a rank's UserError (bad input) or NumericsAbort: it printed its own line
+SIGNALLED = (128 + signal.SIGTERM, 128 + signal.SIGINT)  # ranks that checkpointed after a signal to them
 STOPPED = (-signal.SIGTERM, -signal.SIGKILL)  # a rank torchrun stopped after another one failed
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Run torchrun with ``argv`` (default: this process's arguments); returns the job's exit code."""
+    """Run torchrun with ``argv`` (default: this process's arguments); returns the job's exit code (module doc)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -34,14 +40,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
-        first = min(exc.failures.values(), key=lambda f: f.timestamp).exitcode  # the others: stopped by torchrun
-        if first in QUIET_EXITS and all(c in QUIET_EXITS or c in STOPPED for c in codes):
-            return first
+        rank, first = min(exc.failures.items(), key=lambda kv: kv[1].timestamp)  # the others: stopped by torchrun
+        if first.exitcode in QUIET_EXITS + SIGNALLED and all(c in QUIET_EXITS + SIGNALLED + STOPPED for c in codes):
+            if first.exitcode in SIGNALLED:
+                print(f"launch: the ranks stopped on {signal.Signals(first.exitcode - 128).name} after their "
+                      "checkpoint (report.json: interrupted)", file=sys.stderr, flush=True)
+            return first.exitcode
+        if first.exitcode < 0:  # killed by a signal, nothing of its own printed
+            name = signal.Signals(-first.exitcode).name
+            oom = " (the kernel's OOM killer sends it when memory runs out: dmesg says)" if name == "SIGKILL" else ""
+            print(f"launch: rank {rank} (pid {first.pid}) was killed by {name}{oom}; torchrun stopped the others",
+                  file=sys.stderr, flush=True)
+            return 128 - first.exitcode
         raise
     except SignalException as exc:
         print(f"launch: {exc.sigval.name} passed to every rank: each finishes its step, checkpoints and stops "
               "(report.json: interrupted)", file=sys.stderr, flush=True)
-        return 0
+        return 128 + exc.sigval.value
     return 0
 
 
