@@ -43,7 +43,7 @@ from train.commands.entry import (  # noqa: F401  (load_cfg, flag_overrides: par
     flag_overrides,
     load_cfg,
 )
-from train.errors import Interrupted, RunAborted, UserError
+from train.errors import Interrupted, RankFailed, RunAborted, UserError
 from train.tools.home import redirect_home_caches
 
 
@@ -296,7 +296,7 @@ def main(argv: Optional[Sequence[str]] = None, t_start: Optional[float] = None) 
         print(note, file=sys.stderr, flush=True)
     try:
         return COMMANDS[args.command].run(args, t_start)
-    except (UserError, RunAborted) as exc:  # RunAborted: e.g. the numerics guard (its report is already written)
+    except (UserError, RunAborted, RankFailed) as exc:  # RunAborted: e.g. the numerics guard (report written)
         if not (getattr(exc, "every_rank", False) and os.environ.get("RANK", "0") != "0"):  # said once, by rank 0
             print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -30,6 +30,14 @@ class RunAborted(Exception):
     exit_code = 3
 
 
+class RankFailed(Exception):
+    """Another rank of a torchrun job failed where the ranks agree on errors (:func:`train.parallel.process_group.
+    agreed`): this rank stops at once, with one line naming that rank and its error, instead of waiting in the next
+    collective until the process group's timeout. The failed rank itself keeps its own traceback. Exit 1."""
+
+    exit_code = 1
+
+
 class Interrupted(Exception):
     """SIGTERM/SIGINT before the first training step (train/shutdown.py): nothing to checkpoint; the CLI prints the
     message as one line and exits 128 + the signal number (143 for SIGTERM, 130 for SIGINT)."""

@@ -23,7 +23,7 @@ from typing import Any, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from train.errors import UserError
+from train.errors import RankFailed, UserError
 
 T = TypeVar("T")
 
@@ -177,24 +177,38 @@ def gather_to_main(obj: Any, ctx: DistContext) -> Optional[list]:
 
 
 def agreed(fn: Callable[[], T], ctx: DistContext) -> T:
-    """Run ``fn`` on every rank; if it raises :class:`UserError` on any rank, raise it on all.
+    """Run ``fn`` on every rank and agree on its failure: a :class:`UserError` on any rank is raised on all (printed
+    once, by rank 0); any other exception is raised again on its own rank (its traceback) and as
+    :class:`~train.errors.RankFailed` naming that rank and the error on every other one.
 
-    Without this, a rank that stops on bad input leaves the others waiting in the next collective.
+    Without this, a rank that stops leaves the others in the next collective: an opaque "connection closed" error
+    once its process has exited, or a wait for the process group's timeout (30 minutes by default) while it lives.
     """
-    err: Optional[str] = None
+    err: Optional[tuple[str, str]] = None  # ("user" | "other", message)
+    failure: Optional[BaseException] = None
     result: Any = None
     try:
         result = fn()
     except UserError as exc:
         if not ctx.enabled:
             raise
-        err = str(exc)
+        err = ("user", str(exc))
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised again as it was
+        if not ctx.enabled:
+            raise
+        err, failure = ("other", f"{type(exc).__name__}: {exc}"), exc
     if ctx.enabled:
         errors: list = [None] * ctx.world_size
         dist.all_gather_object(errors, err, group=ctx.control_group)
-        err = next((e for e in errors if e), None)
-        if err:
-            agreed_error = UserError(err)
+        other = next(((r, e[1]) for r, e in enumerate(errors) if e and e[0] == "other"), None)
+        if failure is not None:
+            raise failure
+        if other is not None:
+            raise RankFailed(f"rank {other[0]} failed: {other[1]} (its traceback is in its output); rank "
+                             f"{ctx.rank} stops with it")
+        user = next((e[1] for e in errors if e), None)
+        if user:
+            agreed_error = UserError(user)
             agreed_error.every_rank = True  # every rank raises it: the command line prints it on rank 0 only
             raise agreed_error
     return result
