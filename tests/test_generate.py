@@ -298,6 +298,13 @@ def test_bench_generate_with_one_new_token_and_a_failing_path_finishes_with_null
     assert batched["tpot_ms"]["p50"] is None and batched["one_token_requests"] == 3
     assert "no TPOT (every request ended at its first token" in line
     assert any("continuous failed while warming up" in m for m in lines)
+    floor = result["floor"]
+    assert floor["tpot_floor_ms"]["single"] > 0 and floor["peaks"]["source"].startswith("measured here")
+    assert batched["tpot_x_floor"] is None  # no TPOT, no multiple
+    fake = {"batched": {"dynamic": {"tpot_ms": {"p50": 3.0}, "output_tokens_per_s": 10.0, "tpot_x_floor": 2.5}},
+            "chosen_path": "dynamic", "choice": {"reason": "r"}, "busy_note": "",
+            "correctness": {"identical_to_dynamic_single": True}}
+    assert "TPOT p50 3.0 ms = 2.50x the bandwidth floor" in summary_line(fake, tmp_path / "g.json")
 
 
 def test_the_decode_profile_puts_each_ops_self_time_in_one_category_and_the_rest_in_python() -> None:
@@ -396,3 +403,30 @@ def test_the_auto_path_is_measured_once_per_machine_and_workload_and_not_cached_
     generate.auto_path(*busy, measure=measure)
     generate.auto_path(*busy, measure=measure)
     assert len(calls) == 4  # a busy machine's answer is used, never cached
+
+
+def test_the_floor_counts_each_weight_once_leaves_out_an_untied_input_table_and_divides_by_the_bandwidth() -> None:
+    """A decode step's bytes: tied embeddings once (as the head), an untied input table left out; the TPOT floor at
+    batch B is (weights + B x KV at the mean cache length) / bandwidth, the TTFT floor 2 x parameters x mean prompt /
+    peak FLOP/s; a path's TPOT p50 over it is its multiple."""
+    from train.generate.floor import generation_floor, times_floor, weight_bytes_read
+
+    shape = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=True))
+    untied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False))
+    every = sum(p.numel() * 4 for p in untied.parameters())
+    table = 100 * 32 * 4
+    assert weight_bytes_read(untied) == every - table  # one row of the input table per token: left out
+    assert weight_bytes_read(tied) == every - table  # the shared matrix counted once, as the head
+    prompts = [[1] * 6, [1] * 10]
+    peaks = {"bytes_per_s": 1e9, "flops_per_s": 1e10}
+    floor = generation_floor(untied, prompts, 9, 4, peaks)
+    kv = 2 * 2 * 2 * 8 * 4 * (8 + (9 - 1) / 2)  # 2 x layers x KV heads x head dim x 4 B at 8 + 4 tokens
+    assert floor["kv_bytes_per_request_step"] == pytest.approx(kv)
+    assert floor["tpot_floor_ms"]["single"] == pytest.approx((every - table + kv) / 1e9 * 1e3)
+    assert floor["tpot_floor_ms"]["batched"] == pytest.approx((every - table + 4 * kv) / 1e9 * 1e3)
+    params = sum(p.numel() for p in untied.parameters())
+    assert floor["ttft_floor_ms"] == pytest.approx(2 * params * 8 / 1e10 * 1e3)
+    assert times_floor({"tpot_ms": {"p50": 3.0}}, 1.5) == 2.0
+    assert times_floor({"tpot_ms": {"p50": None}}, 1.5) is None

@@ -7,8 +7,9 @@ of ``generate.batch_size``, left-padded, one at a time) or continuous batching â
 static-batching server as the baseline, **open loop** at ``generate.load_levels`` of the chosen path's batched rate
 (Poisson arrivals computed before the run; latency includes queueing). ``generate.path=auto`` keeps the path with the
 highest batched output tokens/s, timed interleaved with the A/B primitive (paired ratios against ``dynamic``).
-Greedy outputs are compared across paths token by token (fp32). Writes ``runs/<id>/generate.json`` and
-``generate.png`` (latency CDF, throughput vs p99 TTFT).
+Greedy outputs are compared across paths token by token (fp32). Every TPOT is also given as a multiple of its floor,
+the bytes a decode step reads over the measured memory bandwidth (train/generate/floor.py). Writes
+``runs/<id>/generate.json`` and ``generate.png`` (latency CDF, throughput vs p99 TTFT).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     cold = {"first_response_s": first.token_times[-1] - t0, "includes": "model load, prompts, the first request"}
     fresh = _fresh_process(cfg, run_dir, command, out_dir, avail, notice)
     result = _measure(cfg, served.model, paths, prompts, gen, device, notice)
+    result["floor"] = _floor(served.model, prompts, g, device, result)  # after: its copy buffers stay out of the peak
     return {"source": served.source, "run_dir": run_dir, **_busy(load_start, machine_load()),
             "precision": g.precision, "device": str(device),
             "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
@@ -172,7 +174,9 @@ def summary_line(result: dict[str, Any], path: Path) -> str:
     there is none), whether greedy outputs agreed, where the files are."""
     b = result["batched"][result["chosen_path"]]
     tpot = b["tpot_ms"]["p50"]
-    tpot_text = f"TPOT p50 {tpot:.1f} ms" if tpot is not None else \
+    x = b.get("tpot_x_floor")
+    floor = f" = {x:.2f}x the bandwidth floor" if x is not None else ""
+    tpot_text = f"TPOT p50 {tpot:.1f} ms{floor}" if tpot is not None else \
         f"no TPOT ({b.get('tpot_unavailable_reason', 'no request produced two tokens')})"
     rate = b["output_tokens_per_s"]
     rate_text = f"{rate:.1f} output tokens/s" if rate is not None else "output tokens/s n/a (no measurable span)"
@@ -181,6 +185,25 @@ def summary_line(result: dict[str, Any], path: Path) -> str:
     return (f"bench-generate: chosen path {result['chosen_path']} ({result['choice']['reason']}); its batched run "
             f"served {rate_text}, {tpot_text}; greedy outputs {same} across paths{result['busy_note']}; wrote {path} "
             "and generate.png")
+
+
+def _floor(model, prompts: list[list[int]], g, device: torch.device, result: dict[str, Any]) -> dict[str, Any]:
+    """The bandwidth and matmul floors (train/generate/floor.py), and each path's TPOT p50 as a multiple of its own:
+    batch 1 for the single runs, ``generate.batch_size`` for the static batches; continuous batching's batch varies
+    (null, with the reason)."""
+    from train.generate.floor import generation_floor, peaks_for, times_floor
+    from train.tools.env import device_name
+
+    floor = generation_floor(model, prompts, g.max_new_tokens, g.batch_size, peaks_for(model, device,
+                                                                                         device_name(device)))
+    for kind in ("single", "batched"):
+        for path, figures in result[kind].items():
+            if kind == "batched" and path == "continuous":
+                figures["tpot_x_floor"] = None
+                figures["tpot_x_floor_unavailable_reason"] = "continuous batching's batch varies from step to step"
+            else:
+                figures["tpot_x_floor"] = times_floor(figures, floor["tpot_floor_ms"][kind])
+    return floor
 
 
 def _busy(load_start: Optional[float], load_end: Optional[float]) -> dict[str, Any]:

@@ -23,7 +23,9 @@ def plot_generate(result: dict[str, Any], path: Path) -> None:
             if values:
                 cdf.step(values, [(i + 1) / len(values) for i in range(len(values))], style, where="post",
                          label=f"{name} {key}")
-    cdf.set(xlabel="latency (ms, log scale)", ylabel="share of requests", title="batched: latency CDF", xscale="log")
+    floor = (result.get("floor") or {}).get("tpot_floor_ms", {}).get("batched")
+    title = "batched: latency CDF" + (f" (TPOT floor {floor:.2f} ms: bytes read / bandwidth)" if floor else "")
+    cdf.set(xlabel="latency (ms, log scale)", ylabel="share of requests", title=title, xscale="log")
     cdf.legend(fontsize=7)
     ol = result["open_loop"]
     for name, levels in ((f"{ol['path']}", ol["levels"]), ("static batching (dynamic)", ol["baseline"])):
