@@ -430,3 +430,46 @@ def test_the_floor_counts_each_weight_once_leaves_out_an_untied_input_table_and_
     assert floor["ttft_floor_ms"] == pytest.approx(2 * params * 8 / 1e10 * 1e3)
     assert times_floor({"tpot_ms": {"p50": 3.0}}, 1.5) == 2.0
     assert times_floor({"tpot_ms": {"p50": None}}, 1.5) is None
+
+
+def test_auto_precision_keeps_16_bits_only_when_measurably_faster_and_within_the_loss_tolerance() -> None:
+    from train.generate.precision_choice import greedy_agreement, keep_half
+    from train.perf.ab import Ratio
+
+    faster = Ratio("bf16", "fp32", "output_tokens", [1.6, 1.7, 1.8], 1.7, 1.6, 1.8)
+    same = Ratio("bf16", "fp32", "output_tokens", [0.9, 1.1, 1.2], 1.1, 0.9, 1.2)
+    assert keep_half(faster, 2.0, 2.01)[0] is True
+    assert keep_half(faster, 2.0, 2.03) == (False, "held-out loss 2.0300 vs 2.0000 (+1.50%): above the 1% tolerance")
+    kept, why = keep_half(same, 2.0, 2.0)
+    assert kept is False and "not measurably faster" in why
+    assert greedy_agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == {
+        "requests": 2, "identical_requests": 1, "tokens": 5, "agreeing_tokens": 4}
+
+
+def test_auto_precision_is_fp32_by_rule_without_native_16_bits_and_measured_where_forced(monkeypatch) -> None:
+    """The decision's input forced: no native bf16 → fp32 without a measurement; a bf16 candidate (emulated here, so
+    the speed may go either way) → both dtypes timed and the loss and greedy agreement reported, the choice
+    consistent with them. The prompt loss is transformers' own mean loss of one prompt."""
+    import train.precision
+    from train.generate.engines import greedy_config
+    from train.generate.precision_choice import choose_precision, half_candidate, prompt_loss
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(train.precision, "cpu_native_bf16", lambda: False)
+    assert half_candidate(cpu)[0] is None
+    monkeypatch.setattr(train.precision, "cpu_native_bf16", lambda: True)
+    assert half_candidate(cpu)[0] == "bf16"
+    model = _tiny_llama()
+    with torch.no_grad():
+        ref = float(model(input_ids=torch.tensor([PROMPTS[2]]), labels=torch.tensor([PROMPTS[2]])).loss)
+    assert prompt_loss(model, [PROMPTS[2]]) == pytest.approx(ref, rel=1e-5)
+    gen = greedy_config(transformers, 4, 2, 0, True)
+    chosen, choice = choose_precision(model, cpu, PROMPTS, gen, 2, candidate=(None, "no native bf16"))
+    assert chosen == "fp32" and choice["candidate"] is None and "fp32 by rule" in choice["reason"]
+    chosen, choice = choose_precision(model, cpu, PROMPTS, gen, 2, candidate=("bf16", "forced"))
+    assert choice["candidate"] == "bf16" and set(choice["held_out_loss"]) == {"fp32", "bf16"}
+    assert choice["greedy_agreement"]["requests"] == 4 and choice["greedy_agreement"]["tokens"] == 16
+    assert len(choice["ratio"]["per_round"]) == 2 and next(model.parameters()).dtype == torch.float32
+    faster = choice["ratio"]["verdict"] == "faster"
+    within = choice["held_out_loss"]["bf16"] <= 1.01 * choice["held_out_loss"]["fp32"]
+    assert chosen == ("bf16" if faster and within else "fp32"), choice["reason"]

@@ -138,7 +138,7 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     t0 = time.perf_counter()
     load_start = machine_load()
     device = resolve_device(cfg.train.device)
-    served = place(load_decoder(run_dir, cfg), device, g.precision)
+    served = place(load_decoder(run_dir, cfg), device, "fp32" if g.precision == "auto" else g.precision)
     prompts, prompt_facts = held_out_prompts(cfg, g.requests, g.prompt_fraction, served.context, g.max_new_tokens,
                                              g.truncate_prompts)
     if prompt_facts["split"] != "test" or prompt_facts["fewer_than_requested"]:
@@ -146,6 +146,8 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
                + (f"; {prompt_facts['fewer_than_requested']}" if prompt_facts["fewer_than_requested"] else
                   " (the test split is empty)"))
     gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
+    precision, precision_choice = _precision(cfg, served.model, device, prompts, gen)
+    served = place(served, device, precision)
     avail = available_paths(served.model)
     if g.path != "auto" and avail[g.path] is not None:
         raise UserError(f"generate.path={g.path}: {avail[g.path]}")
@@ -156,7 +158,7 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     result = _measure(cfg, served.model, paths, prompts, gen, device, notice)
     result["floor"] = _floor(served.model, prompts, g, device, result)  # after: its copy buffers stay out of the peak
     return {"source": served.source, "run_dir": run_dir, **_busy(load_start, machine_load()),
-            "precision": g.precision, "device": str(device),
+            "precision": precision, "precision_choice": precision_choice, "device": str(device),
             "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
             "paths": {p: why for p, why in avail.items()}, **result,
             "first_response": {"cold": cold, "warm": result.pop("warm"), "fresh_process": fresh}}
@@ -185,6 +187,17 @@ def summary_line(result: dict[str, Any], path: Path) -> str:
     return (f"bench-generate: chosen path {result['chosen_path']} ({result['choice']['reason']}); its batched run "
             f"served {rate_text}, {tpot_text}; greedy outputs {same} across paths{result['busy_note']}; wrote {path} "
             "and generate.png")
+
+
+def _precision(cfg, model, device: torch.device, prompts, gen) -> tuple[str, dict[str, Any]]:
+    """The served dtype: ``generate.precision`` as given, or for ``auto`` measured (train/generate/
+    precision_choice.py)."""
+    from train.generate.precision_choice import choose_precision
+
+    g = cfg.generate
+    if g.precision != "auto":
+        return g.precision, {"chosen": g.precision, "reason": f"requested (generate.precision={g.precision})"}
+    return choose_precision(model, device, prompts, gen, cfg.bench.rounds)
 
 
 def _floor(model, prompts: list[list[int]], g, device: torch.device, result: dict[str, Any]) -> dict[str, Any]:
@@ -243,7 +256,7 @@ def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device
         t.output_tokens for t in serve(model, chosen, prompts, gen, g.batch_size)))
     mismatch = _mismatches({**{f"{p} single": t for p, t in single.items()},
                             **{f"{p} batched": t for p, t in batched.items()}}, single["dynamic"])
-    exact = g.precision == "fp32"
+    exact = next(model.parameters()).dtype == torch.float32
     return {"chosen_path": chosen, "choice": choice, "warm": warm,
             "single": {p: summarize(t, *slo) for p, t in single.items()},
             "batched": {p: {**summarize(t, *slo), "batch_size": g.batch_size if p != "continuous" else None}
@@ -251,7 +264,8 @@ def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device
             "open_loop": {"path": chosen, "levels": load, "baseline_path": "dynamic (static batching)",
                           "baseline": baseline, "arrivals": "Poisson, precomputed, seed train.seed"},
             "correctness": {"identical_to_dynamic_single": not mismatch if exact else None, "mismatches": mismatch[:10],
-                            "compared": f"greedy output ids, {g.precision}, every path single and batched"
+                            "compared": f"greedy output ids, {next(model.parameters()).dtype}, every path single and "
+                                        "batched"
                             + ("" if exact else "; identity is asked of fp32 only (rounding differs between kernels)")},
             "decode_profile": decode_profile, **peak_memory(device),
             "kv_cache": kv_cache(model, paths, prompts, g.max_new_tokens, g.batch_size, next(model.parameters()).dtype),
