@@ -433,7 +433,7 @@ def test_the_floor_counts_each_weight_once_leaves_out_an_untied_input_table_and_
 
 
 def test_auto_precision_keeps_16_bits_only_when_measurably_faster_and_within_the_loss_tolerance() -> None:
-    from train.generate.precision_choice import greedy_agreement, keep_half
+    from train.generate.decode_choices import greedy_agreement, keep_half
     from train.perf.ab import Ratio
 
     faster = Ratio("bf16", "fp32", "output_tokens", [1.6, 1.7, 1.8], 1.7, 1.6, 1.8)
@@ -452,7 +452,7 @@ def test_auto_precision_is_fp32_by_rule_without_native_16_bits_and_measured_wher
     consistent with them. The prompt loss is transformers' own mean loss of one prompt."""
     import train.precision
     from train.generate.engines import greedy_config
-    from train.generate.precision_choice import choose_precision, half_candidate, prompt_loss
+    from train.generate.decode_choices import choose_precision, half_candidate, prompt_loss
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(train.precision, "cpu_native_bf16", lambda: False)
@@ -473,3 +473,42 @@ def test_auto_precision_is_fp32_by_rule_without_native_16_bits_and_measured_wher
     faster = choice["ratio"]["verdict"] == "faster"
     within = choice["held_out_loss"]["bf16"] <= 1.01 * choice["held_out_loss"]["fp32"]
     assert chosen == ("bf16" if faster and within else "fp32"), choice["reason"]
+
+
+def test_one_thread_is_kept_for_batch_1_decoding_only_when_measurably_faster(monkeypatch) -> None:
+    """The decision's input forced: a ``serve`` whose tokens take 1 ms on one thread and 4 ms on more keeps one
+    thread; the reverse keeps every thread; the thread count is restored either way; a single thread has nothing to
+    choose."""
+    import time as time_
+
+    from train.generate import engines
+    from train.generate.decode_choices import choose_threads
+    from train.generate.figures import RequestTiming
+
+    def fake(one_ms: float, many_ms: float):
+        def serve(model, path, prompts, gen, batch_size):
+            ms = one_ms if torch.get_num_threads() == 1 else many_ms
+            out = []
+            for p in prompts:
+                t = RequestTiming(sent=time_.perf_counter(), prompt_tokens=len(p))
+                for _ in range(4):
+                    time_.sleep(ms / 1e3)
+                    t.token_times.append(time_.perf_counter())
+                out.append(t)
+            return out
+        return serve
+
+    cpu = torch.device("cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(engines, "serve", fake(1.0, 4.0))
+        threads, choice = choose_threads(None, cpu, PROMPTS, None, 3)
+        assert threads == 1 and choice["ratio"]["verdict"] == "faster" and torch.get_num_threads() == 2
+        monkeypatch.setattr(engines, "serve", fake(4.0, 1.0))
+        threads, choice = choose_threads(None, cpu, PROMPTS, None, 3)
+        assert threads == 2 and "for the single-request runs" in choice["reason"]
+        torch.set_num_threads(1)
+        assert choose_threads(None, cpu, PROMPTS, None, 3)[0] == 1
+    finally:
+        torch.set_num_threads(before)

@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from train.errors import UserError, atomic_write_text
+from train.generate.decode_choices import choose_threads
 from train.generate.engines import PATHS, greedy_config, serve
 from train.generate.figures import RequestTiming, poisson_arrivals, summarize
 from train.generate.serving import auto_path, available_paths, warm_single_batched
@@ -148,6 +149,7 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     gen = greedy_config(import_transformers(), g.max_new_tokens, served.eos_id, served.pad_id, g.ignore_eos)
     precision, precision_choice = _precision(cfg, served.model, device, prompts, gen)
     served = place(served, device, precision)
+    threads, threads_choice = choose_threads(served.model, device, prompts, gen, cfg.bench.rounds)
     avail = available_paths(served.model)
     if g.path != "auto" and avail[g.path] is not None:
         raise UserError(f"generate.path={g.path}: {avail[g.path]}")
@@ -155,10 +157,11 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
     first = serve(served.model, paths[0], prompts[:1], gen, 1)[0]
     cold = {"first_response_s": first.token_times[-1] - t0, "includes": "model load, prompts, the first request"}
     fresh = _fresh_process(cfg, run_dir, command, out_dir, avail, notice)
-    result = _measure(cfg, served.model, paths, prompts, gen, device, notice)
+    result = _measure(cfg, served.model, paths, prompts, gen, device, notice, threads)
     result["floor"] = _floor(served.model, prompts, g, device, result)  # after: its copy buffers stay out of the peak
     return {"source": served.source, "run_dir": run_dir, **_busy(load_start, machine_load()),
-            "precision": precision, "precision_choice": precision_choice, "device": str(device),
+            "precision": precision, "precision_choice": precision_choice, "threads_choice": threads_choice,
+            "device": str(device),
             "max_new_tokens": g.max_new_tokens, "ignore_eos": g.ignore_eos, "prompts": prompt_facts,
             "paths": {p: why for p, why in avail.items()}, **result,
             "first_response": {"cold": cold, "warm": result.pop("warm"), "fresh_process": fresh}}
@@ -191,8 +194,8 @@ def summary_line(result: dict[str, Any], path: Path) -> str:
 
 def _precision(cfg, model, device: torch.device, prompts, gen) -> tuple[str, dict[str, Any]]:
     """The served dtype: ``generate.precision`` as given, or for ``auto`` measured (train/generate/
-    precision_choice.py)."""
-    from train.generate.precision_choice import choose_precision
+    decode_choices.py)."""
+    from train.generate.decode_choices import choose_precision
 
     g = cfg.generate
     if g.precision != "auto":
@@ -229,7 +232,7 @@ def _busy(load_start: Optional[float], load_end: Optional[float]) -> dict[str, A
 
 
 def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device: torch.device,
-             notice: Callable[[str], None]) -> dict[str, Any]:
+             notice: Callable[[str], None], single_threads: Optional[int] = None) -> dict[str, Any]:
     """Warm-up, single and batched runs of every path, the decode profile, the choice, the open-loop runs, the
     correctness comparison, memory (the KV cache's share) and energy: ``generate.json``'s measured part."""
     from train.generate.resources import energy_per_output_token, kv_cache
@@ -237,7 +240,7 @@ def _measure(cfg, model, paths: list[str], prompts: list[list[int]], gen, device
 
     g = cfg.generate
     warm, single, batched = warm_single_batched(cfg, model, paths, prompts, gen,
-                                                lambda m: notice(f"bench-generate: {m}"))
+                                                lambda m: notice(f"bench-generate: {m}"), single_threads)
     paths = list(single)  # a path that failed while warming up is left out (its warm-up entry says why)
     slo = (g.slo_ttft_ms, g.slo_tpot_ms)
     decode_profile = _decode_profile(model, paths, prompts[:g.profile_requests], gen)

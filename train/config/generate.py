@@ -23,7 +23,7 @@ class GenerateConfig(Frozen):
     precision: str = allowed("auto", choices=("auto", "fp32", "bf16", "fp16"))
     """The served model's dtype (on ``train.device``): ``auto`` keeps a natively computed 16-bit dtype where it
     decodes measurably faster than fp32 with the held-out loss within 1 %, else fp32 (train/generate/
-    precision_choice.py); greedy outputs are compared across paths in fp32 only."""
+    decode_choices.py); greedy outputs are compared across paths in fp32 only."""
     max_new_tokens: int = allowed(32, ge=1)
     """New tokens per request (fewer where EOS comes first, unless ``ignore_eos``)."""
     ignore_eos: bool = False

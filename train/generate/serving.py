@@ -85,13 +85,14 @@ def auto_path(cfg, model, paths: list[str], prompts: list[list[int]], gen, devic
     return best, choice
 
 
-def warm_single_batched(cfg, model, paths: list[str], prompts: list[list[int]], gen,
-                        notice: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, list], dict[str, list]]:
+def warm_single_batched(cfg, model, paths: list[str], prompts: list[list[int]], gen, notice: Callable[[str], None],
+                        single_threads: Optional[int] = None) -> tuple[dict[str, Any], dict, dict]:
     """Every path warmed up (``static-compile`` compiles each prompt bucket and batch size it will serve, in the
     shared compile cache), then served single (closed loop) and batched (``generate.batch_size``): ``(warm-up
     seconds per path, single timings per path, batched timings per path)``. A path other than ``dynamic`` that
     raises is left out of the timings, its warm-up entry ``{"warmup_s": None, "error": why}`` (one notice line): one
-    failed path never ends the measurement of the others."""
+    failed path never ends the measurement of the others. ``single_threads``: the torch threads of the single runs
+    (train/generate/decode_choices.py), every thread for the rest."""
     if "static-compile" in paths:  # compiled kernels go to (and come from) the shared compile cache
         from train.compiling.session import setup_cache_dir
 
@@ -113,8 +114,13 @@ def warm_single_batched(cfg, model, paths: list[str], prompts: list[list[int]], 
             continue
         warm[path] = {"warmup_s": time.perf_counter() - t}
         notice(f"{path} warmed up in {warm[path]['warmup_s']:.1f} s")
-    for p in (p for p in paths if warm[p]["warmup_s"] is not None):
-        single[p] = serve_single(model, p, prompts, gen)
+    every = torch.get_num_threads()
+    torch.set_num_threads(single_threads or every)
+    try:
+        for p in (p for p in paths if warm[p]["warmup_s"] is not None):
+            single[p] = serve_single(model, p, prompts, gen)
+    finally:
+        torch.set_num_threads(every)
     for p in single:
         batched[p] = serve(model, p, prompts, gen, batch_size)
     return warm, single, batched

@@ -1,5 +1,7 @@
-"""``generate.precision=auto``: the dtype a decoder is served in, chosen by measurement.
+"""Decoding settings chosen by measurement: the served dtype (``generate.precision=auto``) and the CPU threads of
+batch-1 decoding.
 
+**Precision.**
 A decode step reads every weight (train/generate/floor.py), so a 16-bit dtype halves the bytes of a memory-bound
 model. Where the device computes it natively — CUDA (bf16 where the GPU has it, else fp16), a CPU with AVX512-BF16 or
 AMX (bf16) — both dtypes decode the same requests one at a time (batch 1, ``generate``'s dynamic cache), interleaved
@@ -8,6 +10,12 @@ is kept when its output tokens/s over fp32's has an interval above 1.0 (measurab
 per token on the served prompts (teacher-forced, fp32 accumulation) is within 1 % of fp32's. Where it would be
 emulated (a CPU without those instructions) the rule is fp32, not a measurement. Either way the greedy agreement —
 per request, the tokens identical up to the first divergence — is reported when both dtypes ran.
+
+**Threads.** A tiny model's matrix-vector products can run faster on one thread than on several (the threads'
+start-up and join outweigh the work), and a memory-bound one gains nothing from a second thread once the bandwidth is
+saturated. On a CPU with more than one torch thread, batch-1 decoding (the same requests, one at a time) is timed on
+one thread and on all, interleaved; one thread is kept for the single-request runs only when measurably faster.
+Batched runs keep every thread.
 """
 
 from __future__ import annotations
@@ -110,3 +118,38 @@ def choose_precision(model: torch.nn.Module, device: torch.device, prompts: list
                     "greedy_agreement": greedy_agreement(outputs["fp32"], outputs[half]),
                     "measured": f"{len(requests)} requests one at a time per window, {max(2, rounds)} interleaved "
                                 "rounds; loss on every served prompt"}
+
+
+def choose_threads(model: torch.nn.Module, device: torch.device, prompts: list[list[int]], gen,
+                   rounds: int) -> tuple[Optional[int], dict[str, Any]]:
+    """The torch threads of batch-1 decoding (module docstring): ``(threads, generate.json's threads_choice)``;
+    ``(None, …)`` on a GPU, where host threads do not run the kernels. The thread count is restored after."""
+    from train.generate.engines import serve
+    from train.generate.figures import summarize
+    from train.perf.ab import Arm, interleave
+
+    every = torch.get_num_threads()
+    if device.type != "cpu":
+        return None, {"chosen": None, "reason": f"{device.type}: the kernels do not run on the host's threads"}
+    if every == 1:
+        return 1, {"chosen": 1, "reason": "one torch thread: nothing to choose"}
+    requests = prompts[:REQUESTS]
+
+    def arm(threads: int) -> Arm:
+        def one() -> dict[str, float]:
+            torch.set_num_threads(threads)
+            try:
+                fig = summarize(serve(model, "dynamic", requests, gen, 1))
+            finally:
+                torch.set_num_threads(every)
+            return {"output_tokens": fig["output_tokens"], "seconds": fig["span_s"]}
+        return Arm(f"{threads} threads", one)
+
+    ab = interleave([arm(every), arm(1)], rounds=max(2, rounds), window=1, warmup=1, device=device)
+    ratio = ab.ratio("1 threads", f"{every} threads", "output_tokens")
+    chosen = 1 if ratio.verdict == "faster" else every
+    return chosen, {"chosen": chosen, "ratio": ratio.as_dict(),
+                    "output_tokens_per_s": {str(n): ab.arms[f"{n} threads"].median("output_tokens")
+                                            for n in (every, 1)},
+                    "reason": f"one thread decoded {ratio.describe()} {every} threads' output tokens/s at batch 1: "
+                              f"{chosen} thread{'s' if chosen > 1 else ''} for the single-request runs"}
