@@ -217,3 +217,21 @@ def test_csv_blank_lines_are_counted_and_said(tmp_path: Path, capsys) -> None:
     said: list[str] = []
     bundle = prepare_data(cfg_for(tmp_path, f"data.source={q}", word_tok(tmp_path)), notice=said.append)
     assert bundle.data_facts["blank_lines_skipped"] == 4 and f"note: 4 blank lines skipped (first: {q}:3)" in said
+
+
+def test_a_classifier_s_blank_lines_are_counted_in_its_prepared_data_and_said_once(tmp_path: Path, capsys) -> None:
+    """A classifier's JSONL with blank lines: the count and the first line reach the prepared data's facts (report.json
+    ``data.blank_lines_skipped``, ``data.first_blank_line``), and the note is printed once (a refusal's second read
+    of the source prints none)."""
+    from train.data import prepare_data
+
+    rows: list = []
+    for i in range(60):
+        rows.append({"text": f"word {'abcde'[i % 5]} number {i}", "label": "xyz"[i % 3]})
+        if i % 20 == 1:
+            rows.append("")
+    j = write_jsonl(tmp_path / "c.jsonl", rows)
+    cfg = load_config(None, [f"data.source={j}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=64"])
+    bundle = prepare_data(cfg, notice=lambda *_: None)
+    assert bundle.data_facts["blank_lines_skipped"] == 3 and bundle.data_facts["first_blank_line"] == f"{j}:3"
+    assert capsys.readouterr().err.count("blank lines skipped") == 1

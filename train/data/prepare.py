@@ -241,8 +241,10 @@ def build(cfg: RunConfig, out: Path) -> dict:
         for name in SPLITS:
             splits[name] = _encode_split(tok, out, name, text_offsets[name], d.max_len, lambda _n: None)
     save_tokenizer(tok, tok_info, out)
-    cache.write_meta(out, cache.meta_for(scan.name, scan.label_names, tok_info, tok.get_vocab_size(), pad_id(tok),
-                                         g.training.fingerprint, splits))
+    meta = cache.meta_for(scan.name, scan.label_names, tok_info, tok.get_vocab_size(), pad_id(tok),
+                          g.training.fingerprint, splits)
+    meta["data_facts"] = {"blank_lines_skipped": scan.blank_lines, "first_blank_line": scan.first_blank_line}
+    cache.write_meta(out, meta)
     return tok_info
 
 

@@ -72,8 +72,8 @@ def blank_note(path: Path, blank: list[str]) -> None:
               file=sys.stderr, flush=True)
 
 
-def _jsonl_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
-    for record, loc in jsonl_records(path, f"{cfg.text_field!r} and {cfg.label_field!r}"):
+def _jsonl_rows(path: Path, cfg: DataConfig, on_blank: Optional[Callable[[str], None]] = None) -> Iterator[Row]:
+    for record, loc in jsonl_records(path, f"{cfg.text_field!r} and {cfg.label_field!r}", on_blank):
         text = _field(record, cfg.text_field, "text", loc)
         label = _field(record, cfg.label_field, "label", loc)
         yield str(text) if text is not None else "", text, label, loc
@@ -134,14 +134,14 @@ def csv_records(path: Path, check_header: Callable[[list[str]], None],
     blank_note(path, blank)
 
 
-def _csv_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+def _csv_rows(path: Path, cfg: DataConfig, on_blank: Optional[Callable[[str], None]] = None) -> Iterator[Row]:
     def check_header(header: list[str]) -> None:
         for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
             if name not in header:
                 raise UserError(f"{path}:1: no {what} column {name!r} (columns: {', '.join(header) or 'none'}); "
                                 f"set data.{what}_field to the right name")
 
-    for record, loc in csv_records(path, check_header):
+    for record, loc in csv_records(path, check_header, on_blank):
         label: Any = record[cfg.label_field].strip()
         if _INT.fullmatch(label):
             label = int(label)
@@ -169,7 +169,7 @@ def parquet_columns(path: Path, wanted: list[str], check: Callable[[list[str]], 
     return {name: table.column(name).to_pylist() for name in present}
 
 
-def _parquet_rows(path: Path, cfg: DataConfig) -> Iterator[Row]:
+def _parquet_rows(path: Path, cfg: DataConfig, on_blank: Optional[Callable[[str], None]] = None) -> Iterator[Row]:
     def check(schema_names: list[str]) -> None:
         for name, what in ((cfg.text_field, "text"), (cfg.label_field, "label")):
             if name not in schema_names:
@@ -259,10 +259,11 @@ FILE_TYPES = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "p
 """File suffix → format."""
 
 
-def rows_for(cfg: DataConfig) -> tuple[str, Iterator[Row]]:
+def rows_for(cfg: DataConfig, on_blank: Optional[Callable[[str], None]] = None) -> tuple[str, Iterator[Row]]:
     """The source's name and its rows (:data:`Row`), read lazily by the reader for ``data.source``: WordNet, a
-    Hugging Face dataset (``hf:``) or a .jsonl/.csv/.parquet file. Raises UserError: no such file, a directory, or
+    Hugging Face dataset (``hf:``) or a .jsonl/.csv/.parquet file; ``on_blank("file:line")`` for each blank line a
+    JSONL/CSV file skips (without it, one ``note:`` line on stderr). Raises UserError: no such file, a directory, or
     an unsupported file type."""
     readers = {"jsonl": _jsonl_rows, "csv": _csv_rows, "parquet": _parquet_rows}
     return source_rows(cfg, _wordnet_rows, _hf_rows,
-                       lambda path, c: readers[FILE_TYPES[path.suffix.lower()]](path, c))
+                       lambda path, c: readers[FILE_TYPES[path.suffix.lower()]](path, c, on_blank))

@@ -12,13 +12,14 @@ import sys
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 import train.data.wordnet as wordnet  # the module itself, not the package: no package <-> submodule import loop
 from train.config import DataConfig
-from train.data.readers import Row, hub_reachable, rows_for  # noqa: F401 (Row, hub_reachable re-exported)
+from train.data.readers import Row, blank_note, hub_reachable, rows_for  # noqa: F401 (Row, hub_reachable re-exported)
 from train.errors import UserError
 
 SPLITS = ("train", "validation", "test")
@@ -186,6 +187,7 @@ class Scan:
         labels: int64 ``[N]`` class ids, by row.
         splits: per split, the int64 row numbers in the split's order (by stable hash; ``max_samples`` applied).
         rows: rows read.
+        blank_lines: blank lines a JSONL/CSV file skipped; first_blank_line: the first one (``file:line``) or None.
     """
 
     name: str
@@ -193,6 +195,8 @@ class Scan:
     labels: np.ndarray
     splits: dict[str, np.ndarray]
     rows: int
+    blank_lines: int = 0
+    first_blank_line: Optional[str] = None
 
 
 def scan_source(cfg: DataConfig, on_text: Callable[[str], None],
@@ -208,7 +212,8 @@ def scan_source(cfg: DataConfig, on_text: Callable[[str], None],
         UserError: missing source, malformed row (file:line), missing field, empty text, bad label,
             or an empty training split.
     """
-    name, rows = rows_for(cfg)
+    blank: list[str] = []
+    name, rows = rows_for(cfg, blank.append)
     fractions = array("d")
     labels = _Labels()
     done = 0
@@ -232,13 +237,16 @@ def scan_source(cfg: DataConfig, on_text: Callable[[str], None],
         raise UserError(f"data.source={cfg.source!r}: no examples found")
 
     def loc_of(i: int) -> str:  # only for a message: read the source again up to row i
-        for k, row in enumerate(rows_for(cfg)[1]):
+        for k, row in enumerate(rows_for(cfg, lambda _loc: None)[1]):
             if k == i:
                 return row[3]
         return f"{name}: row {i}"
 
     ids, label_names = labels.finish(cfg, list(wordnet.LEXNAMES) if name == "wordnet" else None, loc_of)
-    return Scan(name=name, label_names=label_names, labels=ids, splits=split_rows(fractions, cfg), rows=n)
+    if blank:
+        blank_note(Path(cfg.source), blank)  # the readers' own note, said once the scan has passed
+    return Scan(name=name, label_names=label_names, labels=ids, splits=split_rows(fractions, cfg), rows=n,
+                blank_lines=len(blank), first_blank_line=blank[0] if blank else None)
 
 
 def split_rows(fractions: array, cfg: DataConfig) -> dict[str, np.ndarray]:

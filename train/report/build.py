@@ -188,12 +188,15 @@ def _data(cfg: RunConfig, bundle: DataBundle) -> dict[str, Any]:
         "tokenizer": bundle.tokenizer_info,
         "classes_without_training_examples": bundle.classes_without_training_examples,
         **bundle.cache,
+        # blank lines a JSONL/CSV source skipped (null: data prepared before they were recorded)
+        "blank_lines_skipped": bundle.data_facts.get("blank_lines_skipped"),
+        "first_blank_line": bundle.data_facts.get("first_blank_line"),
     }
     if cfg.model.task == "causal-lm":  # every row dropped (by cause) and every text cut or split
         f = bundle.data_facts
         data.update({"on_bad_row": cfg.data.on_bad_row, "long_text": cfg.data.long_text,
                      "dropped_rows": f.get("dropped_rows", {}), "dropped_rows_first": f.get("dropped_rows_first", {}),
-                     "blank_lines_skipped": f.get("blank_lines_skipped"), "truncated_tokens": f.get("truncated_tokens"),
+                     "truncated_tokens": f.get("truncated_tokens"),
                      "split_texts": f.get("split_texts"), "split_chunks": f.get("split_chunks")})
     return data
 
