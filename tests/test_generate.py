@@ -154,8 +154,9 @@ def test_bench_generate_on_a_classifier_run_or_a_missing_directory_is_one_line(t
     (tmp_path / "clf" / "config.yaml").write_text("model:\n  task: classification\n")
     proc = run_cli("bench-generate", str(tmp_path / "clf"), f"train.output_dir={tmp_path / 'runs'}")
     assert_clean_error(proc, "is a classification run", "model.task=causal-lm")
-    proc = run_cli("bench-generate", f"train.output_dir={tmp_path / 'runs'}")
-    assert_clean_error(proc, "give a run directory")
+    # no run, no --config and no model installed under data.cache_dir (make models): one line that says the three ways
+    proc = run_cli("bench-generate", f"train.output_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'c'}")
+    assert_clean_error(proc, "give a run directory", "run `make models` first")
     assert not list((tmp_path / "runs").glob("*"))  # a refused command leaves no directory (not even a lock)
 
 
@@ -512,3 +513,20 @@ def test_one_thread_is_kept_for_batch_1_decoding_only_when_measurably_faster(mon
         assert choose_threads(None, cpu, PROMPTS, None, 3)[0] == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_without_a_run_the_installed_smollm2_is_served_by_default(tmp_path, monkeypatch) -> None:
+    """``make bench-generate`` without RUN: once ``make models`` installed SmolLM2 under ``data.cache_dir``, its
+    shipped config and that directory; before, nothing (the command then asks for a run or a model)."""
+    from train.bench import generate
+    from train.models import pretrained
+
+    cfg = load_config(None, [f"data.cache_dir={tmp_path}"])
+    assert generate.real_model_default(cfg) is None
+    d = tmp_path / "models" / "smollm2-135m-instruct"
+    d.mkdir(parents=True)
+    monkeypatch.setattr(pretrained, "installed", lambda model, cache_dir: d if cache_dir == str(tmp_path) else None)
+    path, overrides = generate.real_model_default(cfg)
+    assert overrides == [f"model.source=hf:{d}"]
+    real = load_config(path, overrides)
+    assert real.model.task == "causal-lm" and real.data.wordnet_format == "chat" and real.model.source == f"hf:{d}"

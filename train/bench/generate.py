@@ -167,6 +167,20 @@ def run_bench_generate(cfg, run_dir: Optional[str], out_dir: Path, notice: Calla
             "first_response": {"cold": cold, "warm": result.pop("warm"), "fresh_process": fresh}}
 
 
+REAL_MODEL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "bench-generate-smollm2.yaml"
+
+
+def real_model_default(cfg) -> Optional[tuple[str, list[str]]]:
+    """Without a run or ``--config``: the shipped SmolLM2-135M-Instruct config and the override naming its installed
+    directory under ``data.cache_dir`` (``make models``), or None when it is not installed."""
+    from train.models.pretrained import MODELS, installed
+
+    d = installed(MODELS["smollm2-135m-instruct"], cfg.data.cache_dir)
+    if d is None or not REAL_MODEL_CONFIG.is_file():
+        return None
+    return str(REAL_MODEL_CONFIG), [f"model.source=hf:{d}"]
+
+
 def served_paths(path: str, avail: dict[str, Optional[str]]) -> list[str]:
     """The paths a run serves: every one that runs here for ``generate.path=auto``; a forced path and ``dynamic``,
     the reference the greedy comparison needs, otherwise."""

@@ -167,7 +167,7 @@ def cmd_bench_precision(args: argparse.Namespace, t_start: float) -> int:
 def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
     from pathlib import Path
 
-    from train.bench.generate import run_bench_generate, summary_line, write_outputs
+    from train.bench.generate import real_model_default, run_bench_generate, summary_line, write_outputs
     from train.tools.run_dir import make_run_dir
     from train.tools.run_lock import discard_if_unwritten
 
@@ -180,6 +180,10 @@ def cmd_bench_generate(args: argparse.Namespace, t_start: float) -> int:
                         "run: make bench-generate RUN=runs/<id>)")
     run_config = str(Path(run_dir) / "config.yaml") if run_dir and not args.config else None
     cfg = load_cfg(args, default_config=run_config)
+    real = real_model_default(cfg) if run_dir is None and not args.config else None
+    if real is not None:  # make models installed SmolLM2: served by default; the user's overrides still win
+        args.overrides = real[1] + list(args.overrides)
+        cfg = load_cfg(args, default_config=real[0])
     if args.child:
         from train.bench.generate import first_response_child
 

@@ -56,7 +56,8 @@ def load_served(run_dir: Optional[str], cfg) -> Served:
         if d is None or not (d / "config.json").is_file() or cfg.model.task != "causal-lm":
             raise UserError(f"bench-generate: model.source={src} with model.task={cfg.model.task}: give a run "
                             "directory (python -m train bench-generate runs/<id>) or a causal-LM model directory "
-                            "(model.task=causal-lm model.source=hf:<dir>)")
+                            "(model.task=causal-lm model.source=hf:<dir>), or run `make models` first: then it "
+                            "serves SmolLM2-135M-Instruct")
         model = tf.AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **attn)
         return Served(model.float().eval(), src, *_ids(model.config), _context(model.config))
     d = Path(run_dir)
