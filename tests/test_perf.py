@@ -234,3 +234,26 @@ def test_the_first_step_counts_its_activations_and_the_report_adds_up_the_tensor
     unmeasured = memory_split(plain.model, plain.optimizer, {"peak_memory_source": "process peak RSS (getrusage)"})
     assert unmeasured["activations_bytes"] is None and unmeasured["tensor_bytes"] is None
     assert "not measured" in unmeasured["activations_reason"]
+
+
+def test_the_profilers_own_stderr_lines_are_left_out_and_every_other_line_kept(capfd) -> None:
+    """Descriptor 2 while the profiler starts and stops (its USDT lines come from C++, not Python): those lines are
+    dropped, a line of anyone else is written back."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from train.profiling.native_noise import filtered_stderr
+
+    x = torch.randn(64, 64)
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with filtered_stderr():
+        prof.start()
+        os.write(2, b"USDT:2026-12-07 22:14:23 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a line of our own\n")
+    x @ x
+    with filtered_stderr():
+        prof.stop()
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "SyncActivityProfilerHandler" not in err
+    assert err.count("a line of our own") == 1

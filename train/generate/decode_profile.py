@@ -70,11 +70,18 @@ def profile_single(model, path: str, prompts: list[list[int]], gen) -> dict[str,
     from torch.profiler import ProfilerActivity, profile
 
     from train.generate.engines import serve
+    from train.profiling.native_noise import filtered_stderr
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with filtered_stderr():
+        prof.start()
+    try:
         t0 = time.perf_counter()
         timings = [serve(model, path, [p], gen, 1)[0] for p in prompts]
         wall = time.perf_counter() - t0
+    finally:
+        with filtered_stderr():
+            prof.stop()
     return breakdown(prof.events(), wall, sum(len(t.output_ids) for t in timings))
 
 

@@ -22,6 +22,7 @@ from train.callbacks import Callback
 from train.compat import event_device_total_us
 from train.config import ProfileConfig
 from train.errors import atomic_path
+from train.profiling.native_noise import filtered_stderr
 from train.profiling.ops import OpRecord, collect_ops
 from train.profiling.ranges import RANGE_PREFIX, STAGES, ProfilerRanges, null_ranges
 
@@ -71,7 +72,8 @@ class TorchProfileWindow(Callback):
             schedule=torch.profiler.schedule(wait=self.cfg.wait, warmup=self.cfg.warmup, active=self.cfg.active,
                                              repeat=1),
             record_shapes=True, with_flops=True, profile_memory=True, on_trace_ready=self._ready)
-        self._prof.start()
+        with filtered_stderr():
+            self._prof.start()
         trainer.add_callback(self)
 
     def on_step_end(self, step: int, step_ms: float) -> bool:
@@ -80,7 +82,8 @@ class TorchProfileWindow(Callback):
             self._tok0 = (s.real_tokens, s.padded_tokens)
         if self.first_active <= step <= self.last_step:
             self.timer_ms.append(step_ms)
-        self._prof.step()
+        with filtered_stderr():  # the schedule starts and stops the profiler inside step()
+            self._prof.step()
         if step >= self.last_step:
             self.tokens = {"real_tokens": s.real_tokens - self._tok0[0],
                            "padded_tokens": s.padded_tokens - self._tok0[1]}
@@ -90,7 +93,8 @@ class TorchProfileWindow(Callback):
     def close(self) -> None:
         """Stop the profiler (idempotent) and restore the no-op ranges."""
         if self._prof is not None:
-            self._prof.stop()
+            with filtered_stderr():
+                self._prof.stop()
             self._prof = None
         if self._trainer is not None:
             self._trainer.set_ranges(null_ranges)
