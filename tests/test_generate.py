@@ -452,8 +452,8 @@ def test_auto_precision_is_fp32_by_rule_without_native_16_bits_and_measured_wher
     the speed may go either way) → both dtypes timed and the loss and greedy agreement reported, the choice
     consistent with them. The prompt loss is transformers' own mean loss of one prompt."""
     import train.precision
-    from train.generate.engines import greedy_config
     from train.generate.decode_choices import choose_precision, half_candidate, prompt_loss
+    from train.generate.engines import greedy_config
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(train.precision, "cpu_native_bf16", lambda: False)
