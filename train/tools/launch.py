@@ -47,7 +47,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                       "checkpoint (report.json: interrupted)", file=sys.stderr, flush=True)
             return first.exitcode
         if first.exitcode < 0:  # killed by a signal, nothing of its own printed
-            name = signal.Signals(-first.exitcode).name
+            try:
+                name = signal.Signals(-first.exitcode).name
+            except ValueError:  # a real-time signal has no name in the enum
+                name = f"signal {-first.exitcode}"
             oom = " (the kernel's OOM killer sends it when memory runs out: dmesg says)" if name == "SIGKILL" else ""
             print(f"launch: rank {rank} (pid {first.pid}) was killed by {name}{oom}; torchrun stopped the others",
                   file=sys.stderr, flush=True)
