@@ -410,12 +410,16 @@ def test_the_floor_counts_each_weight_once_leaves_out_an_untied_input_table_and_
     """A decode step's bytes: tied embeddings once (as the head), an untied input table left out; the TPOT floor at
     batch B is (weights + B x KV at the mean cache length) / bandwidth, the TTFT floor 2 x parameters x mean prompt /
     peak FLOP/s; a path's TPOT p50 over it is its multiple."""
+    from train.compat import hf_attn_implementation
     from train.generate.floor import generation_floor, times_floor, weight_bytes_read
 
     shape = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2)
-    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=True))
-    untied = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, tie_word_embeddings=False))
+    attn = {"attn_implementation": hf_attn_implementation()}  # torch 2.1's transformers refuses its SDPA default
+    tied = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**shape, tie_word_embeddings=True),
+                                                         **attn)
+    untied = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**shape, tie_word_embeddings=False), **attn)
     every = sum(p.numel() * 4 for p in untied.parameters())
     table = 100 * 32 * 4
     assert weight_bytes_read(untied) == every - table  # one row of the input table per token: left out
