@@ -257,3 +257,28 @@ def test_the_profilers_own_stderr_lines_are_left_out_and_every_other_line_kept(c
     err = capfd.readouterr().err
     assert "USDT" not in err and "SyncActivityProfilerHandler" not in err
     assert err.count("a line of our own") == 1
+
+
+def test_a_forward_that_refuses_saved_tensor_hooks_runs_again_unmetered() -> None:
+    """torch.func transforms refuse saved-tensor hooks (older transformers build attention masks with vmap): that
+    forward runs again without the meter and no figure is given; any other error is the caller's."""
+    from train.perf.memory import metered
+
+    calls = []
+
+    def refuses() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("torch.func transforms don't yet support saved tensor hooks. Please open an issue")
+        return 5
+
+    assert metered(refuses, [], True) == (5, None) and len(calls) == 2
+    x = torch.randn(3, 4, requires_grad=True)
+    out, saved = metered(lambda: (x * x).sum(), [], True)
+    assert saved == 3 * 4 * 4 and metered(lambda: 7, [], False) == (7, None)
+
+    def broken() -> None:
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        metered(broken, [], True)

@@ -9,6 +9,7 @@ CUDA) only when a record is logged: a steady step between two records never wait
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -31,7 +32,7 @@ from train.models.varlen import plan_pairs
 from train.numerics import NumericsGuard
 from train.parallel.fsdp import full_optimizer_state, load_optimizer_state
 from train.parallel.process_group import DistContext
-from train.perf.memory import SavedTensorMeter
+from train.perf.memory import metered
 from train.perf.timer import StepTimer
 from train.precision import DTYPES, PrecisionPolicy
 from train.profiling.ranges import null_ranges
@@ -190,8 +191,7 @@ class Trainer:
             weights = loss_weights([target_count(x[2]) for x in inputs], self.dist)  # one all-reduce on 2+ ranks
         with self.ranges("optimizer"):
             self.optimizer.zero_grad(set_to_none=True)
-        # activations metered on an eager non-CUDA first step: compiled and CUDA graphs are left without Python hooks
-        eager = self.device.type != "cuda" and self.cfg.compile.enabled != "true"
+        eager = self.device.type != "cuda" and self.cfg.compile.enabled != "true"  # no hooks in compiled graphs
         loss = self._forward_backward(inputs, weights, measure=first and eager)
         with self.ranges("optimizer"):
             self.policy.unscale_(self.optimizer)  # clip in true units
@@ -213,28 +213,28 @@ class Trainer:
             w["real"], w["padded"] = w["real"] + rec.real_tokens, w["padded"] + rec.padded_tokens
         return rec
 
-    def _forward_backward(self, inputs: list[tuple], weights: Optional[list[torch.Tensor]],
-                          measure: bool = False) -> torch.Tensor:
+    def _forward_backward(self, inputs: list[tuple], weights: Optional[list], measure: bool = False) -> torch.Tensor:
         """Forward, loss and backward of each micro-batch (``weights``: :func:`~train.accumulation.loss_weights`'s,
-        None: the one micro-batch's mean as it is); the step's loss (detached, fp32): its weighted sum. ``measure``:
-        the first micro-batch's saved activations are counted into ``self.activation_bytes``."""
+        None: the one micro-batch's mean as it is); the step's loss (detached, fp32): its weighted sum (``measure``:
+        the first micro-batch's saved activations into ``self.activation_bytes``)."""
         owner = sync_owner(self.train_model, self.model) if len(inputs) > 1 else None
         total: Optional[torch.Tensor] = None
-        for i, (ids, mask, labels, packed) in enumerate(inputs):
-            meter = SavedTensorMeter(self.model.parameters(), enabled=measure and i == 0)
+        for i, x in enumerate(inputs):
             with gradient_sync(owner, i == len(inputs) - 1):
-                with meter:
-                    with self.ranges("forward"):
-                        with self.guard.forward_context():  # hooks only while diagnosing a bad step
-                            output = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # fp32
-                    with self.ranges("loss"):
-                        loss = self.loss(output, labels)  # fp32, outside autocast
-                        loss = loss if weights is None else loss * weights[i]
-                self.activation_bytes = meter.bytes if meter.enabled else self.activation_bytes
+                run = functools.partial(self._forward_loss, *x, None if weights is None else weights[i])
+                loss, saved = metered(run, self.model.parameters(), measure and i == 0)
+                self.activation_bytes = saved if saved is not None else self.activation_bytes
                 with self.ranges("backward"):
                     self.policy.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
         return total
+
+    def _forward_loss(self, ids, mask, labels, packed: dict, weight: Optional[torch.Tensor]) -> torch.Tensor:
+        with self.ranges("forward"), self.guard.forward_context():  # the guard's hooks only while diagnosing
+            output = self.train_model(ids, mask, self.policy.blocks_autocast, **packed)  # fp32
+        with self.ranges("loss"):
+            loss = self.loss(output, labels)  # fp32, outside autocast
+            return loss if weight is None else loss * weight
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The task's loss of a training forward's ``output``: logits, or the hidden states of a model whose

@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -124,6 +124,23 @@ class SavedTensorMeter:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def metered(run: Callable[[], Any], params: Iterable[torch.Tensor], enabled: bool) -> tuple[Any, Optional[int]]:
+    """``(run(), bytes)``: :class:`SavedTensorMeter`'s count over ``run`` where ``enabled``, else ``(run(), None)``.
+    A forward that refuses saved-tensor hooks (torch.func transforms do, e.g. the vmap that older transformers build
+    their attention masks with: "torch.func transforms don't yet support saved tensor hooks") aborts before it has
+    computed anything, and runs again without them: ``(run(), None)``."""
+    if not enabled:
+        return run(), None
+    try:
+        with SavedTensorMeter(params) as meter:
+            out = run()
+    except RuntimeError as exc:
+        if "saved tensor hooks" not in str(exc):
+            raise
+        return run(), None
+    return out, meter.bytes
 
 
 def saved_tensor_bytes(run: Callable[[], Any], params: Iterable[torch.Tensor] = ()) -> tuple[int, Any]:

@@ -61,8 +61,8 @@ def memory_split(model, optimizer=None, peak: Optional[dict] = None, activations
         out["activations_reason"] = ("saved for the backward by the first step's first micro-batch (autograd's "
                                      "saved-tensor hooks; a checkpointed block's kept inputs not seen)")
     else:
-        out["activations_reason"] = ("not measured: the step was compiled (no saved-tensor hooks there), and the "
-                                     "peak is the process's resident memory (peak_memory_bytes), not torch's")
+        out["activations_reason"] = ("not measured: the step was compiled, or its forward refuses saved-tensor hooks "
+                                     "(torch.func); the peak is the process's resident memory, not torch's")
     parts = (frozen, 2 * trainable, opt, out["activations_bytes"])
     out["tensor_bytes"] = None if None in parts else sum(parts)
     return out
