@@ -83,12 +83,22 @@ def keep_half(ratio: Any, loss_fp32: float, loss_half: float) -> tuple[bool, str
     return True, f"batch-1 decoding {ratio.describe()} fp32's; {quality}"
 
 
+def _batch1_arm(name: str, run) -> Any:
+    """An A/B arm (train/perf/ab.py) timing ``run()``'s request timings over their span: output tokens and seconds."""
+    from train.generate.figures import summarize
+    from train.perf.ab import Arm
+
+    def one() -> dict[str, float]:
+        fig = summarize(run())
+        return {"output_tokens": fig["output_tokens"], "seconds": fig["span_s"]}
+    return Arm(name, one)
+
+
 def choose_precision(model: torch.nn.Module, device: torch.device, prompts: list[list[int]], gen, rounds: int,
                      candidate: Optional[tuple[Optional[str], str]] = None) -> tuple[str, dict[str, Any]]:
     """``generate.precision=auto`` (module docstring) for the fp32 ``model`` on ``device``: ``(dtype name,
     generate.json's precision_choice)``. ``candidate``: :func:`half_candidate`'s answer (given in tests)."""
     from train.generate.engines import serve
-    from train.generate.figures import summarize
     from train.perf.ab import Arm, interleave
 
     half, why = candidate if candidate is not None else half_candidate(device)
@@ -100,12 +110,11 @@ def choose_precision(model: torch.nn.Module, device: torch.device, prompts: list
     outputs: dict[str, list[list[int]]] = {}
 
     def arm(name: str) -> Arm:
-        def one() -> dict[str, float]:
+        def one() -> list:
             timings = serve(models[name], "dynamic", requests, gen, 1)
             outputs[name] = [t.output_ids for t in timings]
-            fig = summarize(timings)
-            return {"output_tokens": fig["output_tokens"], "seconds": fig["span_s"]}
-        return Arm(name, one)
+            return timings
+        return _batch1_arm(name, one)
 
     ab = interleave([arm("fp32"), arm(half)], rounds=max(2, rounds), window=1, warmup=1, device=device)
     ratio = ab.ratio(half, "fp32", "output_tokens")
@@ -125,7 +134,6 @@ def choose_threads(model: torch.nn.Module, device: torch.device, prompts: list[l
     """The torch threads of batch-1 decoding (module docstring): ``(threads, generate.json's threads_choice)``;
     ``(None, …)`` on a GPU, where host threads do not run the kernels. The thread count is restored after."""
     from train.generate.engines import serve
-    from train.generate.figures import summarize
     from train.perf.ab import Arm, interleave
 
     every = torch.get_num_threads()
@@ -136,14 +144,13 @@ def choose_threads(model: torch.nn.Module, device: torch.device, prompts: list[l
     requests = prompts[:REQUESTS]
 
     def arm(threads: int) -> Arm:
-        def one() -> dict[str, float]:
+        def one() -> list:
             torch.set_num_threads(threads)
             try:
-                fig = summarize(serve(model, "dynamic", requests, gen, 1))
+                return serve(model, "dynamic", requests, gen, 1)
             finally:
                 torch.set_num_threads(every)
-            return {"output_tokens": fig["output_tokens"], "seconds": fig["span_s"]}
-        return Arm(f"{threads} threads", one)
+        return _batch1_arm(f"{threads} threads", one)
 
     ab = interleave([arm(every), arm(1)], rounds=max(2, rounds), window=1, warmup=1, device=device)
     ratio = ab.ratio("1 threads", f"{every} threads", "output_tokens")
